@@ -1,0 +1,1 @@
+"""fxpipe: PipeDream-style pipeline-parallel training on torch.fx."""
