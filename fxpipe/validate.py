@@ -1,0 +1,195 @@
+"""Check a schedule on a CPU before any process runs it.
+
+Two checks, both naming the rank and the action at fault:
+
+- *matching*: every ``SEND_F m >p`` on rank ``r`` has exactly one
+  ``RECV_F m <r`` on rank ``p`` (same for ``B``), every ``B m`` follows its
+  ``F m`` on the same rank;
+- *deadlock*: the lists are executed symbolically with the runtime's
+  semantics: sends are buffered (never block), a receive blocks until its send
+  ran, ``ALLREDUCE`` is a barrier of its group (the replicas of the stage, plus
+  every rank of the tied stages when the stage holds tied parameters). If no
+  rank can move, the error lists where every rank is stuck and on whom.
+
+``execution_order`` yields one legal global order of the actions; the
+simulator replays it with times, so validator and simulator agree by
+construction.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from fxpipe.actions import Action, Kind
+from fxpipe.layout import Layout
+from passes.errors import FxpipeError
+
+
+class ScheduleError(FxpipeError):
+    """A schedule that cannot run: unmatched communication or a deadlock."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, action: Optional[Action] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.action = action
+
+
+class Schedule(dict):
+    """``{rank: [Action, ...]}`` that remembers how it was built (layout, links)."""
+
+    def __init__(self, *args, kind: str = "custom", layout: Optional[Layout] = None, microbatches: int = 0,
+                 links: Sequence[Tuple[int, int]] = (), tied_stages: Sequence[int] = (), **kw) -> None:
+        super().__init__(*args, **kw)
+        self.kind = kind
+        self.layout = layout
+        self.microbatches = microbatches
+        self.links = list(links)
+        self.tied_stages = tuple(tied_stages)
+
+
+def reduce_groups(layout: Layout, tied_stages: Sequence[int] = ()) -> Dict[int, Tuple[int, ...]]:
+    """For each rank, the ranks its ``ALLREDUCE`` waits for (itself included)."""
+    tied = sorted(set(tied_stages)) if len(set(tied_stages)) > 1 else []
+    tied_ranks = tuple(r for j in tied for r in layout.ranks(j))
+    groups: Dict[int, Tuple[int, ...]] = {}
+    for j in range(layout.num_stages):
+        for r in layout.ranks(j):
+            groups[r] = tied_ranks if j in tied else tuple(layout.ranks(j))
+    return groups
+
+
+def validate(schedule: Mapping[int, Sequence[Action]], layout: Optional[Layout] = None,
+             tied_stages: Optional[Sequence[int]] = None) -> None:
+    """Raise ``ScheduleError`` if ``schedule`` cannot run to completion.
+
+    ``layout`` / ``tied_stages`` default to what a built ``Schedule`` carries;
+    without a layout every ``ALLREDUCE`` is checked as a no-op barrier.
+    """
+    groups = _groups_for(schedule, layout, tied_stages)
+    check_matching(schedule)
+    for _ in execution_order(schedule, groups):
+        pass
+
+
+def _groups_for(schedule, layout, tied_stages) -> Optional[Dict[int, Tuple[int, ...]]]:
+    layout = layout if layout is not None else getattr(schedule, "layout", None)
+    if tied_stages is None:
+        tied_stages = getattr(schedule, "tied_stages", ())
+    return reduce_groups(layout, tied_stages) if layout is not None else None
+
+
+def _message_key(rank: int, a: Action) -> Tuple[str, int, int, int]:
+    """(direction, mb, src, dst) of the message a send or receive handles."""
+    d = "F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
+    return (d, a.mb, rank, a.peer) if a.is_send else (d, a.mb, a.peer, rank)
+
+
+def check_matching(schedule: Mapping[int, Sequence[Action]]) -> None:
+    """Every message sent once and received once; every B after its F."""
+    sends: Dict[tuple, int] = {}
+    recvs: Dict[tuple, int] = {}
+    for rank, actions in schedule.items():
+        seen_f: Counter = Counter()
+        for a in actions:
+            if a.is_send or a.is_recv:
+                if a.peer not in schedule:
+                    raise ScheduleError(f"rank {rank}: {a} names rank {a.peer}, which has no schedule", rank, a)
+                book = sends if a.is_send else recvs
+                key = _message_key(rank, a)
+                if key in book:
+                    raise ScheduleError(f"rank {rank}: {a} appears twice (a message must be sent and received once)",
+                                        rank, a)
+                book[key] = rank
+            elif a.kind is Kind.F:
+                seen_f[a.mb] += 1
+            elif a.kind is Kind.B and seen_f[a.mb] == 0:
+                raise ScheduleError(f"rank {rank}: {a} comes before F{a.mb} on that rank", rank, a)
+    for key, rank in sends.items():
+        if key not in recvs:
+            d, mb, src, dst = key
+            raise ScheduleError(f"rank {src}: SEND_{d}{mb}>r{dst} has no matching RECV_{d}{mb}<r{src} on rank {dst}",
+                                src, Action(Kind[f"SEND_{d}"], mb, dst))
+    for key, rank in recvs.items():
+        if key not in sends:
+            d, mb, src, dst = key
+            raise ScheduleError(f"rank {dst}: RECV_{d}{mb}<r{src} has no matching SEND_{d}{mb}>r{dst} on rank {src}",
+                                dst, Action(Kind[f"RECV_{d}"], mb, src))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One move of the symbolic execution: ranks (several for a barrier) run their next action."""
+
+    ranks: Tuple[int, ...]
+    action: Action
+
+
+def execution_order(schedule: Mapping[int, Sequence[Action]],
+                    groups: Optional[Mapping[int, Sequence[int]]] = None) -> Iterator[Step]:
+    """Yield a legal global order of all actions, or raise on deadlock.
+
+    A receive is yielded only after its send; a barrier once every member
+    stands at an ``ALLREDUCE`` (the k-th of each pairs up by position).
+    """
+    pos = {r: 0 for r in schedule}
+    sent = set()
+    left = sum(len(a) for a in schedule.values())
+    while left:
+        moved = False
+        for rank in sorted(schedule):
+            for step in _advance(rank, schedule, pos, sent, groups):
+                moved = True
+                left -= len(step.ranks)
+                yield step
+        if not moved:
+            raise _deadlock(schedule, pos, groups)
+
+
+def _advance(rank, schedule, pos, sent, groups) -> Iterator[Step]:
+    actions = schedule[rank]
+    while pos[rank] < len(actions):
+        a = actions[pos[rank]]
+        if a.is_recv and _message_key(rank, a) not in sent:
+            return
+        if a.kind is Kind.ALLREDUCE and groups is not None:
+            members = tuple(groups.get(rank, (rank,)))
+            if not all(_at_allreduce(m, schedule, pos) for m in members):
+                return
+            for m in members:
+                pos[m] += 1
+            yield Step(members, a)
+            continue
+        if a.is_send:
+            sent.add(_message_key(rank, a))
+        pos[rank] += 1
+        yield Step((rank,), a)
+
+
+def _at_allreduce(rank, schedule, pos) -> bool:
+    actions = schedule.get(rank, ())
+    return pos.get(rank, 0) < len(actions) and actions[pos[rank]].kind is Kind.ALLREDUCE
+
+
+def _deadlock(schedule, pos, groups) -> ScheduleError:
+    lines = []
+    first: Optional[Tuple[int, Action]] = None
+    for rank in sorted(schedule):
+        if pos[rank] >= len(schedule[rank]):
+            lines.append(f"  rank {rank}: finished")
+            continue
+        a = schedule[rank][pos[rank]]
+        first = first or (rank, a)
+        lines.append(f"  rank {rank}: blocked at action #{pos[rank]} {a}{_waiting_on(rank, a, schedule, pos, groups)}")
+    return ScheduleError("deadlock: no rank can move\n" + "\n".join(lines),
+                         first[0] if first else None, first[1] if first else None)
+
+
+def _waiting_on(rank, a, schedule, pos, groups) -> str:
+    if a.is_recv:
+        d = "F" if a.kind is Kind.RECV_F else "B"
+        return f" (waits for SEND_{d}{a.mb}>r{rank} on rank {a.peer})"
+    if a.kind is Kind.ALLREDUCE and groups is not None:
+        missing = [m for m in groups.get(rank, (rank,)) if not _at_allreduce(m, schedule, pos)]
+        return f" (barrier waits for ranks {missing})"
+    return ""
