@@ -1,0 +1,263 @@
+"""Capture a model as a ``torch.fx.GraphModule``: symbolic tracing first, export second.
+
+``torch.fx.symbolic_trace`` is fast and keeps ``nn.Module`` calls as single
+nodes, but cannot see through data-dependent control flow and fails on current
+HF transformers models. ``torch.export`` (non-strict) captures those; its
+``.module()`` is a GraphModule of ATen-level calls whose parameters appear as
+``get_attr`` nodes. Both kinds of graph are first-class: every later pass must
+accept either, so this pass normalises what they share:
+
+- every compute node carries ``meta.ModuleInfo`` (the dotted path of the
+  ``nn.Module`` it came from; ``""`` is the root), read from the
+  ``call_module`` target or torch's ``nn_module_stack``;
+- export graphs get names tied to module paths (``blocks_0_qkv_linear``
+  instead of ``linear_4``), as symbolic tracing already gives;
+- the graph carries ``meta.CaptureInfo`` (which method, and why fx failed).
+
+Export fixes the input shapes and the train/eval mode it saw, so capture at
+the microbatch shape, in training mode. Captures can be silently wrong, so each
+one is checked once against the original model (forward output and every
+parameter gradient, same RNG state); see ``check_capture``.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import traceback
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from passes import meta
+from passes.capture_check import CaptureMismatchError, check_capture
+from passes.errors import FxpipeError
+
+__all__ = ["capture", "CaptureError", "CaptureMismatchError", "check_capture", "LeafTracer"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+LeafSpec = Union[type, str]
+
+
+class CaptureError(FxpipeError):
+    """Neither symbolic tracing nor export could capture the model."""
+
+
+class LeafTracer(torch.fx.Tracer):
+    """A tracer that keeps user-declared modules as opaque ``call_module`` leaves.
+
+    Leaves are given as classes (every instance is a leaf) or dotted module
+    paths (``"blocks.0.gate"``). It also remembers which module it was inside
+    when tracing failed, so the error can name it.
+    """
+
+    def __init__(self, leaf_modules: Iterable[LeafSpec] = ()) -> None:
+        super().__init__()
+        leaves = tuple(leaf_modules)
+        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
+        self.path_stack: list = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_paths:
+            return True
+        if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.path_stack.append(self.path_of_module(m))
+        result = super().call_module(m, forward, args, kwargs)
+        self.path_stack.pop()
+        return result
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    method: str = "auto",
+    leaf_modules: Iterable[LeafSpec] = (),
+    concrete_args: Optional[Dict[str, Any]] = None,
+    check: bool = True,
+) -> torch.fx.GraphModule:
+    """Capture ``model`` called on ``example_inputs`` (one microbatch, a tuple).
+
+    ``method``: ``"fx"`` (symbolic tracing only), ``"export"`` (torch.export
+    only) or ``"auto"`` (fx, falling back to export when tracing fails or the
+    traced graph does not match the model). ``leaf_modules`` and
+    ``concrete_args`` apply to symbolic tracing. Raises ``CaptureError`` when
+    no method works and ``CaptureMismatchError`` when the capture differs
+    from the model.
+    """
+    if method not in ("auto", "fx", "export"):
+        raise FxpipeError(f"capture: method must be 'auto', 'fx' or 'export', not {method!r}")
+    inputs = tuple(example_inputs)
+    leaves = tuple(leaf_modules)
+    _check_leaf_paths(model, leaves)
+    model.train()
+    fx_error: Optional[str] = None
+    fx_failure: Optional[BaseException] = None
+    if method in ("auto", "fx"):
+        try:
+            gm = _trace_fx(model, leaves, concrete_args)
+            if check:
+                check_capture(model, gm, inputs, method="fx")
+            return _finish(gm, "fx", None)
+        except Exception as exc:  # noqa: BLE001 - any tracing failure means: try export
+            if method == "fx" or isinstance(exc, CaptureError):
+                raise _as_capture_error(exc, None) from exc
+            fx_failure = exc
+            fx_error = _one_line(exc)
+    try:
+        with _quiet_torch_logs():
+            gm = torch.export.export(model, inputs, strict=False).module()
+    except Exception as exc:  # noqa: BLE001
+        raise _as_capture_error(fx_failure, exc) from exc
+    _rename_export_nodes(gm)
+    if check:
+        check_capture(model, gm, inputs, method="export")
+    return _finish(gm, "export", fx_error)
+
+
+# ------------------------------------------------------------ fx
+
+
+def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Optional[Dict[str, Any]]) -> torch.fx.GraphModule:
+    tracer = LeafTracer(leaves)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:
+        exc._fxpipe_module_path = tracer.path_stack[-1] if tracer.path_stack else ""  # type: ignore[attr-defined]
+        raise
+    name = type(model).__name__
+    return torch.fx.GraphModule(tracer.root, graph, name)
+
+
+def _check_leaf_paths(model: nn.Module, leaves: Tuple[LeafSpec, ...]) -> None:
+    known = {name for name, _ in model.named_modules()}
+    for leaf in leaves:
+        if isinstance(leaf, str) and leaf not in known:
+            near = sorted(k for k in known if k and k.split(".")[-1] == leaf.split(".")[-1])[:5]
+            hint = f"; modules with that name: {', '.join(near)}" if near else ""
+            raise FxpipeError(f"capture: leaf module '{leaf}' is not a submodule of {type(model).__name__}{hint}")
+        if not isinstance(leaf, (str, type)):
+            raise FxpipeError(f"capture: leaf_modules takes module classes or dotted paths, not {leaf!r}")
+
+
+# ------------------------------------------------------------ errors
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Any:
+    """Export prints whole partial graphs to stderr when it fails; our error says it shorter."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _user_frame(exc: BaseException) -> Optional[str]:
+    """``file:line`` of the deepest frame outside torch: the code that failed."""
+    found = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if not frame.filename.startswith(_TORCH_DIR) and "/passes/capture" not in frame.filename:
+            found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return found
+
+
+def _as_capture_error(fx_exc: Optional[BaseException], export_exc: Optional[BaseException]) -> FxpipeError:
+    if isinstance(fx_exc, FxpipeError) and export_exc is None:
+        return fx_exc
+    parts = []
+    if fx_exc is not None:
+        path = getattr(fx_exc, "_fxpipe_module_path", "")
+        where = _user_frame(fx_exc)
+        parts.append(
+            f"symbolic tracing failed in module '{path or '<root>'}'"
+            + (f" at {where}" if where else "")
+            + f": {_one_line(fx_exc)}"
+        )
+    if export_exc is not None:
+        where = _user_frame(export_exc)
+        parts.append("torch.export failed" + (f" at {where}" if where else "") + f": {_one_line(export_exc)}")
+    path = getattr(fx_exc, "_fxpipe_module_path", "") if fx_exc is not None else ""
+    remedy = (
+        f"declare that module a leaf (leaf_modules = ['{path}'] in the model file, or its class), "
+        if path
+        else "declare the module that holds this code a leaf (leaf_modules in the model file), "
+    )
+    remedy += "or fix its Python-level arguments with concrete_args"
+    return CaptureError("capture: " + "; ".join(parts) + f". Way out: {remedy}.")
+
+
+# ------------------------------------------------------------ metadata and names
+
+
+def module_path_of(node: torch.fx.Node) -> Optional[str]:
+    """The dotted module path a node came from, or None when unknown."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _clean_path(str(path))
+    if node.op in ("call_function", "call_method"):
+        return ""  # code in the root module's forward
+    return None
+
+
+def _clean_path(path: str) -> str:
+    """Normalise strict-export style paths (``L['self'].blocks[0]``) to dotted ones."""
+    if not path.startswith("L["):
+        return path
+    path = path.replace("L['self']", "").replace("['", ".").replace("']", "")
+    path = path.replace("[", ".").replace("]", "")
+    return path.strip(".")
+
+
+def _finish(gm: torch.fx.GraphModule, method: str, fx_error: Optional[str]) -> torch.fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        path = module_path_of(node)
+        if path is not None:
+            meta.put(node, meta.ModuleInfo(path))
+    meta.put(gm, meta.CaptureInfo(method=method, fx_error=fx_error))
+    return gm
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_opname"):
+        name = target._opname  # aten.linear.default -> linear
+    return name.split(".")[0].strip("_") or "op"
+
+
+def _rename_export_nodes(gm: torch.fx.GraphModule) -> None:
+    """Prefix export's ``call_function`` names with their module path."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        path = module_path_of(node)
+        if path:
+            node._rename(f"{path.replace('.', '_')}_{_op_name(node)}")
+    gm.recompile()
