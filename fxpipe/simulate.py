@@ -1,0 +1,275 @@
+"""Discrete-event simulation of a schedule over predicted costs.
+
+The simulator replays the validator's legal execution order
+(``validate.execution_order``) with a clock per rank, so it runs exactly the
+lists the executor runs. Model, chosen to match the runtime:
+
+- ``F m`` / ``B m`` take the stage's per-microbatch ``fwd_s`` / ``bwd_s``
+  (one device; a replica runs whole microbatches, so no division by ``r``);
+- a send is posted and the rank moves on (``isend``); the bytes travel over
+  the (sender, receiver) channel at ``bandwidth`` after ``latency_s``, one
+  message at a time per channel; with ``overlap_comm=False`` the sender waits
+  for its transfer (a blocking send);
+- a receive waits until its message arrived: that wait is a bubble;
+- ``ALLREDUCE`` starts when the last member of its group arrives and takes the
+  largest ``allreduce_s`` in the group;
+- memory on a rank = parameter bytes x live weight versions (the current one
+  plus those stashed for microbatches in flight) + activation bytes x
+  microbatches in flight (forward done, backward not yet).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from fxpipe.actions import Action, Kind
+from fxpipe.layout import Layout
+from fxpipe.validate import execution_order, reduce_groups
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Predicted costs of one stage for one microbatch on one device (seconds, bytes)."""
+
+    fwd_s: float
+    bwd_s: float
+    send_bytes: Mapping[int, int] = field(default_factory=dict)  # destination stage -> activation bytes
+    allreduce_s: float = 0.0
+    param_bytes: int = 0
+    activation_bytes: int = 0  # kept from F m until B m
+    step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one rank's timeline. ``kind``: compute, send, recv, wait, allreduce, step."""
+
+    rank: int
+    start: float
+    end: float
+    action: Action
+    kind: str
+
+
+@dataclass
+class SimResult:
+    kind: str
+    microbatches: int
+    samples_per_microbatch: int
+    events: Dict[int, List[Event]]
+    step_s: float                 # makespan of the whole schedule
+    samples_per_s: float          # microbatches x samples / step_s
+    steady_samples_per_s: float   # from the input stage's backward rate in the middle of the run
+    bubble_fraction: float        # idle share of ranks x step_s
+    busy_s: Dict[int, float]
+    peak_memory: Dict[int, int]
+
+    def idle_s(self, rank: int, t0: float, t1: float) -> float:
+        """Time in ``[t0, t1]`` when ``rank`` neither computes nor all-reduces."""
+        busy = 0.0
+        for e in self.events[rank]:
+            if e.kind in ("compute", "allreduce", "step", "send_blocking"):
+                busy += max(0.0, min(e.end, t1) - max(e.start, t0))
+        return (t1 - t0) - busy
+
+
+def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCosts], layout: Layout, *,
+             bandwidth: float = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
+             samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None) -> SimResult:
+    """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage)."""
+    if len(costs) != layout.num_stages:
+        raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
+    tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
+    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm)
+    for step in execution_order(schedule, reduce_groups(layout, tied)):
+        if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
+            sim.barrier(step.ranks, step.action)
+        else:
+            sim.run(step.ranks[0], step.action)
+    return _result(schedule, sim, samples_per_microbatch)
+
+
+class _Clock:
+    """Per-rank clocks, channel availability, message arrivals and memory."""
+
+    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm) -> None:
+        self.costs, self.layout = costs, layout
+        self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
+        self.t = {r: 0.0 for r in schedule}
+        self.events: Dict[int, List[Event]] = {r: [] for r in schedule}
+        self.channel_free: Dict[Tuple[int, int], float] = {}
+        self.arrival: Dict[tuple, float] = {}
+        self.version = {r: 0 for r in schedule}
+        self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
+        self.peak = {r: 0 for r in schedule}
+
+    def stage(self, rank: int) -> StageCosts:
+        return self.costs[self.layout.stage_of(rank)]
+
+    def _add(self, rank: int, dur: float, action: Action, kind: str) -> None:
+        start = self.t[rank]
+        self.t[rank] = start + dur
+        self.events[rank].append(Event(rank, start, start + dur, action, kind))
+
+    def run(self, rank: int, a: Action) -> None:
+        c = self.stage(rank)
+        if a.kind is Kind.F:
+            self._add(rank, c.fwd_s, a, "compute")
+            self.flight[rank][a.mb] = self.version[rank]
+            self._memory(rank, c)
+        elif a.kind is Kind.B:
+            self._add(rank, c.bwd_s, a, "compute")
+            self.flight[rank].pop(a.mb, None)
+        elif a.kind is Kind.STEP:
+            self._add(rank, c.step_s, a, "step")
+            self.version[rank] += 1
+            self._memory(rank, c)
+        elif a.is_send:
+            self._send(rank, a)
+        elif a.is_recv:
+            self._recv(rank, a)
+        else:
+            self._add(rank, 0.0, a, "allreduce")
+
+    def _nbytes(self, rank: int, a: Action) -> int:
+        me, peer = self.layout.stage_of(rank), self.layout.stage_of(a.peer)
+        if a.kind is Kind.SEND_F:
+            return int(self.costs[me].send_bytes.get(peer, 0))
+        return int(self.costs[peer].send_bytes.get(me, 0))
+
+    def _send(self, rank: int, a: Action) -> None:
+        start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
+        wire = self._nbytes(rank, a) / self.bandwidth if self.bandwidth > 0 else 0.0
+        arrive = start + self.latency_s + wire
+        self.channel_free[(rank, a.peer)] = arrive
+        self.arrival[(a.kind is Kind.SEND_F, a.mb, rank, a.peer)] = arrive
+        if self.overlap:
+            self.events[rank].append(Event(rank, start, arrive, a, "send"))
+        else:
+            self.t[rank] = start
+            self._add(rank, arrive - start, a, "send_blocking")
+
+    def _recv(self, rank: int, a: Action) -> None:
+        arrive = self.arrival[(a.kind is Kind.RECV_F, a.mb, a.peer, rank)]
+        wait = max(0.0, arrive - self.t[rank])
+        self._add(rank, wait, a, "wait" if wait > 0 else "recv")
+
+    def barrier(self, ranks: Sequence[int], a: Action) -> None:
+        start = max(self.t[r] for r in ranks)
+        dur = max(self.stage(r).allreduce_s for r in ranks)
+        for r in ranks:
+            if start > self.t[r]:
+                self.events[r].append(Event(r, self.t[r], start, a, "wait"))
+            self.t[r] = start
+            self._add(r, dur, a, "allreduce")
+
+    def _memory(self, rank: int, c: StageCosts) -> None:
+        inflight = self.flight[rank]
+        versions = len(set(inflight.values()) | {self.version[rank]})
+        self.peak[rank] = max(self.peak[rank], c.param_bytes * versions + c.activation_bytes * len(inflight))
+
+
+def _result(schedule, sim: _Clock, samples: int) -> SimResult:
+    makespan = max([e.end for evs in sim.events.values() for e in evs] + [0.0])
+    busy = {r: sum(e.end - e.start for e in evs if e.kind in ("compute", "allreduce", "step", "send_blocking"))
+            for r, evs in sim.events.items()}
+    world = max(len(sim.events), 1)
+    M = getattr(schedule, "microbatches", 0) or len({a.mb for acts in schedule.values() for a in acts
+                                                     if a.kind is Kind.F})
+    bubble = 1.0 - sum(busy.values()) / (world * makespan) if makespan > 0 else 0.0
+    return SimResult(
+        kind=getattr(schedule, "kind", "custom"), microbatches=M, samples_per_microbatch=samples,
+        events=sim.events, step_s=makespan,
+        samples_per_s=M * samples / makespan if makespan > 0 else math.inf,
+        steady_samples_per_s=_steady_rate(sim, samples) or (M * samples / makespan if makespan > 0 else math.inf),
+        bubble_fraction=bubble, busy_s=busy, peak_memory=dict(sim.peak))
+
+
+def _steady_rate(sim: _Clock, samples: int) -> Optional[float]:
+    """Samples/s from the input stage's backward completions in the middle half of the run."""
+    ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B)
+    if len(ends) < 4:
+        return None
+    lo, hi = len(ends) // 4, (3 * len(ends)) // 4
+    if ends[hi] <= ends[lo]:
+        return None
+    return samples * (hi - lo) / (ends[hi] - ends[lo])
+
+
+# ------------------------------------------------------------ plans
+
+def link_bytes(graph, stage_of: Mapping[str, int]) -> Dict[Tuple[int, int], int]:
+    """Bytes per microbatch on each link ``(a, b)``: one copy of a value per consumer stage.
+
+    Values of input nodes are not sent (every rank loads model inputs).
+    """
+    out: Dict[Tuple[int, int], int] = {}
+    consumers: Dict[str, set] = {}
+    for u, v in graph.edges:
+        if u in stage_of and v in stage_of and stage_of[v] != stage_of[u] and not graph.nodes[u].is_input:
+            consumers.setdefault(u, set()).add(stage_of[v])
+    for u, stages in consumers.items():
+        for b in stages:
+            key = (stage_of[u], b)
+            out[key] = out.get(key, 0) + int(graph.nodes[u].out_bytes)
+    return out
+
+
+def plan_stage_of(plan) -> Dict[str, int]:
+    return {n: s.index for s in plan.stages for n in s.nodes}
+
+
+def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int, int]]]:
+    """``StageCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
+
+    With the profile, bytes per link and activation bytes per microbatch come
+    from the graph (activations: the outputs of the stage's nodes). Without
+    it, each stage's ``send_bytes`` goes to the next stage and activation
+    memory is unknown (0).
+    """
+    S = len(plan.stages)
+    if graph is not None:
+        where = plan_stage_of(plan)
+        per_link = link_bytes(graph, where)
+        acts = [sum(graph.nodes[n].out_bytes for n in s.nodes if n in graph.nodes and not graph.nodes[n].is_input)
+                for s in plan.stages]
+    else:
+        per_link = {(j, j + 1): int(s.send_bytes) for j, s in enumerate(plan.stages[:-1])}
+        acts = [0] * S
+    costs = []
+    for j, s in enumerate(plan.stages):
+        sends = {b: n for (a, b), n in per_link.items() if a == j}
+        costs.append(StageCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
+                                allreduce_s=float(s.allreduce_s), param_bytes=int(s.param_bytes),
+                                activation_bytes=int(acts[j])))
+    links = sorted(per_link) if per_link or S == 1 else [(j, j + 1) for j in range(S - 1)]
+    return costs, links
+
+
+def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
+                  tied_stages: Sequence[int] = ()) -> Tuple[SimResult, "object"]:
+    """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``."""
+    from fxpipe.schedule import build_schedule
+
+    opts = dict(getattr(plan, "options", {}) or {})
+    kind = kind or opts.get("schedule") or "1f1b-flush"
+    layout = Layout.of([s.replicas for s in plan.stages])
+    M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
+    costs, links = costs_from_plan(plan, graph)
+    if kind == "1f1b-stash":
+        M = _round_up_for_stash(M, layout)
+    schedule = build_schedule(kind, layout, M, links, tied_stages)
+    bw = float(opts.get("bandwidth") or math.inf)
+    result = simulate(schedule, costs, layout, bandwidth=bw, samples_per_microbatch=int(plan.batch_size or 1))
+    return result, schedule
+
+
+def _round_up_for_stash(M: int, layout: Layout) -> int:
+    need = 1
+    for r in layout.replicas:
+        need = need * r // math.gcd(need, r)
+    return -(-M // need) * need
+
+
+__all__ = ["Event", "SimResult", "StageCosts", "costs_from_plan", "link_bytes", "simulate", "simulate_plan"]

@@ -1,0 +1,155 @@
+"""The simulator against closed-form pipeline results."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from fxpipe.actions import Action, Kind
+from fxpipe.layout import Layout
+from fxpipe.schedule import KINDS, ScheduleError, build_schedule
+from fxpipe.simulate import StageCosts, costs_from_plan, link_bytes, simulate, simulate_plan
+from passes.costgraph import CostGraph, CostNode
+
+
+def chain(S):
+    return [(i, i + 1) for i in range(S - 1)]
+
+
+@pytest.mark.parametrize("S,M", [(2, 1), (2, 4), (4, 4), (4, 8), (3, 7), (5, 16)])
+@pytest.mark.parametrize("fwd,bwd", [(1.0, 1.0), (1.0, 2.0)])
+def test_flush_bubble_is_the_textbook_formula(S, M, fwd, bwd):
+    lay = Layout.of([1] * S)
+    res = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), [StageCosts(fwd, bwd)] * S, lay)
+    assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
+    assert res.step_s == pytest.approx((M + S - 1) * (fwd + bwd))
+    assert res.samples_per_s == pytest.approx(M / res.step_s)
+
+
+def test_gpipe_has_the_same_bubble_as_flush_on_equal_stages():
+    S, M = 4, 8
+    lay = Layout.of([1] * S)
+    res = simulate(build_schedule("gpipe", lay, M, chain(S)), [StageCosts(1.0, 2.0)] * S, lay)
+    assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
+
+
+def test_stash_has_no_bubble_in_steady_state():
+    S, M = 4, 24
+    lay = Layout.of([1] * S)
+    res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [StageCosts(1.0, 2.0)] * S, lay)
+    # steady state: from the first backward of the input stage to its last forward
+    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0))
+    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1))
+    assert f_last.start - b0.start > 10 * 3.0
+    for rank in range(S):
+        assert res.idle_s(rank, b0.start, f_last.start) == pytest.approx(0.0, abs=1e-9)
+    assert res.steady_samples_per_s == pytest.approx(1 / 3.0)
+
+
+def test_stash_replicated_input_stage_keeps_bottleneck_busy():
+    # stage 0 twice as slow, replicated twice: the pipeline runs at the rate of one stage-1 device
+    lay = Layout.of([2, 1])
+    costs = [StageCosts(2.0, 4.0), StageCosts(1.0, 2.0)]
+    res = simulate(build_schedule("1f1b-stash", lay, 24, [(0, 1)]), costs, lay)
+    assert res.steady_samples_per_s == pytest.approx(1 / 3.0, rel=1e-6)
+
+
+def test_communication_delays_the_consumer():
+    lay = Layout.of([1, 1])
+    costs = [StageCosts(1.0, 1.0, send_bytes={1: 1000}), StageCosts(1.0, 1.0)]
+    s = build_schedule("gpipe", lay, 1, [(0, 1)])
+    res = simulate(s, costs, lay, bandwidth=1000.0)  # 1 s per transfer each way
+    assert res.step_s == pytest.approx(1 + 1 + 1 + 1 + 1 + 1)
+    waits = [e for e in res.events[1] if e.kind == "wait"]
+    assert waits and waits[0].end - waits[0].start == pytest.approx(2.0)
+    blocking = simulate(s, costs, lay, bandwidth=1000.0, overlap_comm=False)
+    assert blocking.step_s == pytest.approx(res.step_s)  # nothing to overlap with here
+
+
+def test_allreduce_is_a_barrier_with_its_cost():
+    lay = Layout.of([2, 1])
+    costs = [StageCosts(1.0, 1.0, allreduce_s=0.5), StageCosts(1.0, 1.0)]
+    res = simulate(build_schedule("1f1b-flush", lay, 3, [(0, 1)]), costs, lay)
+    ar = [next(e for e in res.events[r] if e.kind == "allreduce") for r in (0, 1)]
+    assert ar[0].start == ar[1].start and ar[0].end - ar[0].start == pytest.approx(0.5)
+
+
+def test_peak_memory_counts_stashed_versions_and_activations():
+    S, M = 4, 12
+    lay = Layout.of([1] * S)
+    costs = [StageCosts(1.0, 2.0, param_bytes=100, activation_bytes=1)] * S
+    stash = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), costs, lay)
+    flush = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), costs, lay)
+    gpipe = simulate(build_schedule("gpipe", lay, M, chain(S)), costs, lay)
+    # stage j keeps S - j microbatches in flight, each with its own weight version under stash
+    assert stash.peak_memory == {j: (S - j) * 100 + (S - j) for j in range(S)}
+    assert flush.peak_memory == {j: 100 + (S - j) for j in range(S)}
+    assert gpipe.peak_memory == {j: 100 + M for j in range(S)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("replicas", [(1, 1, 1), (2, 1), (1, 2, 1), (3, 1), (2, 2, 1)])
+def test_every_builtin_schedule_runs_to_the_end(kind, replicas):
+    lay = Layout.of(replicas)
+    S = len(replicas)
+    links = chain(S) + ([(0, S - 1)] if S > 2 else [])
+    costs = [StageCosts(0.1 * (j + 1), 0.2, send_bytes={b: 10 for a, b in links if a == j}, allreduce_s=0.05,
+                        param_bytes=8, activation_bytes=2) for j in range(S)]
+    M = 6
+    tied = (0, S - 1) if kind != "1f1b-stash" else ()  # stash refuses tied stages with unequal replicas
+    res = simulate(build_schedule(kind, lay, M, links, tied_stages=tied), costs, lay, bandwidth=1e3)
+    assert math.isfinite(res.step_s) and res.step_s > 0
+    done = {(r, e.action.mb) for r, evs in res.events.items() for e in evs if e.action.kind is Kind.B}
+    assert len(done) == M * S
+    assert 0.0 <= res.bubble_fraction < 1.0
+
+
+def test_deadlocked_schedule_is_refused_by_the_simulator():
+    lay = Layout.of([1, 1])
+    broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 SEND_F0>r1 B0 STEP".split()],
+              1: [Action.parse(t) for t in "RECV_F0<r0 F0 B0 SEND_B0>r0 STEP".split()]}
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(broken, [StageCosts(1, 1)] * 2, lay)
+
+
+def tiny_graph():
+    nodes = [CostNode("x", "placeholder", "x", 0, 0, 400, 0, is_input=True),
+             CostNode("a", "call_module", "a", 1.0, 2.0, 100, 40, module_path="a"),
+             CostNode("b", "call_module", "b", 1.0, 2.0, 50, 40, module_path="b"),
+             CostNode("c", "call_function", "add", 0.5, 0.5, 50, 0),
+             CostNode("out", "output", "output", 0, 0, 0, 0)]
+    edges = [("x", "a"), ("x", "c"), ("a", "b"), ("a", "c"), ("b", "c"), ("c", "out")]
+    return CostGraph({n.name: n for n in nodes}, edges)
+
+
+def fake_plan(graph, assignment, replicas, batch_size=8):
+    """A stand-in with the contract's Plan fields (the real one lives in fxpipe/plan.py)."""
+    stages = []
+    for j, r in enumerate(replicas):
+        names = [n for n in graph.nodes if assignment[n] == j]
+        f = sum(graph.nodes[n].fwd_s for n in names)
+        b = sum(graph.nodes[n].bwd_s for n in names)
+        stages.append(SimpleNamespace(index=j, nodes=names, replicas=r, ranks=[], fwd_s=f, bwd_s=b,
+                                      compute_s=(f + b) / r, allreduce_s=0.0, comm_s=0.0, time_s=(f + b) / r,
+                                      param_bytes=sum(graph.nodes[n].param_bytes for n in names),
+                                      send_bytes=0, memory_bytes=0))
+    return SimpleNamespace(stages=stages, devices=sum(replicas), batch_size=batch_size,
+                           options={"bandwidth": 1e3, "microbatches": 4, "schedule": "1f1b-flush"})
+
+
+def test_link_bytes_sends_one_copy_per_consumer_stage_and_skips_inputs():
+    g = tiny_graph()
+    where = {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}
+    assert link_bytes(g, where) == {(0, 1): 100, (0, 2): 100, (1, 2): 50}
+
+
+def test_simulate_plan_uses_profile_links_and_batch_size():
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
+    costs, links = costs_from_plan(plan, g)
+    assert links == [(0, 1), (0, 2), (1, 2)]
+    assert costs[0].send_bytes == {1: 100, 2: 100} and costs[0].activation_bytes == 100
+    res, sched = simulate_plan(plan, graph=g)
+    assert sched.kind == "1f1b-flush" and res.microbatches == 4
+    assert res.samples_per_s == pytest.approx(4 * 8 / res.step_s)
+    no_graph, _ = simulate_plan(plan, kind="gpipe", microbatches=2)
+    assert no_graph.kind == "gpipe" and no_graph.microbatches == 2
