@@ -1,0 +1,280 @@
+"""Split a stage-assigned graph into one GraphModule per pipeline stage.
+
+``split_stages(gm, example_inputs)`` reads ``meta.StageAssign`` on every
+compute node (the partitioner's ``apply_assignment`` writes it, or a user by
+hand) and cuts the graph mechanically, like torch's ``split_module`` separates
+the policy (which stage) from the mechanism (this module). Rules:
+
+- placeholders become inputs of every stage that uses them (each rank can load
+  the model's inputs); ``stage_inputs[j]`` lists which, in placeholder order.
+- ``get_attr`` nodes are cloned into every stage that uses them, so a stage
+  owns exactly the parameters and buffers it reads, and a parameter read in two
+  stages (tied embeddings) is held by both: in-process they are the same
+  ``Parameter`` object; ``tied`` records it so a runtime with separate copies
+  sums its gradient over those stages. ``call_module`` nodes bring their module.
+- the output node goes to the last stage.
+- every value that crosses a boundary becomes ``passes.comm.send(value, tag,
+  dst)`` at the end of its producer and ``passes.comm.recv(tag, src, shape,
+  dtype, requires_grad)`` at the top of each consumer stage. A value is sent
+  **directly to every stage that reads it, not relayed** through the stages in
+  between: point-to-point transports reach any rank, and a relay would make the
+  middle stages hold (for every microbatch in flight) and forward a value they
+  never use, then relay its gradient back. Plain tuples, lists and dicts are
+  sent leaf by leaf (each leaf gets its own tag, so a tensor leaf keeps its
+  gradient) and rebuilt in the consumer; sizes and Python scalars are sent as
+  values (``shape=None``).
+- a sent value that its own stage later overwrites in place (after, in the
+  original order, the consumer read it) is copied just before the write and
+  the copy is sent; see ``passes.split_check.plan_snapshots``.
+
+Every stage returns ``(outputs, tokens)``: the original output structure on the
+last stage (``None`` elsewhere) and the tuple of what its sends returned (the
+contract in ``passes.comm``). Tags read ``"<value>:<src>-><dst>"``.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+
+from passes import comm, meta
+from passes.split_check import COMPUTE_OPS, SplitError, check_assignment, is_dropped, plan_snapshots
+from passes.split_values import ValueRun, ensure_value_meta, record_values
+
+Path = Tuple[Any, ...]
+
+__all__ = ["CommEdge", "SplitError", "SplitResult", "split_stages", "leaves"]
+
+
+@dataclass(frozen=True)
+class CommEdge:
+    """One value (leaf) sent from ``src_stage`` to ``dst_stage`` under ``tag``."""
+
+    tag: str
+    src_stage: int
+    dst_stage: int
+    value: meta.ValueMeta
+
+
+@dataclass
+class SplitResult:
+    """What the split produced; ``fxpipe.SplitModel`` wraps it."""
+
+    stages: List[torch.fx.GraphModule]
+    stage_inputs: List[List[int]]
+    comm: List[CommEdge]
+    param_names: List[Dict[str, str]]
+    tied: Dict[str, List[int]]
+    aliases: Dict[str, str] = field(default_factory=dict)  # other name of a shared tensor -> canonical name
+    in_spec: Any = None   # pytree specs when the graph came from torch.export
+    out_spec: Any = None
+
+
+def leaves(spec: Any, path: Path = ()) -> List[Tuple[Path, Any]]:
+    """(path, leaf spec) of a value spec; plain tuples/lists/dicts are opened."""
+    if type(spec) in (tuple, list):
+        return [x for i, s in enumerate(spec) for x in leaves(s, path + (i,))]
+    if type(spec) is dict:
+        return [x for k, s in spec.items() for x in leaves(s, path + (k,))]
+    return [(path, spec)]
+
+
+def _rebuild(spec: Any, path: Path, nodes: Dict[Path, torch.fx.Node]) -> Any:
+    if type(spec) in (tuple, list):
+        return type(spec)(_rebuild(s, path + (i,), nodes) for i, s in enumerate(spec))
+    if type(spec) is dict:
+        return {k: _rebuild(s, path + (k,), nodes) for k, s in spec.items()}
+    return nodes[path]
+
+
+def _tag(node: torch.fx.Node, path: Path, src: int, dst: int) -> str:
+    return f"{node.name}{''.join(f'[{p!r}]' for p in path)}:{src}->{dst}"
+
+
+def _grad_reach(gm: torch.fx.GraphModule) -> set:
+    """Nodes downstream of a floating-point model input: their gradient may be wanted."""
+    reach = set()
+    for n in gm.graph.nodes:
+        spec = meta.get(n, meta.ValueMeta, meta.ValueMeta(None)).spec
+        if n.op == "placeholder" and (not isinstance(spec, meta.TensorMeta) or _is_float(spec.dtype)):
+            reach.add(n)
+        elif any(i in reach for i in n.all_input_nodes):
+            reach.add(n)
+    return reach
+
+
+def _is_float(dtype: str) -> bool:
+    return getattr(torch, dtype.split(".")[-1]).is_floating_point
+
+
+class _StageBuilder:
+    """Builds the graph of one stage; one instance per stage."""
+
+    def __init__(self, gm: torch.fx.GraphModule, j: int, ctx: "_Context") -> None:
+        self.gm, self.j, self.ctx = gm, j, ctx
+        self.g = torch.fx.Graph()
+        self.env: Dict[torch.fx.Node, Any] = {}
+        self.snap: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
+        self.inputs: List[int] = []
+        self.edges: List[CommEdge] = []
+        self.tokens: List[torch.fx.Node] = []
+
+    def used_here(self, n: torch.fx.Node) -> bool:
+        return any(self.ctx.stage_of.get(u) == self.j for u in n.users)
+
+    def build(self) -> torch.fx.GraphModule:
+        nodes = list(self.gm.graph.nodes)
+        for i, p in enumerate(n for n in nodes if n.op == "placeholder"):
+            if self.used_here(p):
+                self.env[p] = self._copy(p)
+                self.inputs.append(i)
+        for u in nodes:
+            if self.j in self.ctx.dsts.get(u, ()):
+                self._recv(u)
+        for n in nodes:
+            if n.op == "get_attr" and self.used_here(n):
+                self.env[n] = self._copy(n)
+            elif self.ctx.stage_of.get(n) == self.j and n.op in COMPUTE_OPS:
+                for v, t in self.ctx.snapshots.get(n, ()):
+                    self.snap[(v, t)] = self._node(torch.clone, (self.env[v],), f"{v.name}_sent")
+                self.env[n] = self._copy(n)
+        for u in nodes:
+            for t in self.ctx.dsts.get(u, ()) if self.ctx.stage_of.get(u) == self.j else ():
+                self._send(u, t)
+        out = None
+        if self.j == self.ctx.count - 1:
+            out_node = next(n for n in nodes if n.op == "output")
+            out = torch.fx.map_arg(out_node.args[0], lambda a: self.env[a])
+        self.g.output((out, tuple(self.tokens)))
+        self.g.lint()
+        return torch.fx.GraphModule(self.gm, self.g, class_name=f"Stage{self.j}")
+
+    def _copy(self, n: torch.fx.Node) -> torch.fx.Node:
+        new = self.g.node_copy(n, lambda a: self.env[a])
+        new.meta[meta.NAMESPACE] = dict(n.meta.get(meta.NAMESPACE, {}))  # do not share the dict with the original
+        return new
+
+    def _node(self, target: Any, args: tuple, name: str, kwargs: Optional[dict] = None) -> torch.fx.Node:
+        return self.g.create_node("call_function", target, args, kwargs or {}, name=name)
+
+    def _recv(self, u: torch.fx.Node) -> None:
+        src, spec = self.ctx.stage_of[u], meta.get(u, meta.ValueMeta).spec
+        got: Dict[Path, torch.fx.Node] = {}
+        for path, leaf in leaves(spec):
+            tag = _tag(u, path, src, self.j)
+            kwargs = {}
+            if isinstance(leaf, meta.TensorMeta):
+                needs_grad = leaf.requires_grad or (u in self.ctx.reach and _is_float(leaf.dtype))
+                kwargs = {"shape": leaf.shape, "dtype": getattr(torch, leaf.dtype.split(".")[-1]),
+                          "requires_grad": needs_grad}
+            name = u.name + "".join(f"_{p}" for p in path)
+            got[path] = node = self._node(comm.recv, (tag, src), name, kwargs)
+            meta.put(node, meta.ValueMeta(leaf))
+            meta.put(node, meta.CommInfo("recv", tag, src, self.j, meta.ValueMeta(leaf)))
+        self.env[u] = _rebuild(spec, (), got)
+
+    def _send(self, u: torch.fx.Node, t: int) -> None:
+        spec = meta.get(u, meta.ValueMeta).spec
+        base = self.snap.get((u, t), self.env[u])
+        for path, leaf in leaves(spec):
+            node = base
+            for k, p in enumerate(path):
+                node = self.ctx.item(self, node, path[: k + 1], p, u)
+            tag = _tag(u, path, self.j, t)
+            tok = self._node(comm.send, (node, tag, t), f"send_{u.name}" + "".join(f"_{p}" for p in path))
+            meta.put(tok, meta.CommInfo("send", tag, self.j, t, meta.ValueMeta(leaf)))
+            self.tokens.append(tok)
+            self.edges.append(CommEdge(tag, self.j, t, meta.ValueMeta(leaf)))
+
+
+@dataclass
+class _Context:
+    stage_of: Dict[torch.fx.Node, int]
+    count: int
+    dsts: Dict[torch.fx.Node, List[int]]
+    snapshots: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]]
+    reach: set
+    items: Dict[Tuple[int, torch.fx.Node, Path], torch.fx.Node] = field(default_factory=dict)
+
+    def item(self, b: _StageBuilder, node: torch.fx.Node, path: Path, key: Any, u: torch.fx.Node) -> torch.fx.Node:
+        """``node[key]`` in stage ``b``, made once per (stage, sent node, path)."""
+        cache = (b.j, node, path)
+        if cache not in self.items:
+            name = u.name + "".join(f"_{p}" for p in path)
+            self.items[cache] = b._node(operator.getitem, (node, key), name)
+        return self.items[cache]
+
+
+def _destinations(stage_of: Dict[torch.fx.Node, int]) -> Dict[torch.fx.Node, List[int]]:
+    dsts: Dict[torch.fx.Node, set] = defaultdict(set)
+    for v, t in stage_of.items():
+        for u in v.all_input_nodes:
+            if u in stage_of and stage_of[u] != t and u.op in COMPUTE_OPS:
+                dsts[u].add(t)
+    return {u: sorted(ts) for u, ts in dsts.items()}
+
+
+def _param_names(gm: torch.fx.GraphModule, stages: List[torch.fx.GraphModule]
+                 ) -> Tuple[List[Dict[str, str]], Dict[str, List[int]], Dict[str, str]]:
+    """Per stage local name -> the original's name; tied parameters; aliases.
+
+    A tensor known under several names in the original (``lm_head.weight`` is
+    ``tok.weight``) maps to its first name in ``named_parameters()`` order, the
+    canonical one; ``aliases`` lists the others.
+    """
+    canon: Dict[int, str] = {}
+    aliases: Dict[str, str] = {}
+    for name, t in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        first = canon.setdefault(id(t), name)
+        if first != name:
+            aliases[name] = first
+    is_param = {id(p) for p in gm.parameters()}
+    names: List[Dict[str, str]] = []
+    holders: Dict[str, List[int]] = defaultdict(list)
+    for j, st in enumerate(stages):
+        local = {}
+        for name, t in list(st.named_parameters(remove_duplicate=False)) + list(st.named_buffers(remove_duplicate=False)):
+            if id(t) in canon:
+                local[name] = canon[id(t)]
+                if id(t) in is_param and j not in holders[canon[id(t)]]:
+                    holders[canon[id(t)]].append(j)
+        names.append(local)
+    tied = {name: js for name, js in holders.items() if len(js) > 1}
+    return names, tied, aliases
+
+
+def _pytree_specs(gm: torch.fx.GraphModule) -> Tuple[Any, Any]:
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return (info.in_spec, info.out_spec) if info is not None else (None, None)
+
+
+def split_stages(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> SplitResult:
+    """Cut ``gm`` into its stages (see the module docstring).
+
+    ``example_inputs`` (flat positional inputs of ``gm``, one microbatch) give
+    shapes and let the split check in-place ops; without them the nodes must
+    already carry shapes (``ValueMeta``, or export's ``val``).
+    """
+    stage_of, count = check_assignment(gm)
+    run: Optional[ValueRun] = None
+    if example_inputs is not None:
+        run = record_values(gm, example_inputs)
+    ensure_value_meta(gm)
+    snapshots = plan_snapshots(stage_of, run)
+    for m, pairs in snapshots.items():
+        for v, _ in pairs:
+            if not meta.get(v, meta.ValueMeta).is_tensor:
+                raise SplitError(f"split: in-place op '{m.name}' overwrites '{v.name}' (not a single tensor) "
+                                 "after a later stage read it; make the op out-of-place")
+    ctx = _Context(stage_of, count, _destinations(stage_of), snapshots, _grad_reach(gm))
+    builders = [_StageBuilder(gm, j, ctx) for j in range(count)]
+    stages = [b.build() for b in builders]
+    names, tied, aliases = _param_names(gm, stages)
+    in_spec, out_spec = _pytree_specs(gm)
+    return SplitResult(stages=stages, stage_inputs=[b.inputs for b in builders],
+                       comm=[e for b in builders for e in b.edges], param_names=names, tied=tied,
+                       aliases=aliases, in_spec=in_spec, out_spec=out_spec)
