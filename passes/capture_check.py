@@ -35,12 +35,12 @@ class CaptureMismatchError(FxpipeError):
 def check_capture(model: nn.Module, gm: torch.nn.Module, inputs: Sequence[Any], method: str = "") -> None:
     """Raise ``CaptureMismatchError`` unless ``gm`` matches ``model`` (see module doc)."""
     params = [(name, p) for name, p in gm.named_parameters() if p.requires_grad]
-    saved = _save_buffers(model, gm)
+    saved = save_buffers(model, gm)
     try:
         ref_out, ref_grads = _run(model, inputs, [p for _, p in params])
         got_out, got_grads = _run(gm, inputs, [p for _, p in params])
     finally:
-        _restore_buffers(saved)
+        restore_buffers(saved)
     label = f"capture ({method})" if method else "capture"
     ref_leaves, _ = pytree.tree_flatten(ref_out)
     got_leaves, _ = pytree.tree_flatten(got_out)
@@ -112,7 +112,7 @@ def _describe(x: Any) -> str:
     return repr(x)
 
 
-def _save_buffers(*modules: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def save_buffers(*modules: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     seen: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
     for m in modules:
         for b in m.buffers():
@@ -120,7 +120,7 @@ def _save_buffers(*modules: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]
     return list(seen.values())
 
 
-def _restore_buffers(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+def restore_buffers(saved: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for buf, copy in saved:
             buf.copy_(copy)

@@ -1,0 +1,178 @@
+"""Timing one graph node in isolation: forward and measured backward.
+
+A node is run on fresh copies of the inputs it saw in the recorded run:
+inputs that required grad there become new autograd leaves here, so the
+backward we time is exactly this node's share of the model's backward (the
+gradient of its outputs with respect to its tensor inputs and its parameters),
+never a multiple of forward. In-place nodes (``nn.ReLU(inplace=True)``,
+``x.add_``, ``aten.relu_``) get cloned inputs so the recorded values stay
+intact and autograd does not reject an in-place write into a leaf.
+
+Clocks: on CUDA, CUDA events around the call after warm-up (the GPU runs
+asynchronously, a host clock would time the launch); on CPU,
+``time.perf_counter``. The median of ``repeats`` is kept.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+
+@dataclass
+class Timing:
+    fwd_s: float
+    bwd_s: float
+    peak_mem_bytes: Optional[int]
+
+
+class Clock:
+    """Times a callable on one device; returns (seconds, result)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], Any]) -> Tuple[float, Any]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3, out
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+
+def node_callable(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[..., Any]:
+    """What running ``node`` means, as a plain function of its evaluated args."""
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))
+    if node.op == "call_function":
+        return node.target  # type: ignore[return-value]
+    if node.op == "call_method":
+        name = str(node.target)
+        return lambda self, *a, **k: getattr(self, name)(*a, **k)
+    raise ValueError(f"node {node.name} ({node.op}) is not a computation")
+
+
+def is_inplace(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).endswith("__")
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return bool(schema.is_mutable)
+    return bool(node.kwargs.get("inplace", False))
+
+
+def module_params(gm: torch.fx.GraphModule, node: torch.fx.Node) -> List[torch.Tensor]:
+    if node.op != "call_module":
+        return []
+    return [p for p in gm.get_submodule(str(node.target)).parameters() if p.requires_grad]
+
+
+def _fresh(value: Any, clone: bool, leaves: List[torch.Tensor]) -> Any:
+    """A copy of a recorded value, detached from the recorded autograd graph."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, nn.Parameter):
+            leaves.append(x) if x.requires_grad else None
+            return x
+        if x.requires_grad:
+            leaf = x.detach().clone() if clone else x.detach()
+            leaf.requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if clone else leaf  # in-place writes need a non-leaf
+        return x.detach().clone() if clone else x.detach()
+
+    return pytree.tree_map(one, value)
+
+
+def grad_outputs_of(out: Any) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The differentiable outputs of a node and a gradient (of ones) for each."""
+    outs = [
+        t for t in pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+    ]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+def time_node(
+    gm: torch.fx.GraphModule,
+    node: torch.fx.Node,
+    env: Dict[torch.fx.Node, Any],
+    clock: Clock,
+    repeats: int,
+    warmup: int,
+) -> Timing:
+    """Median forward and backward time of ``node`` on its recorded inputs."""
+    fn = node_callable(gm, node)
+    clone = is_inplace(gm, node)
+    params = module_params(gm, node)
+
+    def prepare() -> Tuple[Callable[[], Any], List[torch.Tensor]]:
+        leaves: List[torch.Tensor] = []
+        fresh = {n: _fresh(env[n], clone, leaves) for n in node.all_input_nodes}
+        args = torch.fx.node.map_arg(node.args, lambda n: fresh[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: fresh[n])
+        return (lambda: fn(*args, **kwargs)), leaves + params
+
+    return measure(clock, prepare, repeats, warmup)
+
+
+def measure(
+    clock: Clock,
+    prepare: Callable[[], Tuple[Callable[[], Any], List[torch.Tensor]]],
+    repeats: int,
+    warmup: int,
+) -> Timing:
+    """Median time of a forward call and of the gradient of its outputs.
+
+    ``prepare`` returns, fresh for each repetition, the forward call and the
+    tensors to differentiate with respect to (untimed). On CUDA the peak memory
+    above what was allocated before is taken on the first measured repetition.
+    """
+    fwd: List[float] = []
+    bwd: List[float] = []
+    peak: Optional[int] = None
+    for rep in range(warmup + repeats):
+        call, wrt = prepare()
+        wrt = _unique(wrt)
+        measure_mem = clock.cuda and rep == warmup
+        if measure_mem:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        f_s, out = clock(call)
+        if measure_mem:
+            peak = max(torch.cuda.max_memory_allocated() - base, 0)
+        outs, grads = grad_outputs_of(out)
+        b_s = 0.0
+        if outs and wrt:
+            b_s, _ = clock(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+        if rep >= warmup:
+            fwd.append(f_s)
+            bwd.append(b_s)
+        del out, outs, grads
+    return Timing(statistics.median(fwd), statistics.median(bwd), peak)
+
+
+def _unique(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    seen = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen and t.requires_grad:
+            seen.add(id(t))
+            out.append(t)
+    return out
