@@ -1,0 +1,168 @@
+"""Runs one rank's action list: the schedule decides the order, this only obeys.
+
+One small handler per action kind (as a flat instruction interpreter):
+
+- ``RECV_F m`` / ``RECV_B m`` post receives into microbatch ``m``'s mailbox;
+  they are waited right before the ``F m`` / ``B m`` that needs them.
+- ``F m`` runs the stage on the weight version the stash hands out, inside a
+  ``passes.comm.MailboxTransport`` bound for ``m``; the last stage also
+  computes the loss (scaled by ``1/M`` in flush and gpipe, so the step's
+  gradient is the gradient of the mean microbatch loss).
+- ``B m`` runs autograd from the loss (last stage) or from the stage's send
+  tokens, whose backward pulls in the received gradients. After it, ``m``'s
+  graph, loss and outputs are dropped: activations live from ``F m`` to
+  ``B m`` only; the mailbox stays until its gradients are sent.
+- ``SEND_F m`` / ``SEND_B m`` ship the mailbox contents (asynchronously).
+- ``ALLREDUCE`` combines gradients over replicas and tied copies.
+- ``STEP`` steps the optimizer, clears gradients and, with stashing, starts a
+  new weight version.
+
+Microbatch numbers in an action list are local to that list; ``run`` is given
+the global number of the list's microbatch 0, which picks the data and makes
+message tags unique across steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from fxpipe.actions import Action, Kind
+from fxpipe.layout import Layout
+from fxpipe.runtime.groups import GradReducer
+from fxpipe.runtime.stash import WeightStash
+from fxpipe.runtime.trace import Tracer
+from fxpipe.runtime.transport import P2P
+from passes import comm
+from passes.errors import FxpipeError
+
+# g -> (model inputs of microbatch g, its targets)
+DataFn = Callable[[int], Tuple[Sequence[Any], Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class ExecutorError(FxpipeError):
+    """An action list asked for something impossible (backward before forward, ...)."""
+
+
+@dataclass
+class _InFlight:
+    box: comm.MailboxTransport
+    tokens: Tuple[Any, ...] = ()
+    loss: Optional[torch.Tensor] = None
+
+
+class Executor:
+    def __init__(self, *, rank: int, layout: Layout, stage: int, module: nn.Module, input_indices: Sequence[int],
+                 is_last: bool, stash: WeightStash, optimizer: torch.optim.Optimizer, p2p: P2P,
+                 reducer: GradReducer, data: DataFn, loss_fn: Optional[LossFn], loss_scale: float,
+                 tracer: Optional[Tracer] = None) -> None:
+        self.rank, self.layout, self.stage = rank, layout, stage
+        self.module, self.input_indices, self.is_last = module, list(input_indices), is_last
+        self.stash, self.optimizer, self.p2p, self.reducer = stash, optimizer, p2p, reducer
+        self.data, self.loss_fn, self.loss_scale = data, loss_fn, loss_scale
+        self.tracer = tracer or Tracer(rank, enabled=False)
+        self.inflight: Dict[int, _InFlight] = {}
+        self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
+        self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
+        self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
+                          Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
+                          Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step}
+
+    def run(self, actions: Sequence[Action], base: int = 0) -> None:
+        """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
+        for a in actions:
+            g = base + a.mb if a.mb >= 0 else -1
+            cat = "comm" if a.is_send or a.is_recv else "compute"
+            with self.tracer.span(str(a), cat, mb=g):
+                self._handlers[a.kind](a, g)
+        self.p2p.wait_sends()
+        if self.inflight and any(f.loss is not None or f.tokens for f in self.inflight.values()):
+            left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens)
+            raise ExecutorError(f"rank {self.rank}: the action list ended with microbatches {left} "
+                                "forwarded but never backwarded")
+        self.inflight.clear()
+
+    def _box(self, g: int) -> comm.MailboxTransport:
+        if g not in self.inflight:
+            self.inflight[g] = _InFlight(comm.MailboxTransport())
+        return self.inflight[g].box
+
+    def _peer_stage(self, a: Action) -> int:
+        return self.layout.stage_of(a.peer)
+
+    # ------------------------------------------------------------ compute
+    def _forward(self, a: Action, g: int) -> None:
+        box = self._box(g)
+        self.p2p.complete(g, "F")
+        inputs, targets = self.data(g)
+        args = [inputs[i] for i in self.input_indices]
+        with comm.bind(box), torch.enable_grad():
+            outputs, tokens = self.stash.forward(g, args)
+        state = self.inflight[g]
+        state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
+        if self.is_last:
+            loss = self._loss(outputs, targets)
+            self.losses.append((g, float(loss.detach())))
+            state.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        if state.loss is None and not state.tokens:
+            self.stash.forget(g)
+
+    def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ExecutorError("the last stage needs a loss function (define loss_fn in the model file)")
+        loss = self.loss_fn(outputs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ExecutorError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                                f"{tuple(getattr(loss, 'shape', ()))}")
+        return loss
+
+    def _backward(self, a: Action, g: int) -> None:
+        state = self.inflight.get(g)
+        if state is None:
+            raise ExecutorError(f"rank {self.rank}: {a} before its forward (global microbatch {g})")
+        self.p2p.complete(g, "B")
+        roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+            self.stash.backward_done(g)
+        state.loss, state.tokens = None, ()
+        state.box.grad_in.clear()
+        state.box.inbox.clear()
+        if not state.box.grad_out:  # nothing to send back (or zeros): drop the microbatch now
+            self.inflight.pop(g, None)
+        if self.on_backward is not None:
+            self.on_backward(g)
+
+    def _allreduce(self, a: Action, g: int) -> None:
+        self.reducer()
+
+    def _step(self, a: Action, g: int) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stash.stepped()
+
+    # ------------------------------------------------------------ communication
+    def _send_f(self, a: Action, g: int) -> None:
+        state = self.inflight.get(g)
+        if state is None:
+            raise ExecutorError(f"rank {self.rank}: {a} before F{a.mb}")
+        self.p2p.send_forward(state.box, g, self.stage, self._peer_stage(a), a.peer)
+
+    def _recv_f(self, a: Action, g: int) -> None:
+        self.p2p.recv_forward(self._box(g), g, self.stage, self._peer_stage(a), a.peer)
+
+    def _send_b(self, a: Action, g: int) -> None:
+        state = self.inflight.get(g)
+        if state is not None and (state.loss is not None or state.tokens):
+            raise ExecutorError(f"rank {self.rank}: {a} before B{a.mb}")
+        # A missing state means B left no gradient to return: the peer gets zeros.
+        box = state.box if state is not None else comm.MailboxTransport()
+        self.p2p.send_backward(box, g, self.stage, self._peer_stage(a), a.peer)
+        if state is not None and not box.grad_out:
+            self.inflight.pop(g, None)
+
+    def _recv_b(self, a: Action, g: int) -> None:
+        self.p2p.recv_backward(self._box(g), g, self.stage, self._peer_stage(a), a.peer)

@@ -1,0 +1,90 @@
+"""Weight versions for one stage: the forward's weights are the backward's weights.
+
+PipeDream's 1F1B keeps several minibatches in flight per stage and updates the
+weights after every backward, so by the time minibatch ``m`` runs its
+backward the stage's weights have moved on. Correct gradients need the weights
+``m``'s forward saw. PipeDream swapped them in with ``load_state_dict``; on
+current PyTorch autograd rejects that, because the saved tensors of ``m``'s
+graph were modified in place.
+
+So the stash never mutates a tensor that a graph saved. The module's own
+parameters are the *master* copy that the optimizer updates. In stash mode each
+weight version is a set of detached clones of the master (made lazily at the
+first forward after a step), and a forward runs the stage with
+``torch.func.functional_call`` on its version. The backward accumulates into
+the version's ``.grad``; ``backward_done`` moves that into the master's
+``.grad`` and drops the version once no microbatch in flight uses it. Buffers
+(BatchNorm statistics) are not versioned: they are the module's own.
+
+Without stashing (flush, gpipe) there is one version, the master itself, and
+the stage is simply called; no copy is made.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+
+class WeightStash:
+    def __init__(self, module: nn.Module, stash: bool) -> None:
+        self.module = module
+        self.stash = stash
+        self.master: Dict[str, nn.Parameter] = dict(module.named_parameters())
+        self.version = 0  # the version the next forward uses
+        self._versions: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._users: Dict[int, int] = {}  # version -> microbatches in flight on it
+        self._mb_version: Dict[int, int] = {}
+
+    @property
+    def versions_kept(self) -> int:
+        """How many weight versions are alive (PipeDream: one per minibatch in flight)."""
+        return len(self._versions)
+
+    def forward(self, mb: int, args: Any) -> Any:
+        """Run the stage for microbatch ``mb`` on the current version and remember which."""
+        if not self.stash:
+            return self.module(*args)
+        v = self.version
+        if v not in self._versions:
+            self._versions[v] = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                                 for n, p in self.master.items()}
+        self._users[v] = self._users.get(v, 0) + 1
+        self._mb_version[mb] = v
+        return functional_call(self.module, self._versions[v], tuple(args), strict=False)
+
+    def backward_done(self, mb: int) -> None:
+        """Move ``mb``'s gradients onto the master and release its version."""
+        if not self.stash:
+            return
+        v = self._mb_version.pop(mb)
+        for name, t in self._versions[v].items():
+            if t.grad is None:
+                continue
+            p = self.master[name]
+            p.grad = t.grad if p.grad is None else p.grad + t.grad
+            t.grad = None
+        self._users[v] -= 1
+        self._release(v)
+
+    def forget(self, mb: int) -> None:
+        """Drop ``mb`` without a backward (its forward produced nothing to differentiate)."""
+        if self.stash and mb in self._mb_version:
+            v = self._mb_version.pop(mb)
+            self._users[v] -= 1
+            self._release(v)
+
+    def stepped(self) -> None:
+        """The optimizer updated the master: later forwards use a new version."""
+        if not self.stash:
+            return
+        old = self.version
+        self.version += 1
+        self._release(old)
+
+    def _release(self, v: int) -> None:
+        if self._users.get(v, 0) == 0 and v != self.version:
+            self._versions.pop(v, None)
+            self._users.pop(v, None)

@@ -1,0 +1,225 @@
+"""Moving mailbox contents between ranks with torch.distributed point-to-point.
+
+A stage graph never touches the wire: its ``send``/``recv`` calls fill and empty
+a ``passes.comm.MailboxTransport`` (one per microbatch). This module ships what
+the schedule's ``SEND_*``/``RECV_*`` actions name:
+
+- ``SEND_F``: every value in the outbox tagged for the peer's stage;
+- ``RECV_F``: posts one ``irecv`` per value the peer's stage sends here, into a
+  buffer allocated from the split's ``ValueMeta`` (shape and dtype known ahead,
+  so no size handshake);
+- ``SEND_B`` / ``RECV_B``: the gradients of those values, for every edge whose
+  value is a floating tensor. A gradient that autograd did not produce (the
+  value did not influence the loss) travels as zeros, so both sides always
+  agree on the message count without a handshake.
+
+Non-tensor values (sizes, Python scalars) are pickled into a byte tensor and
+sent as a length header followed by the payload; the receiver completes that
+pair inside the receive action so that, on NCCL, messages between two ranks
+are posted in the same order on both sides.
+
+Message tags are derived from (edge index, microbatch, direction), so gloo
+matches every message exactly even when several microbatches are in flight.
+Sends are asynchronous (as the schedule validator assumes: sends are
+buffered); their handles are kept with the tensor until they complete.
+Receives are waited lazily, right before the forward or backward that needs
+them, so a receive posted early overlaps with compute.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from passes.comm import MailboxTransport
+from passes.errors import FxpipeError
+from passes.meta import TensorMeta, ValueMeta
+
+# direction codes inside a tag
+_FWD, _BWD, _HDR, _PAY = 0, 1, 2, 3
+_TAG_WINDOW = 4096  # microbatches in flight never come close to this
+
+
+class TransportError(FxpipeError):
+    """A peer vanished, timed out, or sent a value that does not match the split."""
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One comm edge as the transport sees it (index = its position in the split)."""
+
+    index: int
+    tag: str
+    src_stage: int
+    dst_stage: int
+    value: ValueMeta
+
+    @property
+    def tensor(self) -> Optional[TensorMeta]:
+        return self.value.spec if self.value.is_tensor else None
+
+    @property
+    def carries_grad(self) -> bool:
+        t = self.tensor
+        return t is not None and torch_dtype(t.dtype).is_floating_point
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"torch.float32"`` -> ``torch.float32``."""
+    dtype = getattr(torch, name.split(".")[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransportError(f"unknown dtype {name!r} in the split's value metadata")
+    return dtype
+
+
+def wires_of(edges: Sequence[Any]) -> List[Wire]:
+    """Number the split's ``CommEdge`` list; tags must be unique (they key mailboxes)."""
+    wires = [Wire(i, e.tag, e.src_stage, e.dst_stage, e.value) for i, e in enumerate(edges)]
+    seen: Dict[str, Wire] = {}
+    for w in wires:
+        if w.tag in seen:
+            raise TransportError(f"comm tag '{w.tag}' is used by two edges ({seen[w.tag].src_stage}->"
+                                 f"{seen[w.tag].dst_stage} and {w.src_stage}->{w.dst_stage}); "
+                                 "the split must give every (value, consumer stage) its own tag")
+        seen[w.tag] = w
+    return wires
+
+
+@dataclass
+class _Pending:
+    work: Any
+    buf: torch.Tensor
+    store: Dict[str, Any]
+    tag: str
+    peer: int
+    what: str
+
+
+class P2P:
+    """Point-to-point mover for one rank. ``on_wait`` lets the tracer time waits."""
+
+    def __init__(self, wires: Sequence[Wire], device: torch.device, timeout_s: float,
+                 on_wait: Optional[Callable[[str], Any]] = None) -> None:
+        self.wires = list(wires)
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.on_wait = on_wait
+        self._sends: List[Tuple[Any, Any]] = []
+        self._recvs: Dict[Tuple[int, str], List[_Pending]] = {}
+
+    def _tag(self, wire: Wire, mb: int, code: int) -> int:
+        return (((mb % _TAG_WINDOW) * len(self.wires) + wire.index) << 2) | code
+
+    def _between(self, src: int, dst: int) -> List[Wire]:
+        return [w for w in self.wires if w.src_stage == src and w.dst_stage == dst]
+
+    # ------------------------------------------------------------ sends
+    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> None:
+        t = t.detach().to(self.device).contiguous()
+        self._sends.append((dist.isend(t, peer, tag=tag), t))
+
+    def send_forward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
+        objects = []
+        for w in self._between(my_stage, peer_stage):
+            if w.tag not in box.outbox:
+                raise TransportError(f"SEND_F{mb}: stage {my_stage} produced no value for tag '{w.tag}' "
+                                     f"(to stage {peer_stage}); its graph has no send for it")
+            value = box.outbox.pop(w.tag)
+            if w.tensor is None:
+                objects.append((w, value))
+                continue
+            _check(value, w, mb)
+            self._isend(value, peer, self._tag(w, mb, _FWD))
+        for w, value in objects:  # headers first, payloads after: one order on both sides
+            payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), peer, self._tag(w, mb, _HDR))
+            self._isend(payload, peer, self._tag(w, mb, _PAY))
+        self._prune()
+
+    def send_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
+        """Gradients of the values ``peer_stage`` sent here, back to it."""
+        for w in self._between(peer_stage, my_stage):
+            if not w.carries_grad:
+                continue
+            grad = box.grad_out.pop(w.tag, None)
+            if grad is None:
+                grad = torch.zeros(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype))
+            self._isend(grad, peer, self._tag(w, mb, _BWD))
+        self._prune()
+
+    def _prune(self) -> None:
+        if len(self._sends) > 64:
+            self._sends = [(wk, t) for wk, t in self._sends if not wk.is_completed()]
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            self._wait(work, "a send", -1)
+        self._sends.clear()
+
+    # ------------------------------------------------------------ receives
+    def recv_forward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
+        pending = self._recvs.setdefault((mb, "F"), [])
+        objects = []
+        for w in self._between(peer_stage, my_stage):
+            if w.tensor is None:
+                objects.append(w)
+                continue
+            buf = torch.empty(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype), device=self.device)
+            work = dist.irecv(buf, peer, tag=self._tag(w, mb, _FWD))
+            pending.append(_Pending(work, buf, box.inbox, w.tag, peer, f"RECV_F{mb}"))
+        for w in objects:
+            box.inbox[w.tag] = self._recv_object(w, mb, peer)
+
+    def _recv_object(self, w: Wire, mb: int, peer: int) -> Any:
+        head = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(head, peer, tag=self._tag(w, mb, _HDR)), f"RECV_F{mb} '{w.tag}'", peer)
+        payload = torch.empty(int(head.item()), dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(payload, peer, tag=self._tag(w, mb, _PAY)), f"RECV_F{mb} '{w.tag}'", peer)
+        return pickle.loads(payload.cpu().numpy().tobytes())
+
+    def recv_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
+        pending = self._recvs.setdefault((mb, "B"), [])
+        for w in self._between(my_stage, peer_stage):
+            if not w.carries_grad:
+                continue
+            buf = torch.empty(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype), device=self.device)
+            work = dist.irecv(buf, peer, tag=self._tag(w, mb, _BWD))
+            pending.append(_Pending(work, buf, box.grad_in, w.tag, peer, f"RECV_B{mb}"))
+
+    def complete(self, mb: int, direction: str) -> None:
+        """Wait for the receives of ``mb`` (``"F"`` or ``"B"``) and file them in their mailbox."""
+        for p in self._recvs.pop((mb, direction), []):
+            self._wait(p.work, p.what, p.peer)
+            p.store[p.tag] = p.buf
+
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        span = self.on_wait(what) if self.on_wait else None
+        try:
+            if span is not None:
+                with span:
+                    work.wait(self.timeout)
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as exc:
+            who = f"rank {peer}" if peer >= 0 else "a peer"
+            raise TransportError(
+                f"{what}: lost {who} (it failed, was killed, or took longer than the "
+                f"{self.timeout.total_seconds():.0f} s timeout): {exc}".strip()
+            ) from exc
+
+
+def _check(value: Any, w: Wire, mb: int) -> None:
+    meta = w.tensor
+    if not isinstance(value, torch.Tensor):
+        raise TransportError(f"tag '{w.tag}' (stage {w.src_stage}->{w.dst_stage}): the split recorded a "
+                             f"tensor but microbatch {mb} produced a {type(value).__name__}")
+    if tuple(value.shape) != tuple(meta.shape) or value.dtype != torch_dtype(meta.dtype):
+        raise TransportError(
+            f"tag '{w.tag}' (stage {w.src_stage}->{w.dst_stage}): microbatch {mb} produced "
+            f"{tuple(value.shape)} {value.dtype}, the split recorded {tuple(meta.shape)} {meta.dtype}; "
+            "every microbatch must have the example microbatch's shape (split again with that shape)"
+        )
