@@ -1,0 +1,83 @@
+"""``fxpipe plan SOURCE --devices K``: partition a profiled model and print (or save) the plan.
+
+SOURCE is a profile JSON (``fxpipe profile``), a PipeDream ``graph.txt``, or a
+model (a ``.py`` file or ``package.module:factory``) which is then captured and
+profiled on this machine first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from passes.costgraph import CostGraph
+from passes.errors import FxpipeError
+from passes.partition import partition, stderr_progress
+
+from fxpipe.plan import plan_from_result
+from fxpipe.units import parse_bandwidth, parse_memory
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="partition a model into pipeline stages (CP-SAT)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="profile JSON, PipeDream graph.txt, model .py file or package.module:factory")
+    p.add_argument("--devices", "-k", type=int, required=True, help="number of devices K")
+    p.add_argument("--bandwidth", type=parse_bandwidth, default=1.25e9,
+                   help="bytes/s between stages (1.25e9, 10Gbit/s, 1.25GB/s; default 10 Gbit/s)")
+    p.add_argument("--allreduce-bandwidth", type=parse_bandwidth, default=None,
+                   help="bytes/s inside a replica group (default: --bandwidth)")
+    p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
+    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-stash")
+    p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
+    p.add_argument("--replication", choices=("any", "pow2", "none"), default="any",
+                   help="replicas per stage: any count, powers of two, or none (straight pipeline)")
+    p.add_argument("--fewer-devices", action="store_true", help="allow plans that leave devices idle")
+    p.add_argument("--optimizer-state", type=float, default=1.0, help="optimizer bytes per weight byte (Adam: 2)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
+    p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: from the profile)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("-o", "--output", default=None, help="also write the plan JSON here")
+    p.set_defaults(func=run)
+
+
+def load_source(source: str) -> CostGraph:
+    """A CostGraph from a profile file, or by capturing and profiling a model."""
+    path = Path(source)
+    if path.suffix != ".py" and (path.exists() or ":" not in source):
+        return CostGraph.load(path)
+    try:
+        from fxpipe.loader import load_model
+    except ImportError as exc:
+        raise FxpipeError(f"plan: cannot load model {source!r} ({exc}); profile it with `fxpipe profile` "
+                          "and pass the profile JSON") from exc
+    from passes.capture import capture
+    from passes.profile import profile, to_cost_graph
+
+    spec = load_model(source)
+    gm = capture(spec.model, spec.example_inputs, leaf_modules=getattr(spec, "leaf_modules", ()) or (),
+                 concrete_args=getattr(spec, "concrete_args", None))
+    print(f"plan: profiling {source} ...", file=sys.stderr)
+    return to_cost_graph(profile(gm, spec.example_inputs))
+
+
+def run(args: argparse.Namespace) -> int:
+    graph = load_source(args.source)
+    result = partition(
+        graph, args.devices, bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth,
+        memory=args.memory, microbatches=args.microbatches, schedule=args.schedule,
+        cost_model=args.cost_model, replication=args.replication, fewer_devices=args.fewer_devices,
+        optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers,
+        progress=stderr_progress,
+    )
+    plan = plan_from_result(result, graph, batch_size=args.batch_size)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        print(plan.table())
+    return 0

@@ -1,0 +1,140 @@
+"""The plan: which nodes run where, with how many replicas, and what it should cost.
+
+All costs are per MICROBATCH (the example input given to fxpipe is one
+microbatch): ``bottleneck_s`` is the predicted time between two microbatches
+leaving the pipeline, so ``samples_per_s = batch_size / bottleneck_s``. The
+speedups compare with one device running the whole model and with pure data
+parallelism (all devices replicas of one stage), both under the same cost model.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+from passes.costgraph import CostGraph
+from passes.errors import FxpipeError
+from passes.partition import PartitionResult, data_parallel, evaluate
+from passes.partition.costmodel import CostOptions
+
+from fxpipe.layout import Layout
+
+PLAN_SCHEMA = "fxpipe-plan/1"
+
+
+@dataclass
+class StagePlan:
+    index: int
+    nodes: List[str]
+    replicas: int
+    ranks: List[int]
+    fwd_s: float  # one microbatch on one device (not divided by replicas)
+    bwd_s: float
+    compute_s: float  # (fwd_s + bwd_s) / replicas
+    allreduce_s: float
+    comm_s: float
+    time_s: float  # the cost model's stage time
+    param_bytes: int
+    send_bytes: int  # bytes this stage sends to later stages per microbatch
+    memory_bytes: int  # predicted peak per device
+
+
+@dataclass
+class Plan:
+    stages: List[StagePlan]
+    devices: int
+    batch_size: int
+    bottleneck_s: float
+    samples_per_s: float
+    speedup_vs_one: float
+    speedup_vs_dp: float
+    options: Dict[str, object] = field(default_factory=dict)
+    solver: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of([s.replicas for s in self.stages])
+
+    def assignment(self) -> Dict[str, int]:
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    # ------------------------------------------------------------ JSON
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["schema"] = PLAN_SCHEMA
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if data.get("schema", PLAN_SCHEMA) != PLAN_SCHEMA:
+            raise FxpipeError(f"plan schema is {data.get('schema')!r}, expected {PLAN_SCHEMA!r}; re-run `fxpipe plan`")
+        data = {k: v for k, v in data.items() if k != "schema"}
+        data["stages"] = [StagePlan(**s) for s in data["stages"]]
+        return cls(**data)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Plan":
+        path = Path(path)
+        if not path.exists():
+            raise FxpipeError(f"plan file not found: {path}")
+        return cls.from_json(json.loads(path.read_text()))
+
+    # ------------------------------------------------------------ printing
+    def table(self) -> str:
+        from tabulate import tabulate
+
+        rows = [[s.index, len(s.nodes), s.replicas, _ranks(s.ranks), f"{s.compute_s * 1e3:.3f}",
+                 f"{s.allreduce_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}", f"{s.time_s * 1e3:.3f}",
+                 _mib(s.param_bytes), _mib(s.send_bytes), _mib(s.memory_bytes)] for s in self.stages]
+        head = ["stage", "nodes", "replicas", "ranks", "compute ms", "allreduce ms", "comm ms",
+                "time ms", "params MiB", "sends MiB", "memory MiB"]
+        solver = self.solver
+        lines = [
+            tabulate(rows, head, tablefmt="simple"),
+            f"bottleneck {self.bottleneck_s * 1e3:.3f} ms per microbatch, {self.samples_per_s:.1f} samples/s; "
+            f"speedup {self.speedup_vs_one:.2f}x vs one device, {self.speedup_vs_dp:.2f}x vs data parallel "
+            f"on {self.devices} devices ({self.options.get('cost_model')} cost model)",
+            f"solver {solver.get('status')}: bound {float(solver.get('bound_s', 0)) * 1e3:.3f} ms, "
+            f"gap {float(solver.get('gap', 0)) * 100:.2f}%, {float(solver.get('wall_s', 0)):.2f} s",
+        ]
+        return "\n".join(lines)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def plan_from_result(result: PartitionResult, graph: CostGraph, batch_size: Optional[int] = None) -> Plan:
+    """Build the Plan of a partition; ``batch_size`` defaults to the profile's ``info['batch_size']`` or 1."""
+    opts: CostOptions = result.options
+    layout = Layout.of(result.replicas)
+    stages = [
+        StagePlan(index=j, nodes=list(s.nodes), replicas=s.replicas, ranks=layout.ranks(j), fwd_s=s.fwd_s,
+                  bwd_s=s.bwd_s, compute_s=s.compute_s, allreduce_s=s.allreduce_s, comm_s=s.comm_s,
+                  time_s=s.time_s, param_bytes=s.param_bytes, send_bytes=s.send_bytes,
+                  memory_bytes=s.memory_bytes)
+        for j, s in enumerate(result.stages)
+    ]
+    batch = int(batch_size or graph.info.get("batch_size", 1) or 1)
+    one = evaluate(graph, {n: 0 for n in graph.nodes}, [1], opts).bottleneck_s
+    dp = data_parallel(graph, opts).bottleneck_s
+    bottleneck = result.bottleneck_s
+    return Plan(
+        stages=stages, devices=opts.devices, batch_size=batch, bottleneck_s=bottleneck,
+        samples_per_s=batch / bottleneck if bottleneck > 0 else float("inf"),
+        speedup_vs_one=one / bottleneck if bottleneck > 0 else float("inf"),
+        speedup_vs_dp=dp / bottleneck if bottleneck > 0 else float("inf"),
+        options=opts.as_dict(), solver=result.solver_stats(),
+    )

@@ -1,0 +1,21 @@
+"""Pipeline partitioning with CP-SAT: which nodes go to which stage, with how many replicas.
+
+``partition(graph, devices, **options)`` returns a ``PartitionResult``;
+``apply_assignment(gm, result.assignment)`` records the stages on an fx graph.
+The cost models live in ``costmodel`` as plain functions, so any assignment can
+be scored (``evaluate``) the same way the solver scores it.
+"""
+from passes.partition.costmodel import CostOptions, Evaluation, StageCost, data_parallel, evaluate
+from passes.partition.driver import (
+    InfeasibleError,
+    PartitionResult,
+    apply_assignment,
+    is_convex,
+    partition,
+    stderr_progress,
+)
+
+__all__ = [
+    "CostOptions", "Evaluation", "StageCost", "data_parallel", "evaluate",
+    "InfeasibleError", "PartitionResult", "apply_assignment", "is_convex", "partition", "stderr_progress",
+]

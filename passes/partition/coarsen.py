@@ -1,0 +1,174 @@
+"""Group nodes so the solver sees a few hundred units instead of thousands.
+
+A group always lands in one stage, so every merge removes some stage
+boundaries from the search. Merges are chosen to remove the least useful ones:
+
+1. zero-cost nodes (no compute, no weights: views, adds, concats) join their
+   only producer or only consumer: a cut next to them rarely matters, their
+   output usually has the size of their input;
+2. chains ``u -> v`` (``u`` has one consumer, ``v`` one producer) with the
+   smallest combined compute first, up to a cap of a few percent of the ideal
+   stage, so balance cannot suffer by more than that.
+
+Both merges keep the group graph acyclic (the merged edge is the only path
+between the two). Bytes crossing a boundary are still counted per original
+producer (see ``Units.producers``), so a group's cut accounting stays exact;
+the only approximation is the restricted set of cut positions. Inputs and the
+output node are never merged.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Dict, List, Set, Tuple
+
+from passes.costgraph import CostGraph
+from passes.partition.costmodel import CostOptions, counts_comm
+
+
+@dataclass
+class Units:
+    """The solver's view: units (groups of nodes) in topological order."""
+
+    members: List[List[str]]
+    compute: List[float]
+    param_bytes: List[int]  # weights owned by the unit and not shared with other units
+    act_bytes: List[int]  # stashed activations (outputs of its non-input nodes)
+    has_compute: List[bool]
+    is_input: List[bool]  # only in the PipeDream model: forced into stage 0
+    is_output: List[bool]  # forced into the last stage
+    edges: List[Tuple[int, int]]
+    producers: List[Tuple[int, int, List[int]]]  # (unit, bytes, consumer units outside it)
+    shared: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)  # param -> (bytes, units)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def unit_of(self) -> Dict[str, int]:
+        return {n: i for i, names in enumerate(self.members) for n in names}
+
+
+def model_nodes(graph: CostGraph, opts: CostOptions) -> List[str]:
+    """Nodes the solver places; fxpipe leaves inputs out (every rank loads them)."""
+    if opts.cost_model == "pipedream":
+        return list(graph.nodes)
+    return [n for n, node in graph.nodes.items() if not node.is_input]
+
+
+def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) -> Units:
+    """Aggregate costs of ``groups`` (each a list of node names, topologically ordered)."""
+    unit = {n: i for i, names in enumerate(groups) for n in names}
+    users: Dict[str, Set[int]] = {}
+    for name in unit:
+        for p in graph.nodes[name].params if graph.param_sizes else ():
+            users.setdefault(p, set()).add(unit[name])
+    shared = {p: (graph.param_sizes.get(p, 0), sorted(u)) for p, u in users.items() if len(u) > 1}
+    succ = graph.successors()
+    units = Units(members=groups, compute=[], param_bytes=[], act_bytes=[], has_compute=[],
+                  is_input=[], is_output=[], edges=[], producers=[], shared=shared)
+    for i, names in enumerate(groups):
+        nodes = [graph.nodes[n] for n in names]
+        units.compute.append(sum(n.compute_s for n in nodes))
+        own = 0
+        for n in nodes:
+            if n.params and graph.param_sizes:
+                own += sum(graph.param_sizes.get(p, 0) for p in n.params if p not in shared)
+            else:
+                own += n.param_bytes
+        units.param_bytes.append(own)
+        units.act_bytes.append(sum(n.out_bytes for n in nodes if not n.is_input))
+        units.has_compute.append(any(not n.is_input and n.op != "output" for n in nodes))
+        units.is_input.append(all(n.is_input for n in nodes))
+        units.is_output.append(any(n.op == "output" for n in nodes))
+        for n in names:
+            outside = sorted({unit[v] for v in succ[n] if v in unit and unit[v] != i})
+            if outside and counts_comm(graph.nodes[n], opts) and graph.nodes[n].out_bytes > 0:
+                units.producers.append((i, graph.nodes[n].out_bytes, outside))
+    units.edges = sorted({(unit[u], unit[v]) for u, v in graph.edges if u in unit and v in unit and unit[u] != unit[v]})
+    return units
+
+
+def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300) -> Units:
+    """Units for the solver: one per node if the graph is small, else merged groups."""
+    names = model_nodes(graph, opts)
+    if len(names) <= target:
+        return build_units(graph, opts, [[n] for n in names])
+    merger = _Merger(graph, names, opts)
+    merger.merge_zero_cost(target)
+    cap = 0.05 * graph.total_compute_s() / opts.devices
+    merger.merge_chains(target, cap)
+    return build_units(graph, opts, merger.groups())
+
+
+class _Merger:
+    """Union of nodes along single edges, keeping predecessor/successor sets of groups."""
+
+    def __init__(self, graph: CostGraph, names: List[str], opts: CostOptions) -> None:
+        self.graph = graph
+        self.order = {n: i for i, n in enumerate(names)}
+        self.head = {n: n for n in names}
+        self.items: Dict[str, List[str]] = {n: [n] for n in names}
+        self.pred: Dict[str, Set[str]] = {n: set() for n in names}
+        self.succ: Dict[str, Set[str]] = {n: set() for n in names}
+        for u, v in graph.edges:
+            if u in self.order and v in self.order:
+                self.succ[u].add(v)
+                self.pred[v].add(u)
+        self.cost = {n: graph.nodes[n].compute_s for n in names}
+        self.fixed = {n for n in names if graph.nodes[n].is_input or graph.nodes[n].op == "output"}
+
+    def groups(self) -> List[List[str]]:
+        heads = sorted(self.items, key=lambda h: min(self.order[n] for n in self.items[h]))
+        return [sorted(self.items[h], key=self.order.__getitem__) for h in heads]
+
+    def _merge(self, a: str, b: str) -> str:
+        """Merge group ``b`` into ``a`` (caller guarantees the edge between them is the only path)."""
+        for n in self.items.pop(b):
+            self.head[n] = a
+            self.items[a].append(n)
+        for x in self.pred.pop(b):
+            self.succ[x].discard(b)
+            if x != a:
+                self.succ[x].add(a)
+                self.pred[a].add(x)
+        for x in self.succ.pop(b):
+            self.pred[x].discard(b)
+            if x != a:
+                self.pred[x].add(a)
+                self.succ[a].add(x)
+        self.pred[a].discard(a)
+        self.succ[a].discard(a)
+        self.cost[a] += self.cost.pop(b)
+        return a
+
+    def merge_zero_cost(self, target: int) -> None:
+        for n in list(self.order):
+            if len(self.items) <= target:
+                return
+            node = self.graph.nodes[n]
+            if n in self.fixed or n not in self.items or node.compute_s > 0 or node.param_bytes > 0:
+                continue
+            if len(self.pred[n]) == 1 and next(iter(self.pred[n])) not in self.fixed:
+                self._merge(next(iter(self.pred[n])), n)
+            elif len(self.succ[n]) == 1 and next(iter(self.succ[n])) not in self.fixed:
+                self._merge(next(iter(self.succ[n])), n)
+
+    def merge_chains(self, target: int, cap: float) -> None:
+        heap = []
+        for u in self.items:
+            for v in self.succ[u]:
+                heap.append((self.cost[u] + self.cost[v], u, v))
+        heapq.heapify(heap)
+        while heap and len(self.items) > target:
+            cost, u, v = heapq.heappop(heap)
+            if u not in self.items or v not in self.items or v not in self.succ[u]:
+                continue
+            if cost != self.cost[u] + self.cost[v] or cost > cap:
+                continue
+            if u in self.fixed or v in self.fixed or len(self.succ[u]) != 1 or len(self.pred[v]) != 1:
+                continue
+            a = self._merge(u, v)
+            for x in self.pred[a]:
+                heapq.heappush(heap, (self.cost[x] + self.cost[a], x, a))
+            for x in self.succ[a]:
+                heapq.heappush(heap, (self.cost[a] + self.cost[x], a, x))

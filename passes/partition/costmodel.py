@@ -1,0 +1,251 @@
+"""The two cost models, as plain functions that score any stage assignment.
+
+Both models describe one pipeline in steady state and give the time per
+microbatch of its slowest part (the *bottleneck*); throughput is one
+microbatch per bottleneck. Both assume communication OVERLAPS computation:
+a stage's compute and its weight all-reduce run back to back on its devices,
+while activations and gradients travel on the links concurrently, so
+
+    stage time_j = max(compute_j / r_j + allreduce_j,  cut times on both sides of j)
+    bottleneck   = max_j stage time_j
+
+A cut b (between stage b and b+1) carries ``A_b`` bytes forward (the outputs
+of nodes in stages <= b used by any stage > b, so a value used by a
+non-adjacent later stage crosses every boundary in between) and as many bytes
+of gradients backward: ``cut time = 2 A_b / (B · min(r_b, r_{b+1}))``, since
+the r replicas on each side each have their own link.
+
+``fxpipe`` model (default):
+  - all-reduce is a ring: ``2 (r-1)/r · P_j / B_allreduce``, charged in full
+    per microbatch (conservative: the contracts' schedules all-reduce after
+    every backward in 1F1B-stash);
+  - values produced by ``is_input`` nodes cost nothing to move: every rank
+    loads the model inputs itself.
+``pipedream`` model, exactly as PipeDream's optimizer computes it (see
+shared/anchors/pipedream-results.md): stage time ``(C + 4(r-1)·P/(B·r)) / r``,
+cut time as above, input nodes in stage 0 and their activations counted.
+
+Memory per device of stage j (both models; PipeDream itself only checks
+memory on request): weights × versions + one gradient buffer + optimizer state
+(a multiple of the weights) + the stage's stashed activations × microbatches in
+flight. 1F1B-stash keeps one weight version per microbatch in flight,
+``n_j = ceil(sum_{k>=j} r_k / r_j)``; 1F1B-flush keeps one version and
+``min(n_j, ceil(M / r_j))`` activations; GPipe one version and ``ceil(M / r_j)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from passes.costgraph import CostGraph, CostNode
+from passes.errors import FxpipeError
+
+COST_MODELS = ("fxpipe", "pipedream")
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
+REPLICATION = ("any", "pow2", "none")
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Everything besides the graph that a plan's cost depends on (units: s, bytes, bytes/s)."""
+
+    devices: int
+    bandwidth: float = 1.25e9
+    allreduce_bandwidth: Optional[float] = None  # None: same as ``bandwidth``
+    cost_model: str = "fxpipe"
+    schedule: str = "1f1b-stash"
+    microbatches: Optional[int] = None  # None: as many as devices
+    memory: Optional[int] = None  # bytes per device; None: unchecked
+    optimizer_state: float = 1.0  # optimizer bytes per weight byte (SGD momentum: 1, Adam: 2)
+    replication: str = "any"
+    fewer_devices: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.devices >= 1, f"devices must be >= 1, got {self.devices}"),
+            (self.bandwidth > 0, f"bandwidth must be > 0 bytes/s, got {self.bandwidth}"),
+            (self.ar_bandwidth > 0, f"allreduce bandwidth must be > 0, got {self.allreduce_bandwidth}"),
+            (self.cost_model in COST_MODELS, f"cost model {self.cost_model!r} is not one of {COST_MODELS}"),
+            (self.schedule in SCHEDULES, f"schedule {self.schedule!r} is not one of {SCHEDULES}"),
+            (self.replication in REPLICATION, f"replication {self.replication!r} is not one of {REPLICATION}"),
+            (self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise FxpipeError(f"partition: {message}")
+
+    @property
+    def ar_bandwidth(self) -> float:
+        return self.allreduce_bandwidth if self.allreduce_bandwidth is not None else self.bandwidth
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.devices
+
+    def allowed_replicas(self) -> List[int]:
+        if self.replication == "none":
+            return [1]
+        if self.replication == "pow2":
+            return [r for r in range(1, self.devices + 1) if r & (r - 1) == 0]
+        return list(range(1, self.devices + 1))
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "devices": self.devices,
+            "bandwidth": self.bandwidth,
+            "allreduce_bandwidth": self.ar_bandwidth,
+            "cost_model": self.cost_model,
+            "schedule": self.schedule,
+            "microbatches": self.num_microbatches,
+            "memory": self.memory,
+            "optimizer_state": self.optimizer_state,
+            "replication": self.replication,
+            "fewer_devices": self.fewer_devices,
+        }
+
+
+# ------------------------------------------------------------ formulas
+
+
+def allreduce_s(param_bytes: float, r: int, opts: CostOptions) -> float:
+    """Weight synchronisation time per microbatch of a stage with ``r`` replicas."""
+    if r <= 1:
+        return 0.0
+    if opts.cost_model == "pipedream":
+        return 4.0 * (r - 1) * param_bytes / (opts.bandwidth * r) / r
+    return 2.0 * (r - 1) / r * param_bytes / opts.ar_bandwidth
+
+
+def allreduce_coeff(r: int, opts: CostOptions) -> float:
+    """``r · allreduce_s(P, r) / P``: the weight on P in ``r·T >= C + coeff·P``."""
+    return r * allreduce_s(1.0, r, opts)
+
+
+def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> float:
+    """Activations forward plus gradients backward over a boundary."""
+    return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))
+
+
+def counts_comm(node: CostNode, opts: CostOptions) -> bool:
+    """Whether a node's output costs bandwidth when it crosses a boundary."""
+    return opts.cost_model == "pipedream" or not node.is_input
+
+
+def in_flight(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
+    """Microbatches whose activations one device of ``stage`` holds at once."""
+    r = replicas[stage]
+    pipeline = math.ceil(sum(replicas[stage:]) / r)
+    per_replica = math.ceil(opts.num_microbatches / r)
+    if opts.schedule == "gpipe":
+        return per_replica
+    if opts.schedule == "1f1b-flush":
+        return min(pipeline, per_replica)
+    return pipeline
+
+
+def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
+    return in_flight(stage, replicas, opts) if opts.schedule == "1f1b-stash" else 1
+
+
+def memory_bytes(param_bytes: int, act_bytes: int, stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
+    weights = param_bytes * (weight_versions(stage, replicas, opts) + 1 + opts.optimizer_state)
+    return int(round(weights + act_bytes * in_flight(stage, replicas, opts)))
+
+
+def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:
+    """Weight bytes a stage holds: shared parameters (tied weights) count once per stage."""
+    total = 0
+    names = set()
+    for name in nodes:
+        node = graph.nodes[name]
+        if node.params and graph.param_sizes:
+            names.update(node.params)
+        else:
+            total += node.param_bytes
+    return total + sum(graph.param_sizes.get(p, 0) for p in names)
+
+
+# ------------------------------------------------------------ evaluation
+
+
+@dataclass
+class StageCost:
+    nodes: List[str]
+    replicas: int
+    fwd_s: float
+    bwd_s: float
+    compute_s: float
+    allreduce_s: float
+    comm_s: float
+    time_s: float
+    param_bytes: int
+    act_bytes: int
+    send_bytes: int
+    memory_bytes: int
+
+
+@dataclass
+class Evaluation:
+    stages: List[StageCost]
+    cut_bytes: List[int] = field(default_factory=list)
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(s.memory_bytes for s in self.stages)
+
+
+def cut_bytes_of(graph: CostGraph, assignment: Mapping[str, int], num_stages: int, opts: CostOptions) -> List[int]:
+    """Bytes crossing each boundary b (stage b -> b+1), forward direction."""
+    cuts = [0] * max(num_stages - 1, 0)
+    last_use: Dict[str, int] = {}
+    for u, v in graph.edges:
+        last_use[u] = max(last_use.get(u, -1), assignment[v])
+    for u, last in last_use.items():
+        node = graph.nodes[u]
+        if counts_comm(node, opts):
+            for b in range(assignment[u], last):
+                cuts[b] += node.out_bytes
+    return cuts
+
+
+def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions) -> Evaluation:
+    """Score an assignment (every node -> stage) with per-stage ``replicas``."""
+    num_stages = len(replicas)
+    members: List[List[str]] = [[] for _ in range(num_stages)]
+    for name in graph.nodes:
+        members[assignment[name]].append(name)
+    cuts = cut_bytes_of(graph, assignment, num_stages, opts)
+    send = [0] * num_stages
+    for u, v in {(u, assignment[v]) for u, v in graph.edges}:
+        if v > assignment[u] and counts_comm(graph.nodes[u], opts):
+            send[assignment[u]] += graph.nodes[u].out_bytes
+    stages = []
+    for j, names in enumerate(members):
+        r = replicas[j]
+        fwd = sum(graph.nodes[n].fwd_s for n in names)
+        bwd = sum(graph.nodes[n].bwd_s for n in names)
+        params = param_bytes_of(graph, names)
+        acts = sum(graph.nodes[n].out_bytes for n in names if not graph.nodes[n].is_input)
+        comm = 0.0
+        if j > 0:
+            comm = max(comm, cut_s(cuts[j - 1], replicas[j - 1], r, opts))
+        if j < num_stages - 1:
+            comm = max(comm, cut_s(cuts[j], r, replicas[j + 1], opts))
+        ar = allreduce_s(params, r, opts)
+        stages.append(StageCost(
+            nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
+            allreduce_s=ar, comm_s=comm, time_s=max((fwd + bwd) / r + ar, comm),
+            param_bytes=params, act_bytes=acts, send_bytes=send[j],
+            memory_bytes=memory_bytes(params, acts, j, replicas, opts),
+        ))
+    return Evaluation(stages=stages, cut_bytes=cuts)
+
+
+def data_parallel(graph: CostGraph, opts: CostOptions) -> Evaluation:
+    """All devices as replicas of one stage, under the same cost model."""
+    return evaluate(graph, {n: 0 for n in graph.nodes}, [opts.devices], opts)

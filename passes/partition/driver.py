@@ -1,0 +1,160 @@
+"""``partition(graph, devices, **options)``: coarsen, warm start, CP-SAT, map back, score.
+
+The answer is always scored again with the floating-point cost model
+(``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
+does not depend on the solver's integer scaling or on coarsening.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+
+from passes.costgraph import CostGraph
+from passes.errors import FxpipeError
+from passes.partition.coarsen import Units, coarsen
+from passes.partition.costmodel import CostOptions, Evaluation, StageCost, evaluate
+from passes.partition.heuristic import best_order_dp
+from passes.partition.model import PartitionModel, SolveResult
+
+
+class InfeasibleError(FxpipeError):
+    """No plan satisfies the request; the message says what would fit."""
+
+
+@dataclass
+class PartitionResult:
+    assignment: Dict[str, int]
+    replicas: List[int]
+    stages: List[StageCost]
+    bottleneck_s: float
+    options: CostOptions
+    status: str  # OPTIMAL, FEASIBLE (time limit), or HEURISTIC (no solver answer)
+    objective_s: float
+    bound_s: float
+    wall_s: float
+    units: int  # what the solver saw after coarsening
+    heuristic_s: Optional[float] = None  # the warm start's bottleneck
+    trace: List[tuple] = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        return max(0.0, (self.bottleneck_s - self.bound_s) / self.bottleneck_s) if self.bottleneck_s > 0 else 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    def solver_stats(self) -> Dict[str, object]:
+        return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
+                "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s}
+
+
+def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, workers: int = 2,
+              coarsen_above: int = 300, progress: Optional[Callable[[str], None]] = None,
+              **options) -> PartitionResult:
+    """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
+
+    ``progress``: called with one line per improving solution (the CLI passes
+    a stderr printer); ``coarsen_above``: unit count above which nodes merge.
+    """
+    opts = CostOptions(devices=devices, **options)
+    start = time.monotonic()
+    units = coarsen(graph, opts, target=coarsen_above)
+    _check_devices(units, opts)
+    warm = best_order_dp(units, opts)
+    model = PartitionModel(units, opts)
+    heuristic_s = None
+    if warm is not None:
+        heuristic_s = evaluate(graph, _to_nodes(graph, units, warm[0]), warm[1], opts).bottleneck_s
+        model.hint(warm[0], warm[1])
+        if opts.memory is None and not units.shared:
+            model.upper_bound(warm[2])
+    remaining = max(0.1, time_limit - (time.monotonic() - start))
+    solved = model.solve(remaining, workers=workers, report=progress)
+    if solved.stage_of is None:
+        _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
+        solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
+    assignment = _to_nodes(graph, units, solved.stage_of)
+    result = evaluate(graph, assignment, solved.replicas, opts)
+    return PartitionResult(
+        assignment=assignment, replicas=list(solved.replicas), stages=result.stages,
+        bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
+        objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
+        wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
+    )
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _check_devices(units: Units, opts: CostOptions) -> None:
+    work = sum(units.has_compute)
+    if work == 0:
+        raise InfeasibleError("partition: the graph has no node with compute; nothing to place on devices")
+    if opts.replication == "none" and not opts.fewer_devices and opts.devices > work:
+        raise InfeasibleError(
+            f"partition: {opts.devices} devices without replication need {opts.devices} stages, but only "
+            f"{work} units have compute; use at most --devices {work}, or allow replication or --fewer-devices")
+
+
+def _to_nodes(graph: CostGraph, units: Units, stage_of: List[int]) -> Dict[str, int]:
+    """Unit stages back to nodes; nodes the solver did not see (fxpipe inputs) join their first consumer."""
+    assignment = {n: stage_of[i] for i, names in enumerate(units.members) for n in names}
+    succ = graph.successors()
+    for name in reversed(list(graph.nodes)):
+        if name not in assignment:
+            stages = [assignment[v] for v in succ[name] if v in assignment]
+            assignment[name] = min(stages, default=0)
+    used = sorted(set(stage_of))
+    renumber = {s: i for i, s in enumerate(used)}
+    return {n: renumber.get(s, 0) for n, s in assignment.items()}
+
+
+def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult,
+                      warm, time_limit: float, workers: int) -> None:
+    """Raise with the smallest memory that fits (if memory is the reason)."""
+    if solved.status == "UNKNOWN" and warm is not None and opts.memory is None:
+        return  # time ran out before CP-SAT restated the warm start: keep it
+    if opts.memory is None:
+        raise InfeasibleError(f"partition: no plan found ({solved.status}) in {solved.wall_s:.1f}s; "
+                              "raise --time-limit")
+    probe = PartitionModel(units, opts, minimise_memory=True)
+    if warm is not None:
+        probe.hint(warm[0], warm[1])
+    least = probe.solve(max(5.0, time_limit / 4), workers=workers)
+    what = (f"the smallest memory per device that fits on {opts.devices} devices is "
+            f"{_fmt_bytes(least.objective)}" if least.stage_of is not None
+            else "no plan fits any memory in the time given")
+    if least.stage_of is not None and least.status != "OPTIMAL":
+        what += f" (found within the time limit; at least {_fmt_bytes(least.bound)})"
+    raise InfeasibleError(
+        f"partition: no plan fits in {_fmt_bytes(opts.memory)} per device "
+        f"({opts.schedule}, optimizer state {opts.optimizer_state}x weights); {what}. "
+        "Raise --memory, add devices, or use --schedule 1f1b-flush/gpipe with fewer microbatches.")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3f} {unit} ({int(n)} bytes)"
+    return f"{int(n)} bytes"
+
+
+def apply_assignment(gm, assignment: Dict[str, int]) -> None:
+    """Write ``meta.StageAssign`` on every fx node named in ``assignment``."""
+    from passes import meta
+
+    for node in gm.graph.nodes:
+        if node.name in assignment:
+            meta.put(node, meta.StageAssign(stage=int(assignment[node.name])))
+
+
+def is_convex(graph: CostGraph, assignment: Dict[str, int]) -> bool:
+    """Stages form a chain: no edge goes backwards, and no stage is left empty."""
+    stages = set(assignment.values())
+    return all(assignment[u] <= assignment[v] for u, v in graph.edges) and stages == set(range(len(stages)))
+
