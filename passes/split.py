@@ -23,9 +23,11 @@ the policy (which stage) from the mechanism (this module). Rules:
   sent leaf by leaf (each leaf gets its own tag, so a tensor leaf keeps its
   gradient) and rebuilt in the consumer; sizes and Python scalars are sent as
   values (``shape=None``).
-- a sent value that its own stage later overwrites in place (after, in the
-  original order, the consumer read it) is copied just before the write and
-  the copy is sent; see ``passes.split_check.plan_snapshots``.
+- in-place ops: a sent value that its own stage later overwrites in place
+  (after, in the original order, the consumer read it) is copied right before
+  the write and the copy is sent (tag ``"<value>@v<k>:<src>-><dst>"``), so the
+  consumer reads what it read in the original; writes that a pipeline cannot
+  reproduce are rejected by name. See ``passes.split_check.plan_versions``.
 
 Every stage returns ``(outputs, tokens)``: the original output structure on the
 last stage (``None`` elsewhere) and the tuple of what its sends returned (the
@@ -42,7 +44,7 @@ import torch
 import torch.fx
 
 from passes import comm, meta
-from passes.split_check import COMPUTE_OPS, SplitError, check_assignment, is_dropped, plan_snapshots
+from passes.split_check import COMPUTE_OPS, SplitError, Versions, check_assignment, plan_versions
 from passes.split_values import ValueRun, ensure_value_meta, record_values
 
 Path = Tuple[Any, ...]
@@ -91,8 +93,9 @@ def _rebuild(spec: Any, path: Path, nodes: Dict[Path, torch.fx.Node]) -> Any:
     return nodes[path]
 
 
-def _tag(node: torch.fx.Node, path: Path, src: int, dst: int) -> str:
-    return f"{node.name}{''.join(f'[{p!r}]' for p in path)}:{src}->{dst}"
+def _tag(node: torch.fx.Node, path: Path, src: int, dst: int, version: Optional[int] = None) -> str:
+    at = "" if version is None else f"@v{version}"
+    return f"{node.name}{''.join(f'[{p!r}]' for p in path)}{at}:{src}->{dst}"
 
 
 def _grad_reach(gm: torch.fx.GraphModule) -> set:
@@ -118,7 +121,7 @@ class _StageBuilder:
         self.gm, self.j, self.ctx = gm, j, ctx
         self.g = torch.fx.Graph()
         self.env: Dict[torch.fx.Node, Any] = {}
-        self.snap: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
+        self.older: Dict[Tuple[torch.fx.Node, int], Any] = {}  # (value, version) -> copy or recv of it
         self.inputs: List[int] = []
         self.edges: List[CommEdge] = []
         self.tokens: List[torch.fx.Node] = []
@@ -134,17 +137,19 @@ class _StageBuilder:
                 self.inputs.append(i)
         for u in nodes:
             if self.j in self.ctx.dsts.get(u, ()):
-                self._recv(u)
+                for version in self.ctx.versions.sends.get((u, self.j), [None]):
+                    self._recv(u, version)
         for n in nodes:
             if n.op == "get_attr" and self.used_here(n):
                 self.env[n] = self._copy(n)
             elif self.ctx.stage_of.get(n) == self.j and n.op in COMPUTE_OPS:
-                for v, t in self.ctx.snapshots.get(n, ()):
-                    self.snap[(v, t)] = self._node(torch.clone, (self.env[v],), f"{v.name}_sent")
+                for v, k in self.ctx.versions.copy_before.get(n, ()):
+                    self.older[(v, k)] = self._node(torch.clone, (self.env[v],), f"{v.name}_v{k}")
                 self.env[n] = self._copy(n)
         for u in nodes:
             for t in self.ctx.dsts.get(u, ()) if self.ctx.stage_of.get(u) == self.j else ():
-                self._send(u, t)
+                for version in self.ctx.versions.sends.get((u, t), [None]):
+                    self._send(u, t, version)
         out = None
         if self.j == self.ctx.count - 1:
             out_node = next(n for n in nodes if n.op == "output")
@@ -153,38 +158,45 @@ class _StageBuilder:
         self.g.lint()
         return torch.fx.GraphModule(self.gm, self.g, class_name=f"Stage{self.j}")
 
+    def _arg(self, reader: torch.fx.Node, a: torch.fx.Node) -> Any:
+        version = self.ctx.versions.read.get((reader, a))
+        return self.env[a] if version is None else self.older[(a, version)]
+
     def _copy(self, n: torch.fx.Node) -> torch.fx.Node:
-        new = self.g.node_copy(n, lambda a: self.env[a])
+        new = self.g.node_copy(n, lambda a: self._arg(n, a))
         new.meta[meta.NAMESPACE] = dict(n.meta.get(meta.NAMESPACE, {}))  # do not share the dict with the original
         return new
 
     def _node(self, target: Any, args: tuple, name: str, kwargs: Optional[dict] = None) -> torch.fx.Node:
         return self.g.create_node("call_function", target, args, kwargs or {}, name=name)
 
-    def _recv(self, u: torch.fx.Node) -> None:
+    def _recv(self, u: torch.fx.Node, version: Optional[int]) -> None:
         src, spec = self.ctx.stage_of[u], meta.get(u, meta.ValueMeta).spec
         got: Dict[Path, torch.fx.Node] = {}
         for path, leaf in leaves(spec):
-            tag = _tag(u, path, src, self.j)
+            tag = _tag(u, path, src, self.j, version)
             kwargs = {}
             if isinstance(leaf, meta.TensorMeta):
                 needs_grad = leaf.requires_grad or (u in self.ctx.reach and _is_float(leaf.dtype))
                 kwargs = {"shape": leaf.shape, "dtype": getattr(torch, leaf.dtype.split(".")[-1]),
                           "requires_grad": needs_grad}
-            name = u.name + "".join(f"_{p}" for p in path)
+            name = u.name + "".join(f"_{p}" for p in path) + ("" if version is None else f"_v{version}")
             got[path] = node = self._node(comm.recv, (tag, src), name, kwargs)
             meta.put(node, meta.ValueMeta(leaf))
             meta.put(node, meta.CommInfo("recv", tag, src, self.j, meta.ValueMeta(leaf)))
-        self.env[u] = _rebuild(spec, (), got)
+        if version is None:
+            self.env[u] = _rebuild(spec, (), got)
+        else:
+            self.older[(u, version)] = _rebuild(spec, (), got)
 
-    def _send(self, u: torch.fx.Node, t: int) -> None:
+    def _send(self, u: torch.fx.Node, t: int, version: Optional[int]) -> None:
         spec = meta.get(u, meta.ValueMeta).spec
-        base = self.snap.get((u, t), self.env[u])
+        base = self.env[u] if version is None else self.older[(u, version)]
         for path, leaf in leaves(spec):
             node = base
             for k, p in enumerate(path):
                 node = self.ctx.item(self, node, path[: k + 1], p, u)
-            tag = _tag(u, path, self.j, t)
+            tag = _tag(u, path, self.j, t, version)
             tok = self._node(comm.send, (node, tag, t), f"send_{u.name}" + "".join(f"_{p}" for p in path))
             meta.put(tok, meta.CommInfo("send", tag, self.j, t, meta.ValueMeta(leaf)))
             self.tokens.append(tok)
@@ -196,7 +208,7 @@ class _Context:
     stage_of: Dict[torch.fx.Node, int]
     count: int
     dsts: Dict[torch.fx.Node, List[int]]
-    snapshots: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]]
+    versions: Versions
     reach: set
     items: Dict[Tuple[int, torch.fx.Node, Path], torch.fx.Node] = field(default_factory=dict)
 
@@ -264,13 +276,13 @@ def split_stages(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any
     if example_inputs is not None:
         run = record_values(gm, example_inputs)
     ensure_value_meta(gm)
-    snapshots = plan_snapshots(stage_of, run)
-    for m, pairs in snapshots.items():
+    versions = plan_versions(stage_of, run)
+    for m, pairs in versions.copy_before.items():
         for v, _ in pairs:
             if not meta.get(v, meta.ValueMeta).is_tensor:
                 raise SplitError(f"split: in-place op '{m.name}' overwrites '{v.name}' (not a single tensor) "
                                  "after a later stage read it; make the op out-of-place")
-    ctx = _Context(stage_of, count, _destinations(stage_of), snapshots, _grad_reach(gm))
+    ctx = _Context(stage_of, count, _destinations(stage_of), versions, _grad_reach(gm))
     builders = [_StageBuilder(gm, j, ctx) for j in range(count)]
     stages = [b.build() for b in builders]
     names, tied, aliases = _param_names(gm, stages)

@@ -9,6 +9,7 @@ order), and rejects the in-place patterns a pipeline cannot reproduce.
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch.fx
@@ -69,75 +70,71 @@ def check_assignment(gm: torch.fx.GraphModule) -> Tuple[Dict[torch.fx.Node, int]
     return stage_of, count
 
 
-def first_reads(stage_of: Dict[torch.fx.Node, int], order: Dict[torch.fx.Node, int]
-                ) -> Dict[Tuple[torch.fx.Node, int], int]:
-    """(value, consumer stage) -> position of that stage's first reader of it."""
-    first: Dict[Tuple[torch.fx.Node, int], int] = {}
-    for r, t in stage_of.items():
-        for v in r.all_input_nodes:
-            if v in stage_of and stage_of[v] != t:
-                key = (v, t)
-                first[key] = min(first.get(key, order[r]), order[r])
-    return first
+@dataclass
+class Versions:
+    """Which version of a sent value each reader needs, when its stage overwrites it.
+
+    Version ``k`` of value ``v`` is its content after the first ``k`` in-place
+    writes that ``v``'s own stage makes to it; ``None`` is the final content
+    (what a send at the end of the stage carries). ``read``: (reader, value) ->
+    version, only for readers that need an earlier one; ``copy_before``: writer
+    -> [(value, k)] to copy right before that write; ``sends``: (value,
+    consumer stage) -> versions to send.
+    """
+
+    read: Dict[Tuple[torch.fx.Node, torch.fx.Node], int] = field(default_factory=dict)
+    copy_before: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]] = field(default_factory=dict)
+    sends: Dict[Tuple[torch.fx.Node, int], List[Optional[int]]] = field(default_factory=dict)
 
 
-def _writes_in_stage(run: ValueRun, stage_of: Dict[torch.fx.Node, int]) -> Dict[int, List[torch.fx.Node]]:
-    by_key: Dict[int, List[torch.fx.Node]] = defaultdict(list)
+def plan_versions(stage_of: Dict[torch.fx.Node, int], run: Optional[ValueRun]) -> Versions:
+    """Find in-place writes to values that other stages read; plan the copies.
+
+    In the original order a reader in another stage may read a value before its
+    own stage overwrites it in place; the pipeline runs that stage to the end
+    first, so the split copies the value right before the write and sends the
+    copy. Writes that a pipeline cannot reproduce raise ``SplitError``: each
+    stage holds its own copy of what it received (and of the model inputs), so
+    only the stage that produced a value can write into it for others.
+    """
+    versions = Versions()
+    if run is None:
+        return versions
+    writers: Dict[int, List[torch.fx.Node]] = defaultdict(list)
     for m, keys in run.writes.items():
         for k in keys:
-            by_key[k].append(m)
-    return by_key
-
-
-def plan_snapshots(stage_of: Dict[torch.fx.Node, int], run: Optional[ValueRun]
-                   ) -> Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]]:
-    """Where to copy a sent value before its own stage overwrites it.
-
-    Returns ``writer -> [(value, consumer stage)]``: insert a copy of ``value``
-    right before ``writer`` and send the copy to that stage. Raises when a
-    write would be seen by a stage that, in the original order, must not see it
-    (or must and cannot): in a pipeline each stage holds its own copy of what it
-    received, so only the stage that produced a value can write into it for
-    others.
-    """
-    if run is None:
-        return {}
-    writers = _writes_in_stage(run, stage_of)
-    first = first_reads(stage_of, run.order)
-    snapshots: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]] = defaultdict(list)
+            writers[k].append(m)
     for r, t in stage_of.items():
         for v in r.all_input_nodes:
-            for key in run.keys.get(v, ()):
-                for m in writers.get(key, ()):
-                    _check_one_read(r, t, v, m, stage_of, run, first, snapshots)
-    earliest: Dict[Tuple[torch.fx.Node, int], torch.fx.Node] = {}
-    for m in sorted(snapshots, key=run.order.__getitem__):
-        for pair in snapshots[m]:
-            earliest.setdefault(pair, m)
-    result: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]] = defaultdict(list)
-    for pair, m in earliest.items():
-        result[m].append(pair)
-    return dict(result)
+            later = {m for key in run.keys.get(v, ()) for m in writers.get(key, ())
+                     if m is not r and run.order[m] > run.order[v]}
+            own = sorted((m for m in later if stage_of.get(m) == stage_of.get(v)), key=run.order.__getitem__)
+            for m in later:
+                _check_write(r, t, v, m, stage_of)
+            if stage_of.get(v, t) != t:
+                _plan_read(r, t, v, own, run, versions)
+    return versions
 
 
-def _check_one_read(r: torch.fx.Node, t: int, v: torch.fx.Node, m: torch.fx.Node,
-                    stage_of: Dict[torch.fx.Node, int], run: ValueRun,
-                    first: Dict[Tuple[torch.fx.Node, int], int],
-                    snapshots: Dict[torch.fx.Node, List[Tuple[torch.fx.Node, int]]]) -> None:
-    order, s_m = run.order, stage_of.get(m)
-    if r is m or s_m == t or order[v] >= order[m]:
-        return  # same stage keeps the original order; a value made after the write includes it
-    if stage_of.get(v) == s_m:
-        read_at = first[(v, t)]
-        if order[m] < read_at:
-            return  # written before any reader in stage t: the send at the end carries it
-        if order[r] > order[m]:
-            raise SplitError(f"split: stage {t} reads '{v.name}' both before and after the in-place op "
-                             f"'{m.name}' of stage {s_m} overwrites it; make '{m.name}' out-of-place or put "
-                             f"'{r.name}' in stage {s_m}")
-        if (v, t) not in snapshots[m]:
-            snapshots[m].append((v, t))
-        return
+def _check_write(r: torch.fx.Node, t: int, v: torch.fx.Node, m: torch.fx.Node,
+                 stage_of: Dict[torch.fx.Node, int]) -> None:
+    s_m = stage_of.get(m)
+    if s_m == t or s_m == stage_of.get(v):
+        return  # a stage keeps the original order among its own nodes; own-stage writes are versioned
     raise SplitError(f"split: in-place op '{m.name}' (stage {s_m}) writes into '{v.name}', which '{r.name}' "
                      f"(stage {t}) also reads; stages hold separate copies, so assign '{m.name}' and "
                      f"'{r.name}' to the same stage, or make '{m.name}' out-of-place")
+
+
+def _plan_read(r: torch.fx.Node, t: int, v: torch.fx.Node, own: List[torch.fx.Node], run: ValueRun,
+               versions: Versions) -> None:
+    k = sum(1 for m in own if run.order[m] < run.order[r])
+    version: Optional[int] = None if k == len(own) else k
+    if version is not None:
+        versions.read[(r, v)] = version
+        pairs = versions.copy_before.setdefault(own[k], [])
+        if (v, k) not in pairs:
+            pairs.append((v, k))
+    wanted = versions.sends.setdefault((v, t), [])
+    if version not in wanted:
+        wanted.append(version)

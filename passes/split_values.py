@@ -136,6 +136,6 @@ def ensure_value_meta(gm: torch.fx.GraphModule) -> None:
         elif "tensor_meta" in n.meta and hasattr(n.meta["tensor_meta"], "shape"):
             tm = n.meta["tensor_meta"]
             meta.put(n, meta.ValueMeta(meta.TensorMeta(tuple(tm.shape), str(tm.dtype), bool(tm.requires_grad))))
-        elif n.op not in ("get_attr", "placeholder"):
+        elif n.op not in ("get_attr", "placeholder") and n.users:
             raise ShapePropError(f"split: node '{n.name}' has no shape record: pass example_inputs to "
                                  "split_stages(...) (or run passes.profile first)")
