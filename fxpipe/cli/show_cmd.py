@@ -1,0 +1,63 @@
+"""``fxpipe show PLAN_OR_OUTDIR``: look at a plan, its graph and its schedule.
+
+Writes one self-contained HTML page (no network needed to open it), or with
+``--text`` prints the stage table and an ASCII timeline, or with
+``--format dot|svg|png`` writes the graph through Graphviz.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from passes.errors import FxpipeError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("show", help="view a plan: graph by stage, stage table, schedule timeline",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="PLAN_OR_OUTDIR", help="folder written by `fxpipe split`, or a plan.json")
+    p.add_argument("-o", "--output", help="output file (default: view.html in the folder, or PLAN.html)")
+    p.add_argument("--profile", help="profile.json / PipeDream graph.txt to draw (default: profile.json beside the plan)")
+    p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace` to draw beside the simulation")
+    p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
+    p.add_argument("--schedule", choices=("1f1b-flush", "1f1b-stash", "gpipe"),
+                   help="schedule to simulate (default: the plan's)")
+    p.add_argument("--microbatches", type=int, help="microbatches per step to simulate (default: the plan's)")
+    p.add_argument("--format", choices=("html", "dot", "svg", "png"), default="html",
+                   help="html (default, self-contained) or the graph through Graphviz")
+    p.add_argument("--width", type=int, default=100, help="columns of the ASCII timeline (--text)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tools.show.data import load_input, load_trace
+    from tools.show.view import simulate_input, stage_of
+
+    data = load_input(args.target, args.profile)
+    sim, layout = simulate_input(data, args.schedule, args.microbatches)
+    if args.text:
+        from tools.show.text import render_text
+        print(render_text(data.plan, sim, layout, data.notes, args.width))
+        return 0
+    out = Path(args.output) if args.output else _default_output(Path(args.target), args.format)
+    if args.format != "html":
+        if data.graph is None:
+            raise FxpipeError("--format dot/svg/png draws the graph, which needs profile.json; pass --profile")
+        from tools.show import graphviz
+        graphviz.write(data.graph, stage_of(data.plan), out, args.format)
+    else:
+        from tools.show.html import render_html
+        measured = load_trace(args.trace) if args.trace else None
+        title = f"fxpipe plan: {len(data.plan.stages)} stages on {data.plan.devices} devices"
+        out.write_text(render_html(data, sim, layout, measured, title=title))
+    for note in data.notes:
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {out}")
+    return 0
+
+
+def _default_output(target: Path, fmt: str) -> Path:
+    if target.is_dir():
+        return target / f"view.{fmt}"
+    return target.with_suffix(f".{fmt}")

@@ -1,0 +1,191 @@
+"""`fxpipe show`: the self-contained page, the terminal view, the CLI."""
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fxpipe.cli import main
+from passes.costgraph import CostGraph, CostNode
+from tools.show.data import ShowInput, load_trace, plan_to_json, synthetic_plan
+from tools.show.graph import graph_payload
+from tools.show.html import render_html
+from tools.show.text import render_text
+from tools.show.view import simulate_input
+
+PROFILES = Path("/work/shared/anchors/pipedream-profiles")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small_graph():
+    """A residual block with module paths, as an fxpipe profile would have."""
+    spec = [("x", "placeholder", "", 0.0, 400, 0, True), ("stem_conv", "call_module", "stem.conv", 2e-3, 1024, 4096, False),
+            ("stem_relu", "call_module", "stem.relu", 1e-4, 1024, 0, False),
+            ("block_conv1", "call_module", "block.conv1", 3e-3, 1024, 8192, False),
+            ("block_conv2", "call_module", "block.conv2", 3e-3, 1024, 8192, False),
+            ("add", "call_function", "block", 1e-5, 1024, 0, False),
+            ("head_fc", "call_module", "head.fc", 1e-3, 40, 2048, False), ("output", "output", "", 0.0, 0, 0, False)]
+    nodes = {n: CostNode(n, op, n, f, 2 * f, out, p, module_path=mp, is_input=inp)
+             for n, op, mp, f, out, p, inp in spec}
+    edges = [("x", "stem_conv"), ("stem_conv", "stem_relu"), ("stem_relu", "block_conv1"),
+             ("block_conv1", "block_conv2"), ("block_conv2", "add"), ("stem_relu", "add"), ("add", "head_fc"),
+             ("head_fc", "output")]
+    return CostGraph(nodes, edges, param_sizes={})
+
+
+SMALL_ASSIGN = {"x": 0, "stem_conv": 0, "stem_relu": 0, "block_conv1": 1, "block_conv2": 1, "add": 2,
+                "head_fc": 2, "output": 2}
+
+
+def split_by_compute(graph, S):
+    total, acc, out = graph.total_compute_s(), 0.0, {}
+    for name, node in graph.nodes.items():
+        out[name] = min(S - 1, int(acc / total * S))
+        acc += node.compute_s
+    return out
+
+
+def embedded_data(page):
+    m = re.search(r'<script type="application/json" id="fxpipe-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def check_page(page, graph, plan):
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r'(src|href)\s*=\s*["\'](?!#)', page), "the page must not load anything"
+    data = embedded_data(page)
+    assert {n["name"] for n in data["graph"]["nodes"]} == set(graph.nodes)
+    for name in graph.nodes:
+        assert json.dumps(name) in page
+    body = page.split("<tbody>")[1].split("</tbody>")[0]
+    assert body.count("<tr") == len(plan.stages)
+    assert body.count('class="bottleneck"') >= 1
+    for j in range(len(plan.stages)):
+        assert f"stage {j}" in page or f">{j}</td>" in page
+    assert {n["stage"] for n in data["graph"]["nodes"]} == set(range(len(plan.stages)))
+    world = sum(s.replicas for s in plan.stages)
+    assert sorted(map(int, data["sim"]["ranks"])) == list(range(world))
+    return data
+
+
+def test_small_graph_page_is_self_contained_and_complete():
+    g = small_graph()
+    plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 1], batch_size=4)
+    d = ShowInput(plan, g, "small")
+    sim, layout = simulate_input(d)
+    data = check_page(render_html(d, sim, layout), g, plan)
+    assert data["graph"]["collapsed"] is False
+    assert "stem.conv (1)" in {grp["label"] for grp in data["graph"]["groups"]}  # deepest paths that fit
+    coarse = graph_payload(g, SMALL_ASSIGN, max_groups=4)
+    labels = sorted((grp["stage"], grp["label"]) for grp in coarse["groups"])
+    # module subtrees, split where a stage boundary cuts them (block: stage 1 and stage 2)
+    assert labels == [(0, "stem (2)"), (0, "x"), (1, "block (2)"), (2, "block (1)"), (2, "head (1)"), (2, "output")]
+
+
+def test_large_pipedream_graph_collapses_by_groups_and_stays_fast():
+    g = CostGraph.load(PROFILES / "nasnetamobile.txt")
+    assert len(g.nodes) > 500
+    plan = synthetic_plan(g, split_by_compute(g, 3), [2, 1, 1], batch_size=32, microbatches=8)
+    d = ShowInput(plan, g, "nasnetamobile")
+    start = time.perf_counter()
+    sim, layout = simulate_input(d)
+    page = render_html(d, sim, layout)
+    assert time.perf_counter() - start < 5.0
+    data = check_page(page, g, plan)
+    graph = data["graph"]
+    assert graph["collapsed"] and 10 <= len(graph["groups"]) <= 100
+    for grp in graph["groups"]:
+        assert len({graph["nodes"][i]["stage"] for i in grp["members"]}) == 1
+    assert sorted(i for grp in graph["groups"] for i in grp["members"]) == list(range(len(g.nodes)))
+
+
+def test_groups_without_module_paths_keep_the_collapsed_graph_acyclic():
+    g = CostGraph.load(PROFILES / "nasnetalarge.txt")
+    p = graph_payload(g, split_by_compute(g, 4))
+    group = [n["group"] for n in p["nodes"]]
+    for u, v in p["edges"]:
+        assert group[u] <= group[v]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node.js not installed")
+def test_drawing_script_parses(tmp_path):
+    from tools.show.assets import JS
+    (tmp_path / "v.js").write_text(JS)
+    subprocess.run(["node", "--check", str(tmp_path / "v.js")], check=True)
+
+
+def write_outdir(folder, graph, assignment, replicas):
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = synthetic_plan(graph, assignment, replicas, batch_size=4, microbatches=4)
+    (folder / "plan.json").write_text(json.dumps(plan_to_json(plan)))
+    graph.save(folder / "profile.json")
+    return plan
+
+
+def test_cli_writes_page_with_measured_trace(tmp_path, capsys):
+    write_outdir(tmp_path / "out", small_graph(), SMALL_ASSIGN, [1, 1, 1])
+    trace = [{"ph": "X", "pid": r, "tid": 0, "name": n, "ts": 1000 + 10 * i, "dur": 8}
+             for r in range(3) for i, n in enumerate(["F0", "F1", "B0", "B1", "STEP"])]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": trace}))
+    assert main(["show", str(tmp_path / "out"), "--trace", str(tmp_path / "trace.json")]) == 0
+    page = (tmp_path / "out" / "view.html").read_text()
+    data = embedded_data(page)
+    assert sorted(data["measured"]["ranks"]) == ["0", "1", "2"]
+    assert data["measured"]["ranks"]["0"][0] == [0.0, 8e-6, "F0", "F"]
+    assert "http://" not in page and "https://" not in page
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_text_view(tmp_path, capsys):
+    write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [2, 1, 1])
+    assert main(["show", str(tmp_path), "--text", "--schedule", "gpipe", "--microbatches", "4", "--width", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "stage time" in out and "* bottleneck stage" in out
+    lanes = [line for line in out.splitlines() if re.match(r"r\d+\s+s\d", line)]
+    assert len(lanes) == 4 and all(len(line.split("|")[1]) == 60 for line in lanes)
+    assert "gpipe: 4 microbatches" in out and "F0" in out and "B" in out
+
+
+def test_plain_plan_without_profile_says_so(tmp_path, capsys):
+    g = small_graph()
+    plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 1])
+    (tmp_path / "p.json").write_text(json.dumps(plan_to_json(plan)))
+    assert main(["show", str(tmp_path / "p.json")]) == 0
+    page = (tmp_path / "p.html").read_text()
+    assert embedded_data(page)["graph"] is None
+    assert "graph view unavailable" in capsys.readouterr().err
+    assert "graph view unavailable" in page
+
+
+def test_cli_dot_and_errors(tmp_path, capsys):
+    write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [1, 1, 1])
+    assert main(["show", str(tmp_path), "--format", "dot", "-o", str(tmp_path / "g.dot")]) == 0
+    dot = (tmp_path / "g.dot").read_text()
+    assert dot.startswith("digraph") and "stem_conv" in dot and "dashed" in dot
+    assert main(["show", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["show", str(tmp_path / "empty")]) == 2
+    assert "no plan.json" in capsys.readouterr().err
+
+
+def test_trace_loader(tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps([{"ph": "X", "pid": 1, "name": "SEND_F0>r2", "ts": 5, "dur": 2},
+                                                 {"ph": "B", "pid": 0, "name": "x", "ts": 1}]))
+    assert load_trace(str(tmp_path / "t.json")) == {1: [[0.0, 2e-6, "SEND_F0>r2", "comm"]]}
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(Exception, match="no complete"):
+        load_trace(str(tmp_path / "bad.json"))
+
+
+def test_text_view_of_replicated_plan():
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    plan = synthetic_plan(g, split_by_compute(g, 2), [3, 1], batch_size=32, microbatches=6)
+    d = ShowInput(plan, g, "vgg16")
+    sim, layout = simulate_input(d, kind="1f1b-stash")
+    text = render_text(plan, sim, layout, d.notes)
+    assert "1f1b-stash: 6 microbatches" in text
+    assert text.count("\nr") == 4

@@ -1,0 +1,1 @@
+"""fxpipe's tools: the plan viewer (``tools.show``) and the benchmarks (``tools.bench``)."""

@@ -1,0 +1,167 @@
+"""What ``fxpipe show`` looks at: a plan, its profiled graph if known, a trace.
+
+``fxpipe split`` writes an output folder with ``plan.json`` (``Plan.to_json``)
+and ``profile.json`` (``CostGraph.to_json``). A bare plan file works too; the
+view then has no graph and says so. The plan is read with ``fxpipe.plan.Plan``
+when that module is importable, else through the contract's field names, so
+the viewer keeps working on plans written by older or newer fxpipe versions.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+from passes.costgraph import CostGraph
+from passes.errors import FxpipeError
+
+STAGE_FIELDS = ("index", "nodes", "replicas", "ranks", "fwd_s", "bwd_s", "compute_s", "allreduce_s", "comm_s",
+                "time_s", "param_bytes", "send_bytes", "memory_bytes")
+PLAN_FIELDS = ("devices", "batch_size", "bottleneck_s", "samples_per_s", "speedup_vs_one", "speedup_vs_dp",
+               "options", "solver")
+
+
+@dataclass
+class ShowInput:
+    plan: Any
+    graph: Optional[CostGraph]
+    source: str
+    notes: List[str] = field(default_factory=list)
+
+
+def load_plan(path: Path) -> Any:
+    """A ``Plan`` (or an object with its fields) from ``plan.json``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FxpipeError(f"cannot read plan {path}: {exc}; pass the plan.json written by `fxpipe split`") from exc
+    if not isinstance(data, dict) or "stages" not in data:
+        raise FxpipeError(f"{path} is not a plan (no 'stages'); pass plan.json or the folder `fxpipe split` wrote")
+    try:
+        from fxpipe.plan import Plan
+    except ImportError:
+        return plan_from_dict(data)
+    return Plan.from_json(data)
+
+
+def plan_from_dict(data: Mapping[str, Any]) -> Any:
+    stages = [SimpleNamespace(**{k: s.get(k, _default(k, j)) for k, j in zip(STAGE_FIELDS, [i] * 13)})
+              for i, s in enumerate(data["stages"])]
+    plan = SimpleNamespace(stages=stages, **{k: data.get(k) for k in PLAN_FIELDS})
+    plan.options = dict(plan.options or {})
+    plan.solver = dict(plan.solver or {})
+    return plan
+
+
+def _default(key: str, index: int) -> Any:
+    return {"index": index, "nodes": [], "replicas": 1, "ranks": []}.get(key, 0)
+
+
+def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
+    """Resolve ``PLAN_OR_OUTDIR`` (and an explicit ``--profile``) into a ``ShowInput``."""
+    path = Path(target)
+    if not path.exists():
+        raise FxpipeError(f"{target} does not exist; pass the folder `fxpipe split` wrote or its plan.json")
+    plan_path = path / "plan.json" if path.is_dir() else path
+    if not plan_path.exists():
+        raise FxpipeError(f"{path} has no plan.json; run `fxpipe split MODEL -o {path}` first")
+    notes: List[str] = []
+    plan = load_plan(plan_path)
+    prof = Path(profile) if profile else plan_path.parent / "profile.json"
+    graph = None
+    if prof.exists():
+        graph = CostGraph.load(prof)
+        missing = [n for s in plan.stages for n in s.nodes if n not in graph.nodes]
+        if missing:
+            notes.append(f"{len(missing)} plan nodes are not in {prof.name} (first: {missing[0]}); graph may be partial")
+    elif profile:
+        raise FxpipeError(f"profile {profile} not found")
+    else:
+        notes.append(f"no profile.json next to {plan_path.name}: graph view unavailable "
+                     "(show the folder `fxpipe split` wrote, or pass --profile)")
+    return ShowInput(plan=plan, graph=graph, source=str(plan_path), notes=notes)
+
+
+def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,
+                   bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = "1f1b-flush") -> Any:
+    """A plan for a hand-made assignment (tests, demos): costs summed from the graph.
+
+    Stage time here is ``compute / r`` plus the bytes it sends over
+    ``bandwidth``; it is only a stand-in for the partitioner's cost model.
+    """
+    from fxpipe.layout import Layout
+    from fxpipe.simulate import link_bytes
+
+    layout = Layout.of(replicas)
+    sends = link_bytes(graph, assignment)
+    stages = []
+    for j, r in enumerate(replicas):
+        names = [n for n in graph.nodes if assignment.get(n) == j]
+        f = sum(graph.nodes[n].fwd_s for n in names)
+        b = sum(graph.nodes[n].bwd_s for n in names)
+        p = sum(graph.nodes[n].param_bytes for n in names)
+        out = sum(v for (a, _), v in sends.items() if a == j)
+        ar = 4 * (r - 1) * p / (bandwidth * r) if r > 1 else 0.0
+        comm = out / bandwidth
+        stages.append(SimpleNamespace(index=j, nodes=names, replicas=r, ranks=layout.ranks(j), fwd_s=f, bwd_s=b,
+                                      compute_s=(f + b) / r, allreduce_s=ar, comm_s=comm,
+                                      time_s=(f + b) / r + ar + comm, param_bytes=p, send_bytes=out,
+                                      memory_bytes=p + sum(graph.nodes[n].out_bytes for n in names)))
+    bottleneck = max(s.time_s for s in stages)
+    total = graph.total_compute_s()
+    return SimpleNamespace(stages=stages, devices=layout.world_size, batch_size=batch_size, bottleneck_s=bottleneck,
+                           samples_per_s=batch_size / bottleneck if bottleneck else 0.0,
+                           speedup_vs_one=total / bottleneck if bottleneck else 0.0, speedup_vs_dp=0.0,
+                           options={"bandwidth": bandwidth, "microbatches": microbatches, "schedule": schedule},
+                           solver={"status": "hand assignment"})
+
+
+def plan_to_json(plan: Any) -> Dict[str, Any]:
+    if hasattr(plan, "to_json"):
+        return plan.to_json()
+    out = {k: getattr(plan, k, None) for k in PLAN_FIELDS}
+    out["stages"] = [{k: getattr(s, k, None) for k in STAGE_FIELDS} for s in plan.stages]
+    return out
+
+
+def load_trace(path: str) -> Dict[int, List[list]]:
+    """Chrome trace (``fxpipe train --trace``) -> ``{rank: [[start_s, end_s, name, kind], ...]}``.
+
+    Complete events (``ph: "X"``) only; ``pid`` is the rank; times start at 0.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FxpipeError(f"cannot read trace {path}: {exc}") from exc
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    xs = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e]
+    if not xs:
+        raise FxpipeError(f"{path} has no complete ('ph': 'X') events; write it with `fxpipe train --trace`")
+    t0 = min(float(e["ts"]) for e in xs)
+    ranks: Dict[int, List[list]] = {}
+    for e in xs:
+        start = (float(e["ts"]) - t0) / 1e6
+        end = start + float(e.get("dur", 0)) / 1e6
+        name = str(e.get("name", "?"))
+        ranks.setdefault(int(e.get("pid", 0)), []).append([start, end, name, trace_kind(name)])
+    for evs in ranks.values():
+        evs.sort()
+    return ranks
+
+
+def trace_kind(name: str) -> str:
+    """Timeline category of a trace event name (``F3``, ``B0``, ``SEND_F2>r1``, ``wait ...``)."""
+    n = name.upper()
+    if n.startswith(("SEND", "RECV")):
+        return "comm"
+    if "WAIT" in n:
+        return "wait"
+    if n.startswith("ALLREDUCE"):
+        return "allreduce"
+    if n.startswith(("STEP", "OPT")):
+        return "step"
+    if n[:1] in ("F", "B") and n[1:2].isdigit():
+        return "F" if n[0] == "F" else "B"
+    return "other"
