@@ -1,0 +1,58 @@
+"""Plan: built from a partition, JSON round trip, and the ``fxpipe plan`` command."""
+import json
+from pathlib import Path
+
+import pytest
+
+from passes.costgraph import CostGraph
+from passes.partition import partition
+from fxpipe.cli import main
+from fxpipe.plan import Plan, plan_from_result
+
+VGG = Path("/work/shared/anchors/pipedream-profiles/vgg16.txt")
+
+
+@pytest.fixture(scope="module")
+def vgg_plan():
+    g = CostGraph.load(VGG)
+    return g, plan_from_result(partition(g, 8, cost_model="pipedream", time_limit=20), g, batch_size=128)
+
+
+def test_plan_numbers(vgg_plan):
+    g, plan = vgg_plan
+    assert [s.ranks for s in plan.stages] == [list(range(7)), [7]]
+    assert plan.bottleneck_s == pytest.approx(max(s.time_s for s in plan.stages))
+    assert plan.samples_per_s == pytest.approx(128 / plan.bottleneck_s)
+    assert plan.speedup_vs_one == pytest.approx(g.total_compute_s() / plan.bottleneck_s)
+    assert plan.speedup_vs_dp > 1.0  # vgg16's 550 MB of weights make pure data parallelism slow
+    assert sorted(n for s in plan.stages for n in s.nodes) == sorted(g.nodes)
+    for s in plan.stages:
+        assert s.compute_s == pytest.approx((s.fwd_s + s.bwd_s) / s.replicas)
+    assert "bottleneck" in plan.table()
+
+
+def test_json_round_trip(vgg_plan, tmp_path):
+    _, plan = vgg_plan
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == plan
+    assert again.layout.world_size == 8
+
+
+def test_cli_json(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code = main(["plan", str(VGG), "--devices", "4", "--cost-model", "pipedream", "--bandwidth", "10Gbit/s",
+                 "--json", "-o", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bottleneck_s"] == pytest.approx(0.1763, rel=1e-3)
+    assert [s["replicas"] for s in data["stages"]] == [3, 1]
+    assert all({"nodes", "replicas", "time_s"} <= set(s) for s in data["stages"])
+    assert {"status", "bound_s", "gap", "wall_s"} <= set(data["solver"])
+    assert Plan.load(out).bottleneck_s == data["bottleneck_s"]
+
+
+def test_cli_memory_error(capsys):
+    code = main(["plan", str(VGG), "--devices", "4", "--memory", "1GiB"])
+    assert code == 2
+    assert "smallest memory per device" in capsys.readouterr().err

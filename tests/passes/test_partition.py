@@ -1,0 +1,220 @@
+"""The partitioner against independent references: a chain DP, brute force on small DAGs,
+a hand-computed PipeDream number, memory limits and the infeasibility message."""
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from passes.costgraph import CostGraph, CostNode
+from passes.partition import InfeasibleError, evaluate, is_convex, partition
+
+B, BAR = 1.0e9, 2.0e9
+PROFILES = Path("/work/shared/anchors/pipedream-profiles")
+
+
+def make_graph(n: int, edges, rng: random.Random, output: bool) -> CostGraph:
+    nodes = {}
+    for i in range(n):
+        is_input = i == 0
+        is_output = output and i == n - 1
+        zero = is_input or is_output
+        nodes[f"n{i}"] = CostNode(
+            name=f"n{i}", op="output" if is_output else ("placeholder" if is_input else "call_module"),
+            target="t", fwd_s=0.0 if zero else rng.uniform(1e-3, 1e-2), bwd_s=0.0 if zero else rng.uniform(1e-3, 2e-2),
+            out_bytes=0 if is_output else rng.randint(1, 10) * 10**6,
+            param_bytes=0 if zero else rng.choice([0, 10**6, 10**7]), is_input=is_input)
+    return CostGraph(nodes=nodes, edges=[(f"n{u}", f"n{v}") for u, v in edges])
+
+
+def random_dag(n: int, seed: int, output: bool = True) -> CostGraph:
+    rng = random.Random(seed)
+    edges = set()
+    for v in range(1, n):
+        edges.add((rng.randrange(0, v), v))
+        for u in range(v):
+            if rng.random() < 0.2:
+                edges.add((u, v))
+    if output:
+        edges |= {(u, n - 1) for u in range(1, n - 1) if not any(a == u for a, _ in edges)}
+    return make_graph(n, sorted(edges), rng, output)
+
+
+def reference_cost(g: CostGraph, stage, reps, model: str) -> float:
+    """The cost models written again from their definitions (not the library's code)."""
+    worst = 0.0
+    for j, r in enumerate(reps):
+        c = sum(nd.fwd_s + nd.bwd_s for n, nd in g.nodes.items() if stage[n] == j)
+        p = sum(nd.param_bytes for n, nd in g.nodes.items() if stage[n] == j)
+        t = (c + 4 * (r - 1) * p / (B * r)) / r if model == "pipedream" else c / r + 2 * (r - 1) / r * p / BAR
+        worst = max(worst, t)
+    for b in range(len(reps) - 1):
+        crossing = {u for u, v in g.edges if stage[u] <= b < stage[v]}
+        if model == "fxpipe":
+            crossing = {u for u in crossing if not g.nodes[u].is_input}
+        a = sum(g.nodes[u].out_bytes for u in crossing)
+        worst = max(worst, 2 * a / (B * min(reps[b], reps[b + 1])))
+    return worst
+
+
+def valid(g: CostGraph, stage, S: int, model: str) -> bool:
+    if any(stage[u] > stage[v] for u, v in g.edges):
+        return False
+    work = {stage[n] for n, nd in g.nodes.items() if not nd.is_input and nd.op != "output"}
+    if work != set(range(S)):
+        return False
+    if any(nd.op == "output" and stage[n] != S - 1 for n, nd in g.nodes.items()):
+        return False
+    return model == "fxpipe" or all(stage[n] == 0 for n, nd in g.nodes.items() if nd.is_input)
+
+
+def brute_force(g: CostGraph, K: int, model: str, allowed) -> float:
+    names = list(g.nodes)
+    best = float("inf")
+    for S in range(1, K + 1):
+        rep_vectors = [v for v in itertools.product(allowed, repeat=S) if sum(v) == K]
+        if not rep_vectors:
+            continue
+        for combo in itertools.product(range(S), repeat=len(names)):
+            stage = dict(zip(names, combo))
+            if valid(g, stage, S, model):
+                best = min(best, min(reference_cost(g, stage, v, model) for v in rep_vectors))
+    return best
+
+
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+@pytest.mark.parametrize("seed,n,K", [(1, 6, 3), (2, 7, 3), (3, 7, 2), (4, 8, 2), (5, 6, 4)])
+def test_brute_force_random_dags(model, seed, n, K):
+    g = random_dag(n, seed, output=seed % 2 == 1)
+    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20)
+    expected = brute_force(g, K, model, range(1, K + 1))
+    assert is_convex(g, res.assignment)
+    assert sum(res.replicas) == K
+    assert res.bottleneck_s == pytest.approx(reference_cost(g, res.assignment, res.replicas, model), rel=1e-9)
+    assert expected <= res.bottleneck_s <= expected * 1.001
+    assert res.bound_s <= expected * (1 + 1e-9)
+
+
+def test_brute_force_straight_pipeline():
+    g = random_dag(8, 11)
+    res = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, replication="none", time_limit=20)
+    assert res.replicas == [1, 1, 1]
+    assert res.bottleneck_s <= brute_force(g, 3, "fxpipe", [1]) * 1.001
+
+
+def chain_dp(costs, params, acts, K: int, model: str) -> float:
+    """Exact DP over cut points of a chain: state (first node of the stage, devices left, replicas before)."""
+    n = len(costs)
+
+    @functools.lru_cache(maxsize=None)
+    def best(i: int, left: int, r_prev: int) -> float:
+        if i == n:
+            return 0.0 if left == 0 else float("inf")
+        out = float("inf")
+        for j in range(i + 1, n + 1):
+            c, p = sum(costs[i:j]), sum(params[i:j])
+            for r in range(1, left + 1):
+                t = (c + 4 * (r - 1) * p / (B * r)) / r if model == "pipedream" else c / r + 2 * (r - 1) / r * p / BAR
+                if i > 0:
+                    t = max(t, 2 * acts[i - 1] / (B * min(r, r_prev)))
+                out = min(out, max(t, best(j, left - r, r)))
+        return out
+
+    return best(0, K, 0)
+
+
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+@pytest.mark.parametrize("seed,n,K", [(0, 8, 4), (1, 12, 6), (2, 20, 8)])
+def test_chain_dp(model, seed, n, K):
+    rng = random.Random(seed)
+    g = make_graph(n, [(i, i + 1) for i in range(n - 1)], rng, output=False)
+    names = list(g.nodes)[1:]  # the input node has no cost and sits with the first stage
+    costs = [g.nodes[x].compute_s for x in names]
+    params = [g.nodes[x].param_bytes for x in names]
+    acts = [g.nodes[x].out_bytes for x in names]
+    expected = chain_dp(tuple(costs), tuple(params), tuple(acts), K, model)
+    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20)
+    assert expected <= res.bottleneck_s * (1 + 1e-9)
+    assert res.bottleneck_s <= expected * 1.001
+    assert res.status == "OPTIMAL"
+
+
+def _pipedream_file(name: str):
+    """Parse graph.txt with a separate regex: (name, ms fwd+bwd, activation bytes, param bytes), edges."""
+    nodes, edges = {}, []
+    for line in (PROFILES / f"{name}.txt").read_text().splitlines():
+        m = re.match(r"^(node\d+) -- (\w+).*forward_compute_time=([\d.]+), backward_compute_time=([\d.]+), "
+                     r"activation_size=([\d.]+), parameter_size=([\d.]+)", line)
+        if m:
+            ms = 0.0 if m[2].startswith("Input") else float(m[3]) + float(m[4])
+            nodes[m[1]] = (ms, float(m[5]), float(m[6]))
+        elif line.startswith("\t"):
+            edges.append(tuple(x.strip() for x in line.split("--")))
+    return nodes, edges
+
+
+def test_pipedream_model_hand_computed_vgg16():
+    nodes, edges = _pipedream_file("vgg16")
+    order = sorted(nodes, key=lambda x: int(x[4:]))
+    bounds, reps, bw = [0, 25, 32, len(order)], [13, 2, 1], 1.25e9
+    stage = {x: next(j for j in range(3) if bounds[j] <= i < bounds[j + 1]) for i, x in enumerate(order)}
+    times = []
+    for j, r in enumerate(reps):
+        c = sum(nodes[x][0] for x in order if stage[x] == j) / 1e3
+        p = sum(nodes[x][2] for x in order if stage[x] == j)
+        times.append((c + 4 * (r - 1) * p / (bw * r)) / r)
+    for j in range(2):
+        a = sum(nodes[u][1] for u in {u for u, v in edges if stage[u] <= j < stage[v]})
+        times += [2 * a / (bw * reps[j]), 2 * a / (bw * reps[j + 1])]
+    expected = max(times)
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    ev = evaluate(g, stage, reps, _opts(16, "pipedream"))
+    assert ev.bottleneck_s == pytest.approx(expected, rel=1e-9)
+
+
+def _opts(K, model, **kw):
+    from passes.partition import CostOptions
+
+    return CostOptions(devices=K, bandwidth=1.25e9, cost_model=model, **kw)
+
+
+def test_vgg16_matches_pipedream_optimum():
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    res = partition(g, 16, bandwidth=1.25e9, cost_model="pipedream", time_limit=20)
+    assert res.bottleneck_s <= 0.0548 * 1.001
+    assert res.replicas == [13, 2, 1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-stash", "gpipe"])
+def test_memory_limit_respected_and_infeasible_message(schedule):
+    g = random_dag(9, 7)
+    free = partition(g, 4, bandwidth=B, schedule=schedule, microbatches=4, time_limit=20)
+    peak = max(s.memory_bytes for s in free.stages)
+    with pytest.raises(InfeasibleError, match="smallest memory per device") as info:
+        partition(g, 4, bandwidth=B, schedule=schedule, microbatches=4, memory=1000, time_limit=20)
+    stated = int(re.search(r"\((\d+) bytes\)\. Raise", str(info.value))[1])
+    assert stated <= peak
+    fit = partition(g, 4, bandwidth=B, schedule=schedule, microbatches=4, memory=int(stated * 1.001) + 1, time_limit=20)
+    assert is_convex(g, fit.assignment)
+    assert max(s.memory_bytes for s in fit.stages) <= int(stated * 1.001) + 1
+    tight = int(peak * 0.9)
+    if tight >= stated * 1.001:
+        res = partition(g, 4, bandwidth=B, schedule=schedule, microbatches=4, memory=tight, time_limit=20)
+        assert max(s.memory_bytes for s in res.stages) <= tight
+
+
+def test_too_many_devices_without_replication():
+    g = random_dag(5, 3)
+    with pytest.raises(InfeasibleError, match="--devices 3"):
+        partition(g, 6, replication="none")
+
+
+def test_pow2_replication():
+    g = random_dag(6, 5)
+    res = partition(g, 4, bandwidth=B, allreduce_bandwidth=BAR, replication="pow2", time_limit=20)
+    assert all(r & (r - 1) == 0 for r in res.replicas) and sum(res.replicas) == 4
+    assert res.bottleneck_s <= brute_force(g, 4, "fxpipe", [1, 2, 4]) * 1.001
