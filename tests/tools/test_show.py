@@ -189,3 +189,20 @@ def test_text_view_of_replicated_plan():
     text = render_text(plan, sim, layout, d.notes)
     assert "1f1b-stash: 6 microbatches" in text
     assert text.count("\nr") == 4
+
+
+def test_real_partitioner_plan_end_to_end(tmp_path, capsys):
+    from fxpipe.plan import plan_from_result
+    from passes.partition import partition
+
+    g = CostGraph.load(PROFILES / "resnet50.txt")
+    result = partition(g, 4, time_limit=10, schedule="1f1b-flush", microbatches=8)
+    plan_from_result(result, g, batch_size=128).save(tmp_path / "plan.json")
+    g.save(tmp_path / "profile.json")
+    assert main(["show", str(tmp_path), "--text"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b-flush: 8 microbatches" in out and out.count("\nr") == 4
+    assert main(["show", str(tmp_path)]) == 0
+    page = (tmp_path / "view.html").read_text()
+    data = embedded_data(page)
+    assert len(data["graph"]["nodes"]) == len(g.nodes) and "http" not in page

@@ -86,36 +86,16 @@ def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
 
 def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,
                    bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = "1f1b-flush") -> Any:
-    """A plan for a hand-made assignment (tests, demos): costs summed from the graph.
+    """A real ``Plan`` for a hand-made assignment (tests, demos), scored by the partitioner's cost model."""
+    from fxpipe.plan import plan_from_result
+    from passes.partition import CostOptions, PartitionResult, evaluate
 
-    Stage time here is ``compute / r`` plus the bytes it sends over
-    ``bandwidth``; it is only a stand-in for the partitioner's cost model.
-    """
-    from fxpipe.layout import Layout
-    from fxpipe.simulate import link_bytes
-
-    layout = Layout.of(replicas)
-    sends = link_bytes(graph, assignment)
-    stages = []
-    for j, r in enumerate(replicas):
-        names = [n for n in graph.nodes if assignment.get(n) == j]
-        f = sum(graph.nodes[n].fwd_s for n in names)
-        b = sum(graph.nodes[n].bwd_s for n in names)
-        p = sum(graph.nodes[n].param_bytes for n in names)
-        out = sum(v for (a, _), v in sends.items() if a == j)
-        ar = 4 * (r - 1) * p / (bandwidth * r) if r > 1 else 0.0
-        comm = out / bandwidth
-        stages.append(SimpleNamespace(index=j, nodes=names, replicas=r, ranks=layout.ranks(j), fwd_s=f, bwd_s=b,
-                                      compute_s=(f + b) / r, allreduce_s=ar, comm_s=comm,
-                                      time_s=(f + b) / r + ar + comm, param_bytes=p, send_bytes=out,
-                                      memory_bytes=p + sum(graph.nodes[n].out_bytes for n in names)))
-    bottleneck = max(s.time_s for s in stages)
-    total = graph.total_compute_s()
-    return SimpleNamespace(stages=stages, devices=layout.world_size, batch_size=batch_size, bottleneck_s=bottleneck,
-                           samples_per_s=batch_size / bottleneck if bottleneck else 0.0,
-                           speedup_vs_one=total / bottleneck if bottleneck else 0.0, speedup_vs_dp=0.0,
-                           options={"bandwidth": bandwidth, "microbatches": microbatches, "schedule": schedule},
-                           solver={"status": "hand assignment"})
+    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
+    ev = evaluate(graph, assignment, list(replicas), opts)
+    result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
+                             bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
+                             objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0, units=len(graph.nodes))
+    return plan_from_result(result, graph, batch_size)
 
 
 def plan_to_json(plan: Any) -> Dict[str, Any]:
