@@ -146,7 +146,7 @@ function drawGraph(){
   if (!G){ document.getElementById('graph-wrap').innerHTML =
     '<p style="padding:8px">No graph: this plan has no profile.json beside it. Show the folder written by <code>fxpipe split</code>, or pass <code>--profile</code>.</p>';
     info.textContent = ''; return; }
-  var Lo = layout(), BW = 150, BH = 26, GX = 46, GY = 10, BAND_GAP = 34;
+  var Lo = layout(), BW = 186, BH = 26, GX = 46, GY = 10, BAND_GAP = 34;
   var wrapW = Math.max(600, document.getElementById('graph-wrap').clientWidth - 30);
   var per = wrap ? Math.max(2, Math.floor((wrapW + GX) / (BW + GX))) : Lo.layers.length;
   var bands = Math.ceil(Lo.layers.length / per), bandRows = [], bandY = [0];
@@ -173,7 +173,7 @@ function drawGraph(){
       label = n.name + (kind && kind !== n.name && n.op !== 'output' ? ' ' + kind : '');
       tip = n.name+' ('+n.op+')\n'+n.target+(n.module ? '\nmodule '+n.module : '')+'\nstage '+n.stage+
         '\nforward '+fs(n.fwd)+'\nbackward '+fs(n.bwd)+'\noutput '+fb(n.out)+'\nparameters '+fb(n.params); }
-    var short = label.length > 24 ? label.slice(0, 23) + '…' : label;
+    var short = label.length > 30 ? label.slice(0, 29) + '…' : label;
     s.push('<g class="node" data-id="'+id+'"><title>'+esc(tip)+'</title><rect x="'+p[0]+'" y="'+p[1]+'" width="'+BW+
       '" height="'+BH+'" rx="'+(isG ? 7 : 3)+'" fill="'+col(it.stage)+'" fill-opacity="'+(isG ? 0.85 : 0.55)+
       '" stroke="'+(isG ? '#333' : '#777')+'" stroke-width="'+(isG ? 1.5 : 0.8)+'"/><text x="'+(p[0]+6)+'" y="'+

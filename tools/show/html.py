@@ -84,6 +84,7 @@ def _summary_html(plan: Any, sim: Any) -> str:
     if sim is not None:
         items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} microbatches"),
                   ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
+                  ("steady-state samples/s", f"{sim.steady_samples_per_s:.4g}"),
                   ("bubble", f"{100 * sim.bubble_fraction:.1f} %")]
     return "".join(f"<div class='kv'><span>{html.escape(k)}</span><b>{html.escape(str(v))}</b></div>"
                    for k, v in items)
