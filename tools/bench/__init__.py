@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table comparing fxpipe with a peer in the same run."""

@@ -1,0 +1,80 @@
+"""Benchmark: fxpipe's partitioner against PipeDream's optimizer, on PipeDream's own profiles.
+
+Every row of shared/anchors/pipedream-results.md (parsed from that file) is
+re-solved with ``--cost-model pipedream`` at the same K and 1.25e9 bytes/s;
+the table prints fxpipe's bottleneck ÷ PipeDream's (≤ 1.000 means fxpipe's
+plan is at least as good under PipeDream's own model) and both wall times
+(PipeDream's measured on the same kind of 2-core box). Then the branchy graphs
+PipeDream does not finish on, at K = 8 and 16, with the proven gap.
+
+    python -m tools.bench.partition [--time-limit 60] [--only vgg16,resnet50]
+
+Wall times are CPU-bound: other processes on the machine inflate them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+from tabulate import tabulate
+
+from passes.costgraph import CostGraph
+from passes.partition import partition
+
+ANCHORS = Path(os.environ.get("FXPIPE_ANCHORS", "/work/shared/anchors"))
+BRANCHY = ("inception_v3", "densenet121", "nasnetamobile", "resnext101")
+
+
+def pipedream_rows(path: Path) -> List[Tuple[str, int, str, float, float]]:
+    """(profile, K, PipeDream's GPUs per stage, its bottleneck s, its wall s) for rows with a result."""
+    rows = []
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and re.fullmatch(r"\d+", cells[1]) and re.fullmatch(r"[\d.]+", cells[3]):
+            rows.append((cells[0], int(cells[1]), cells[2], float(cells[3]), float(cells[5])))
+    return rows
+
+
+def solve(name: str, k: int, time_limit: float):
+    graph = CostGraph.load(ANCHORS / "pipedream-profiles" / f"{name}.txt")
+    return partition(graph, k, bandwidth=1.25e9, cost_model="pipedream", time_limit=time_limit)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--only", default="", help="comma-separated profile names")
+    args = ap.parse_args(argv)
+    only = set(filter(None, args.only.split(",")))
+    table = []
+    for name, k, pd_split, pd_s, pd_wall in pipedream_rows(ANCHORS / "pipedream-results.md"):
+        if only and name not in only:
+            continue
+        r = solve(name, k, args.time_limit)
+        table.append([name, k, pd_split, "-".join(map(str, r.replicas)), f"{pd_s:.4f}", f"{r.bottleneck_s:.4f}",
+                      f"{r.bottleneck_s / pd_s:.3f}", f"{r.wall_s:.2f}", f"{pd_wall:.2f}", r.status, f"{100 * r.gap:.2f}%"])
+        print(" | ".join(map(str, table[-1])), file=sys.stderr, flush=True)
+    print(tabulate(table, ["profile", "K", "PipeDream r", "fxpipe r", "PipeDream s", "fxpipe s", "ratio",
+                           "fxpipe wall s", "PipeDream wall s", "status", "gap"], tablefmt="github"))
+    rows = []
+    for name in BRANCHY:
+        if only and name not in only:
+            continue
+        for k in (8, 16):
+            r = solve(name, k, args.time_limit)
+            rows.append([name, k, len(CostGraph.load(ANCHORS / "pipedream-profiles" / f"{name}.txt").nodes), r.units,
+                         "-".join(map(str, r.replicas)), f"{r.bottleneck_s:.4f}", f"{r.bound_s:.4f}",
+                         f"{100 * r.gap:.2f}%", f"{r.wall_s:.2f}", r.status])
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print()
+    print(tabulate(rows, ["profile", "K", "nodes", "units", "fxpipe r", "bottleneck s", "bound s", "gap",
+                          "wall s", "status"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
