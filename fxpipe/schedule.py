@@ -11,14 +11,15 @@ validator and the simulator all walk the same instructions (the torchgpipe
    Links may skip stages (a value from stage 0 used by stage 3 travels
    straight from the rank of stage 0 to the rank of stage 3).
 
-Why every 1F1B rank keeps ``ceil(sum(r_k for k >= j) / r_j)`` microbatches in
-flight: that is PipeDream's "number of optimal active minibatches" at the
-input stage (world size / r_0), and at stage ``j`` it is exactly the number of
-forwards the downstream ranks can absorb before the first gradient returns,
-so a rank never waits on a backward it could have overlapped. Without
-replicas it equals Megatron's warm-up ``S - j - 1`` plus the first steady
-forward. The same order serves ``1f1b-flush`` (one step per flush) and
-``1f1b-stash`` (a step after every backward, weights stashed per minibatch).
+Why a 1F1B rank of stage ``j`` keeps ``ceil(sum(r_k for k >= j) / r_j)``
+microbatches in flight: that is PipeDream's "number of optimal active
+minibatches" at the input stage (world size / r_0), and at stage ``j`` the
+number of forwards the downstream ranks absorb before the first gradient
+returns. Without replicas it equals Megatron's warm-up ``S - j - 1`` plus the
+first steady forward. ``1f1b-flush`` adds one where PipeDream's count would
+starve a replicated stage downstream (see ``in_flight``). The same order
+serves ``1f1b-flush`` (one step per flush) and ``1f1b-stash`` (a step after
+every backward, weights stashed per minibatch).
 """
 from __future__ import annotations
 
@@ -34,10 +35,29 @@ KINDS = ("1f1b-stash", "1f1b-flush", "gpipe")
 __all__ = ["KINDS", "Schedule", "ScheduleError", "build_schedule", "in_flight", "validate"]
 
 
-def in_flight(layout: Layout, stage: int) -> int:
-    """Microbatches each rank of ``stage`` holds at once under 1F1B."""
-    downstream = sum(layout.replicas[stage:])
-    return math.ceil(downstream / layout.replicas[stage])
+def in_flight(layout: Layout, stage: int, kind: str = "1f1b-flush") -> int:
+    """Microbatches each rank of ``stage`` holds at once under 1F1B.
+
+    ``1f1b-stash`` uses PipeDream's count exactly, ``ceil(sum(r_k, k >= j) / r_j)``.
+    ``1f1b-flush`` raises it where a replicated stage downstream would starve:
+    a rank of stage ``j`` runs ``F(y + d_j)`` just before ``B(y)`` with
+    ``d_j = (n_j - 1) * r_j``, and stage ``j + 1`` asks for its next forward
+    right after a backward, so ``d_j >= d_{j+1} + r_{j+1}`` keeps it fed. The
+    two agree on every layout without replicas; on 1-2-1 the input stage
+    holds 5 instead of 4 and the simulated steady state goes from 2/3 to full
+    rate (tests/fxpipe/test_simulate.py).
+    """
+    noam = math.ceil(sum(layout.replicas[stage:]) / layout.replicas[stage])
+    if kind == "1f1b-stash":
+        return noam
+    lookahead = 0  # d of the stage after the current one
+    n = 1
+    for j in range(layout.num_stages - 1, stage - 1, -1):
+        r = layout.replicas[j]
+        need = lookahead + layout.replicas[j + 1] if j + 1 < layout.num_stages else 0
+        n = max(math.ceil(sum(layout.replicas[j:]) / r), math.ceil(need / r) + 1 if need else 1)
+        lookahead = (n - 1) * r
+    return max(n, noam)
 
 
 def build_schedule(kind: str, layout: Layout, microbatches: int,
@@ -65,7 +85,7 @@ def _compute_order(kind: str, layout: Layout, stage: int, mbs: List[int], reduce
     if kind == "gpipe":
         order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
     else:
-        order = _one_f_one_b(mbs, in_flight(layout, stage))
+        order = _one_f_one_b(mbs, in_flight(layout, stage, kind))
     if kind == "1f1b-stash":
         stepped: List[Action] = []
         for a in order:

@@ -153,3 +153,23 @@ def test_simulate_plan_uses_profile_links_and_batch_size():
     assert res.samples_per_s == pytest.approx(4 * 8 / res.step_s)
     no_graph, _ = simulate_plan(plan, kind="gpipe", microbatches=2)
     assert no_graph.kind == "gpipe" and no_graph.microbatches == 2
+
+
+@pytest.mark.parametrize("replicas", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 1, 2), (4, 2, 1)])
+def test_flush_keeps_replicated_pipelines_at_full_rate(replicas):
+    # stage j is r_j times slower, so every stage serves one microbatch per 3 s
+    lay = Layout.of(replicas)
+    costs = [StageCosts(1.0 * r, 2.0 * r) for r in replicas]
+    res = simulate(build_schedule("1f1b-flush", lay, 12 * 6, chain(len(replicas))), costs, lay)
+    assert res.steady_samples_per_s == pytest.approx(1 / 3.0, rel=1e-6)
+
+
+def test_pipedream_count_starves_a_replicated_middle_stage():
+    # why 1f1b-flush holds one more microbatch at the input stage of 1-2-1 (see schedule.in_flight)
+    from fxpipe.schedule import in_flight
+    lay = Layout.of([1, 2, 1])
+    assert [in_flight(lay, j, "1f1b-stash") for j in range(3)] == [4, 2, 1]
+    assert [in_flight(lay, j, "1f1b-flush") for j in range(3)] == [5, 2, 1]
+    costs = [StageCosts(1.0, 2.0), StageCosts(2.0, 4.0), StageCosts(1.0, 2.0)]
+    stash = simulate(build_schedule("1f1b-stash", lay, 24, chain(3)), costs, lay)
+    assert stash.steady_samples_per_s == pytest.approx(2 / 9.0, rel=1e-6)  # 2/3 of the full rate
