@@ -206,3 +206,25 @@ def test_real_partitioner_plan_end_to_end(tmp_path, capsys):
     page = (tmp_path / "view.html").read_text()
     data = embedded_data(page)
     assert len(data["graph"]["nodes"]) == len(g.nodes) and "http" not in page
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node.js not installed")
+def test_page_script_expands_and_collapses_groups(tmp_path):
+    """Run the page's script under node with a tiny DOM stand-in and press its buttons."""
+    g = CostGraph.load(PROFILES / "nasnetamobile.txt")
+    plan = synthetic_plan(g, split_by_compute(g, 3), [2, 1, 1], batch_size=32, microbatches=8)
+    d = ShowInput(plan, g, "nasnetamobile")
+    sim, layout = simulate_input(d)
+    measured = {r: [[e.start, e.end, str(e.action), "F"] for e in evs if e.kind == "compute"]
+                for r, evs in sim.events.items()}
+    (tmp_path / "v.html").write_text(render_html(d, sim, layout, measured))
+    subprocess.run(["node", str(Path(__file__).with_name("show_harness.js")), str(tmp_path / "v.html"),
+                    str(tmp_path / "r.json")], check=True, timeout=60)
+    r = json.loads((tmp_path / "r.json").read_text())
+    groups = len(graph_payload(g, split_by_compute(g, 3))["groups"])
+    assert r["boxesInitial"] == groups
+    assert r["afterExpandOne"] > groups
+    assert r["expandedAll"] == len(g.nodes)
+    assert all(f">{name} " in r["expandedHtml"] or f">{name}<" in r["expandedHtml"] for name in g.nodes)
+    assert r["afterCollapseOne"] < len(g.nodes) and r["collapsedAll"] == groups
+    assert r["timeline"] > 1000 and r["measured"] > 1000

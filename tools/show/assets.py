@@ -46,12 +46,13 @@ var KCOL = {F:'#8ab6e6', B:'#2f5f9e', wait:'#f6c6c0', allreduce:'#f28e2b', step:
             send_blocking:'#9e9e9e', comm:'#bdbdbd', other:'#d0d0d0'};
 function legend(){
   var items = [['F','forward'],['B','backward'],['wait','waiting for a message'],['allreduce','all-reduce'],
-               ['step','optimizer step'],['comm','send/recv (measured)']];
+               ['step','optimizer step']];
   var h = items.map(function(it){ return '<span><span class="sw" style="background:'+KCOL[it[0]]+'"></span>'+
     esc(it[1])+'</span>'; }).join('');
-  h += '<span><svg width="22" height="8"><line x1="0" y1="4" x2="22" y2="4" stroke="#555" stroke-width="2"/></svg> transfer in flight</span>';
+  h += '<span><svg width="22" height="8"><line x1="0" y1="4" x2="22" y2="4" stroke="#555" stroke-width="2"/></svg> send/recv (simulated: transfer in flight)</span>';
   document.getElementById('tl-legend').innerHTML = h;
 }
+function layer(kind){ return kind === 'wait' ? 0 : (kind === 'send' || kind === 'comm') ? 2 : 1; }
 function spanOf(ranks){
   var T = 0; Object.keys(ranks).forEach(function(r){ ranks[r].forEach(function(e){ if (e[1] > T) T = e[1]; }); });
   return T;
@@ -72,10 +73,11 @@ function timeline(el, title, ranks, stageOf, note, T){
     var y = top + k * lane, st = stageOf ? stageOf[r] : undefined;
     s.push('<rect x="2" y="'+(y+3)+'" width="8" height="'+(lane-8)+'" fill="'+col(st === undefined ? -1 : st)+'"/>');
     s.push('<text x="14" y="'+(y+lane/2+3)+'" fill="#333">rank '+r+(st === undefined ? '' : ' · s'+st)+'</text>');
-    ranks[r].forEach(function(e){
+    var evs = ranks[r].slice().sort(function(a, b){ return layer(a[3]) - layer(b[3]); });
+    evs.forEach(function(e){
       var x0 = L + e[0]*sx, w = Math.max((e[1]-e[0])*sx, 0.6), kind = e[3];
       var tip = '<title>rank '+r+' · '+esc(e[2])+' · '+fs(e[0])+' → '+fs(e[1])+' ('+fs(e[1]-e[0])+')</title>';
-      if (kind === 'send'){
+      if (kind === 'send' || kind === 'comm'){
         s.push('<line x1="'+x0+'" y1="'+(y+lane-4)+'" x2="'+(x0+w)+'" y2="'+(y+lane-4)+'" stroke="#555" stroke-width="2">'+tip+'</line>');
         return;
       }
