@@ -119,7 +119,7 @@ def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved:
     """Raise with the smallest memory that fits (if memory is the reason)."""
     if solved.status == "UNKNOWN" and warm is not None and opts.memory is None:
         return  # time ran out before CP-SAT restated the warm start: keep it
-    if opts.memory is None:
+    if opts.memory is None or solved.status != "INFEASIBLE":
         raise InfeasibleError(f"partition: no plan found ({solved.status}) in {solved.wall_s:.1f}s; "
                               "raise --time-limit")
     probe = PartitionModel(units, opts, minimise_memory=True)
