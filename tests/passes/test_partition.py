@@ -218,3 +218,16 @@ def test_pow2_replication():
     res = partition(g, 4, bandwidth=B, allreduce_bandwidth=BAR, replication="pow2", time_limit=20)
     assert all(r & (r - 1) == 0 for r in res.replicas) and sum(res.replicas) == 4
     assert res.bottleneck_s <= brute_force(g, 4, "fxpipe", [1, 2, 4]) * 1.001
+
+
+def test_apply_assignment_writes_stage_records():
+    import torch.fx
+
+    from passes import meta
+    from passes.partition import apply_assignment
+    from tests.models import MLP
+
+    gm = torch.fx.symbolic_trace(MLP())
+    names = [n.name for n in gm.graph.nodes]
+    apply_assignment(gm, {name: i % 2 for i, name in enumerate(names)})
+    assert [meta.get(n, meta.StageAssign).stage for n in gm.graph.nodes] == [i % 2 for i in range(len(names))]
