@@ -65,9 +65,11 @@ class SplitModel:
     def flatten_inputs(self, inputs: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None) -> List[Any]:
         """The original model's call arguments as the flat list the stages index."""
         kwargs = dict(kwargs or {})
-        if self.in_spec is not None:
-            return list(fx_pytree.tree_flatten_spec((list(inputs), kwargs), self.in_spec))
         flat = list(inputs)
+        if self.in_spec is not None:
+            if kwargs and self.in_spec.child(1).num_leaves == 0:  # the capture took them by position
+                flat += [kwargs.pop(name) for name in self.input_names[len(flat):] if name in kwargs]
+            return list(fx_pytree.tree_flatten_spec((flat, kwargs), self.in_spec))
         for name in self.input_names[len(flat):]:
             if name in kwargs:
                 flat.append(kwargs.pop(name))
