@@ -248,20 +248,26 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int,
 
 
 def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
-                  tied_stages: Sequence[int] = ()) -> Tuple[SimResult, "object"]:
-    """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``."""
+                  tied_stages: Sequence[int] = (), links: Optional[Sequence[Tuple[int, int]]] = None,
+                  **sim_options) -> Tuple[SimResult, "object"]:
+    """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
+
+    ``links`` (e.g. ``SplitModel.links``) override the links read from the
+    profile; ``sim_options`` go to ``simulate`` (``overlap_comm``, ``latency_s``...).
+    """
     from fxpipe.schedule import build_schedule
 
     opts = dict(getattr(plan, "options", {}) or {})
     kind = kind or opts.get("schedule") or "1f1b-flush"
     layout = Layout.of([s.replicas for s in plan.stages])
     M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
-    costs, links = costs_from_plan(plan, graph)
+    costs, found = costs_from_plan(plan, graph)
+    links = list(links) if links is not None else found
     if kind == "1f1b-stash":
         M = _round_up_for_stash(M, layout)
     schedule = build_schedule(kind, layout, M, links, tied_stages)
-    bw = float(opts.get("bandwidth") or math.inf)
-    result = simulate(schedule, costs, layout, bandwidth=bw, samples_per_microbatch=int(plan.batch_size or 1))
+    sim_options.setdefault("bandwidth", float(opts.get("bandwidth") or math.inf))
+    result = simulate(schedule, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)
     return result, schedule
 
 

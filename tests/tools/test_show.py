@@ -228,3 +228,17 @@ def test_page_script_expands_and_collapses_groups(tmp_path):
     assert all(f">{name} " in r["expandedHtml"] or f">{name}<" in r["expandedHtml"] for name in g.nodes)
     assert r["afterCollapseOne"] < len(g.nodes) and r["collapsedAll"] == groups
     assert r["timeline"] > 1000 and r["measured"] > 1000
+
+
+def test_split_manifest_gives_tied_stages_and_links(tmp_path):
+    from tools.show.data import load_input
+    from fxpipe.actions import Kind
+
+    write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [1, 1, 1])
+    manifest = {"tied": {"emb.weight": [0, 2]}, "comm": [{"src": 0, "dst": 1}, {"src": 1, "dst": 2}, {"src": 0, "dst": 2}]}
+    (tmp_path / "split.json").write_text(json.dumps(manifest))
+    d = load_input(str(tmp_path))
+    assert d.tied_stages == (0, 2) and d.links == [(0, 1), (0, 2), (1, 2)]
+    sim, _ = simulate_input(d, "1f1b-flush", 2)
+    reduces = {r for r, evs in sim.events.items() for e in evs if e.action.kind is Kind.ALLREDUCE}
+    assert reduces == {0, 2}  # the tied stages all-reduce although neither is replicated

@@ -29,6 +29,8 @@ class ShowInput:
     graph: Optional[CostGraph]
     source: str
     notes: List[str] = field(default_factory=list)
+    tied_stages: tuple = ()
+    links: Optional[List[tuple]] = None  # from split.json when the split is there
 
 
 def load_plan(path: Path) -> Any:
@@ -81,7 +83,23 @@ def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
     else:
         notes.append(f"no profile.json next to {plan_path.name}: graph view unavailable "
                      "(show the folder `fxpipe split` wrote, or pass --profile)")
-    return ShowInput(plan=plan, graph=graph, source=str(plan_path), notes=notes)
+    data = ShowInput(plan=plan, graph=graph, source=str(plan_path), notes=notes)
+    _read_split(plan_path.parent, data)
+    return data
+
+
+def _read_split(folder: Path, data: ShowInput) -> None:
+    """Tied stages and the exact links from the split manifest, when ``fxpipe split`` left one."""
+    for path in (folder / "split.json", folder / "split" / "split.json"):
+        if path.exists():
+            try:
+                manifest = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                data.notes.append(f"{path} is not readable JSON; links and tied stages guessed from the plan")
+                return
+            data.tied_stages = tuple(sorted({int(s) for st in (manifest.get("tied") or {}).values() for s in st}))
+            data.links = sorted({(int(e["src"]), int(e["dst"])) for e in manifest.get("comm", [])})
+            return
 
 
 def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,

@@ -14,7 +14,8 @@ def simulate_input(data: ShowInput, kind: Optional[str] = None,
     """Simulate the schedule the plan asks for (or ``kind``); a refusal becomes a note, not a crash."""
     layout = Layout.of([s.replicas for s in data.plan.stages])
     try:
-        sim, _ = simulate_plan(data.plan, kind=kind, microbatches=microbatches, graph=data.graph)
+        sim, _ = simulate_plan(data.plan, kind=kind, microbatches=microbatches, graph=data.graph,
+                               tied_stages=data.tied_stages, links=data.links)
     except ScheduleError as exc:
         data.notes.append(f"schedule not simulated: {exc}")
         return None, layout
