@@ -36,7 +36,7 @@ from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.profile_timing import Clock, measure, time_node
 
-__all__ = ["profile", "to_cost_graph", "ProfileError", "value_spec"]
+__all__ = ["profile", "to_cost_graph", "ProfileError", "value_spec", "COMPUTE_OPS"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 ProgressFn = Callable[..., None]

@@ -1,0 +1,46 @@
+"""Model spec -> profiled GraphModule: the capture and profile passes, as the CLI runs them.
+
+``fxpipe profile``, ``fxpipe plan`` and ``fxpipe split`` all start the same
+way; this is that start, with a progress bar on stderr.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+
+from fxpipe.loader import ModelSpec
+from passes.capture import capture
+from passes.profile import COMPUTE_OPS, profile
+from passes.progress import Progress
+
+
+def profile_model(
+    spec: ModelSpec,
+    device: str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    method: str = "auto",
+    threads: Optional[int] = None,
+    show_progress: bool = True,
+) -> torch.fx.GraphModule:
+    """Capture ``spec.model`` at the example microbatch and profile every node.
+
+    ``threads`` sets torch's intra-op threads for the measurement (restored
+    after): on a machine shared with other work, 1 gives the steadiest times.
+    """
+    gm = capture(spec.model, spec.example_inputs, method=method,
+                 leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args)
+    total = sum(1 for n in gm.graph.nodes if n.op in COMPUTE_OPS)
+    bar = Progress(total, "profile") if show_progress else None
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        profile(gm, spec.example_inputs, device=device, repeats=repeats, warmup=warmup, progress=bar)
+    finally:
+        torch.set_num_threads(before)
+        if bar is not None:
+            bar.close()
+    return gm
