@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import time
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -28,7 +29,7 @@ from tests.fxpipe.runtime import fakes
 
 
 class Faulty:
-    """Data that makes one rank raise (or die) when it reaches microbatch ``at``."""
+    """Data that makes one rank raise, die or hang when it reaches microbatch ``at``."""
 
     def __init__(self, inner: Any, how: str, at: int) -> None:
         self.inner, self.how, self.at = inner, how, at
@@ -37,6 +38,8 @@ class Faulty:
         if g >= self.at:
             if self.how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.how == "hang":  # alive but silent: only the timeout can end the wait
+                time.sleep(6)
             raise RuntimeError(f"injected failure at microbatch {g}")
         return self.inner(g)
 

@@ -32,6 +32,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: Seque
 
     torch.set_num_threads(1)
     result: Dict[str, Any]
+    t0 = time.monotonic()
     try:
         init(rank, world, timeout_s, init_method=f"tcp://127.0.0.1:{port}")
         try:
@@ -40,6 +41,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: Seque
             dist.destroy_process_group()
     except BaseException as exc:  # report, not hang
         result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    result["seconds"] = time.monotonic() - t0
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
@@ -56,9 +58,26 @@ class Outcome:
         return [self.results[r]["ok"] for r in range(len(self.exitcodes))]
 
 
+_CTX = None
+
+
+def _context() -> Any:
+    """A fork server that imported torch once: each rank then starts in a fraction of a second.
+
+    The server itself never runs torch ops or threads, so forking it is safe. It also
+    imports torch._dynamo, which the first optimizer step would import in every rank (seconds).
+    """
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fxpipe.runtime.loop",
+                                     "tests.fxpipe.runtime.cases"])
+    return _CTX
+
+
 def spawn(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), deadline: float = 60.0,
           timeout_s: float = 30.0) -> Outcome:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         t0 = time.monotonic()
