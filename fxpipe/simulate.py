@@ -76,12 +76,19 @@ class SimResult:
 
 def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCosts], layout: Layout, *,
              bandwidth: float = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
-             samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None) -> SimResult:
-    """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage)."""
+             samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
+             overhead_s: float = 0.0) -> SimResult:
+    """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage).
+
+    ``overhead_s`` is added to every forward and backward: the runtime's own
+    cost per action (Python dispatch, autograd bookkeeping), which profiles of
+    single operators do not see.
+    """
     if len(costs) != layout.num_stages:
         raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
     tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
     sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm)
+    sim.overhead_s = overhead_s
     for step in execution_order(schedule, reduce_groups(layout, tied)):
         if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
             sim.barrier(step.ranks, step.action)
@@ -103,6 +110,7 @@ class _Clock:
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
         self.peak = {r: 0 for r in schedule}
+        self.overhead_s = 0.0
 
     def stage(self, rank: int) -> StageCosts:
         return self.costs[self.layout.stage_of(rank)]
@@ -115,11 +123,11 @@ class _Clock:
     def run(self, rank: int, a: Action) -> None:
         c = self.stage(rank)
         if a.kind is Kind.F:
-            self._add(rank, c.fwd_s, a, "compute")
+            self._add(rank, c.fwd_s + self.overhead_s, a, "compute")
             self.flight[rank][a.mb] = self.version[rank]
             self._memory(rank, c)
         elif a.kind is Kind.B:
-            self._add(rank, c.bwd_s, a, "compute")
+            self._add(rank, c.bwd_s + self.overhead_s, a, "compute")
             self.flight[rank].pop(a.mb, None)
         elif a.kind is Kind.STEP:
             self._add(rank, c.step_s, a, "step")

@@ -173,3 +173,12 @@ def test_pipedream_count_starves_a_replicated_middle_stage():
     costs = [StageCosts(1.0, 2.0), StageCosts(2.0, 4.0), StageCosts(1.0, 2.0)]
     stash = simulate(build_schedule("1f1b-stash", lay, 24, chain(3)), costs, lay)
     assert stash.steady_samples_per_s == pytest.approx(2 / 9.0, rel=1e-6)  # 2/3 of the full rate
+
+
+def test_per_action_overhead_adds_to_every_forward_and_backward():
+    S, M = 2, 4
+    lay = Layout.of([1] * S)
+    s = build_schedule("1f1b-flush", lay, M, chain(S))
+    base = simulate(s, [StageCosts(1.0, 1.0)] * S, lay)
+    slow = simulate(s, [StageCosts(1.0, 1.0)] * S, lay, overhead_s=0.5)
+    assert slow.step_s == pytest.approx(base.step_s * 1.5)

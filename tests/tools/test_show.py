@@ -242,3 +242,12 @@ def test_split_manifest_gives_tied_stages_and_links(tmp_path):
     sim, _ = simulate_input(d, "1f1b-flush", 2)
     reduces = {r for r, evs in sim.events.items() for e in evs if e.action.kind is Kind.ALLREDUCE}
     assert reduces == {0, 2}  # the tied stages all-reduce although neither is replicated
+
+
+def test_svg_format_needs_graphviz(tmp_path, capsys):
+    write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [1, 1, 1])
+    code = main(["show", str(tmp_path), "--format", "svg"])
+    if shutil.which("dot") is None:
+        assert code == 2 and "Graphviz" in capsys.readouterr().err
+    else:
+        assert code == 0 and (tmp_path / "view.svg").read_text().lstrip().startswith("<")
