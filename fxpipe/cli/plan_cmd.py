@@ -23,6 +23,14 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="partition a model into pipeline stages (CP-SAT)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="profile JSON, PipeDream graph.txt, model .py file or package.module:factory")
+    add_plan_options(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("-o", "--output", default=None, help="also write the plan JSON here")
+    p.set_defaults(func=run)
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The partitioner's options (``--devices`` and the cost model's), shared with ``fxpipe split``."""
     p.add_argument("--devices", "-k", type=int, required=True, help="number of devices K")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=1.25e9,
                    help="bytes/s between stages (1.25e9, 10Gbit/s, 1.25GB/s; default 10 Gbit/s)")
@@ -39,9 +47,14 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: from the profile)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
-    p.add_argument("-o", "--output", default=None, help="also write the plan JSON here")
-    p.set_defaults(func=run)
+
+
+def partition_kwargs(args: argparse.Namespace) -> dict:
+    """``partition(graph, args.devices, **partition_kwargs(args))`` from the options above."""
+    return dict(bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth, memory=args.memory,
+                microbatches=args.microbatches, schedule=args.schedule, cost_model=args.cost_model,
+                replication=args.replication, fewer_devices=args.fewer_devices,
+                optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers)
 
 
 def load_source(source: str) -> CostGraph:
@@ -66,13 +79,7 @@ def load_source(source: str) -> CostGraph:
 
 def run(args: argparse.Namespace) -> int:
     graph = load_source(args.source)
-    result = partition(
-        graph, args.devices, bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth,
-        memory=args.memory, microbatches=args.microbatches, schedule=args.schedule,
-        cost_model=args.cost_model, replication=args.replication, fewer_devices=args.fewer_devices,
-        optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers,
-        progress=stderr_progress,
-    )
+    result = partition(graph, args.devices, progress=stderr_progress, **partition_kwargs(args))
     plan = plan_from_result(result, graph, batch_size=args.batch_size)
     if args.output:
         plan.save(args.output)
