@@ -58,11 +58,13 @@ class Executor:
     def __init__(self, *, rank: int, layout: Layout, stage: int, module: nn.Module, input_indices: Sequence[int],
                  is_last: bool, stash: WeightStash, optimizer: torch.optim.Optimizer, p2p: P2P,
                  reducer: GradReducer, data: DataFn, loss_fn: Optional[LossFn], loss_scale: float,
-                 tracer: Optional[Tracer] = None) -> None:
+                 tracer: Optional[Tracer] = None, flatten: Callable[[Sequence[Any]], Sequence[Any]] = list,
+                 unflatten: Callable[[Any], Any] = lambda out: out) -> None:
         self.rank, self.layout, self.stage = rank, layout, stage
         self.module, self.input_indices, self.is_last = module, list(input_indices), is_last
         self.stash, self.optimizer, self.p2p, self.reducer = stash, optimizer, p2p, reducer
         self.data, self.loss_fn, self.loss_scale = data, loss_fn, loss_scale
+        self.flatten, self.unflatten = flatten, unflatten  # model inputs -> stage inputs; outputs back
         self.tracer = tracer or Tracer(rank, enabled=False)
         self.inflight: Dict[int, _InFlight] = {}
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
@@ -98,13 +100,14 @@ class Executor:
         box = self._box(g)
         self.p2p.complete(g, "F")
         inputs, targets = self.data(g)
-        args = [inputs[i] for i in self.input_indices]
+        flat = self.flatten(inputs) if self.input_indices else ()
+        args = [flat[i] for i in self.input_indices]
         with comm.bind(box), torch.enable_grad():
             outputs, tokens = self.stash.forward(g, args)
         state = self.inflight[g]
         state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
         if self.is_last:
-            loss = self._loss(outputs, targets)
+            loss = self._loss(self.unflatten(outputs), targets)
             self.losses.append((g, float(loss.detach())))
             state.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         if state.loss is None and not state.tokens:

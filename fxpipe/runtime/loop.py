@@ -119,7 +119,9 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     M = cfg.microbatches
     ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
                   is_last=is_last, stash=stash, optimizer=optimizer, p2p=p2p, reducer=reducer, data=data,
-                  loss_fn=loss_fn, loss_scale=1.0 if cfg.schedule == "1f1b-stash" else 1.0 / M, tracer=tracer)
+                  loss_fn=loss_fn, loss_scale=1.0 if cfg.schedule == "1f1b-stash" else 1.0 / M, tracer=tracer,
+                  flatten=getattr(split, "flatten_inputs", list),
+                  unflatten=getattr(split, "unflatten_outputs", lambda out: out))
     info = {"schedule": cfg.schedule, "microbatches": M}
     start = checkpoint.restore(cfg.checkpoint, rank, layout, module, optimizer, info) if cfg.resume else 0
     result = TrainResult(rank, stage, start)
