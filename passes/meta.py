@@ -209,3 +209,19 @@ def require(gm: torch.fx.GraphModule, kind: Type[Any], *, needed_by: str, made_b
             f"{needed_by} needs '{kind.KEY}' metadata on every node "
             f"({len(missing)} nodes lack it: {shown}): run {made_by} first"
         )
+
+
+@dataclass(frozen=True)
+class PartitionRecord:
+    """Graph-wide: the partitioner's answer (``passes.partition.PartitionResult``)."""
+
+    KEY: ClassVar[str] = "partition"
+    result: Any
+
+
+@dataclass(frozen=True)
+class SplitRecord:
+    """Graph-wide: the split's answer (``passes.split.SplitResult``)."""
+
+    KEY: ClassVar[str] = "split"
+    result: Any
