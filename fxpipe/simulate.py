@@ -224,6 +224,21 @@ def link_bytes(graph, stage_of: Mapping[str, int]) -> Dict[Tuple[int, int], int]
     return out
 
 
+def shared_param_bytes(graph, stage_of: Mapping[str, int], num_stages: int) -> List[int]:
+    """Per stage, bytes of parameters that another stage uses too (tied): summed across stages each step."""
+    users: Dict[str, set] = {}
+    for name, node in graph.nodes.items():
+        for p in node.params:
+            if name in stage_of:
+                users.setdefault(p, set()).add(stage_of[name])
+    out = [0] * num_stages
+    for p, stages in users.items():
+        if len(stages) > 1:
+            for j in stages:
+                out[j] += int(graph.param_sizes.get(p, 0))
+    return out
+
+
 def plan_stage_of(plan) -> Dict[str, int]:
     return {n: s.index for s in plan.stages for n in s.nodes}
 
@@ -234,14 +249,19 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int,
     With the profile, bytes per link and activation bytes per microbatch come
     from the graph (activations: the outputs of the stage's nodes). Without
     it, each stage's ``send_bytes`` goes to the next stage and activation
-    memory is unknown (0).
+    memory is unknown (0). Tied parameters (used by nodes of two stages) add a
+    two-way all-reduce of their bytes to those stages' ``allreduce_s``.
     """
     S = len(plan.stages)
+    tied_s = [0.0] * S
     if graph is not None:
         where = plan_stage_of(plan)
         per_link = link_bytes(graph, where)
         acts = [sum(graph.nodes[n].out_bytes for n in s.nodes if n in graph.nodes and not graph.nodes[n].is_input)
                 for s in plan.stages]
+        opts = dict(getattr(plan, "options", {}) or {})
+        bw = float(opts.get("allreduce_bandwidth") or opts.get("bandwidth") or math.inf)
+        tied_s = [2.0 * b / bw for b in shared_param_bytes(graph, where, S)]
     else:
         per_link = {(j, j + 1): int(s.send_bytes) for j, s in enumerate(plan.stages[:-1])}
         acts = [0] * S
@@ -249,7 +269,7 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int,
     for j, s in enumerate(plan.stages):
         sends = {b: n for (a, b), n in per_link.items() if a == j}
         costs.append(StageCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
-                                allreduce_s=float(s.allreduce_s), param_bytes=int(s.param_bytes),
+                                allreduce_s=float(s.allreduce_s) + tied_s[j], param_bytes=int(s.param_bytes),
                                 activation_bytes=int(acts[j])))
     links = sorted(per_link) if per_link or S == 1 else [(j, j + 1) for j in range(S - 1)]
     return costs, links
@@ -269,6 +289,8 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     kind = kind or opts.get("schedule") or "1f1b-flush"
     layout = Layout.of([s.replicas for s in plan.stages])
     M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
+    if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
+        M = max(M, 4 * layout.world_size)
     costs, found = costs_from_plan(plan, graph)
     links = list(links) if links is not None else found
     if kind == "1f1b-stash":

@@ -182,3 +182,15 @@ def test_per_action_overhead_adds_to_every_forward_and_backward():
     base = simulate(s, [StageCosts(1.0, 1.0)] * S, lay)
     slow = simulate(s, [StageCosts(1.0, 1.0)] * S, lay, overhead_s=0.5)
     assert slow.step_s == pytest.approx(base.step_s * 1.5)
+
+
+def test_tied_parameters_cost_an_allreduce_on_both_stages():
+    nodes = [CostNode("x", "placeholder", "x", 0, 0, 8, 0, is_input=True),
+             CostNode("emb", "call_module", "emb", 1.0, 1.0, 100, 400, params=("w",)),
+             CostNode("mid", "call_module", "mid", 1.0, 1.0, 100, 40, params=("m",)),
+             CostNode("head", "call_function", "linear", 1.0, 1.0, 10, 0, params=("w",))]
+    g = CostGraph({n.name: n for n in nodes}, [("x", "emb"), ("emb", "mid"), ("mid", "head")],
+                  param_sizes={"w": 400, "m": 40})
+    plan = fake_plan(g, {"x": 0, "emb": 0, "mid": 1, "head": 2}, [1, 1, 1])
+    costs, _ = costs_from_plan(plan, g)
+    assert [c.allreduce_s for c in costs] == [pytest.approx(0.8), 0.0, pytest.approx(0.8)]  # 2 * 400 B / 1e3 B/s

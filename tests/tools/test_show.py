@@ -185,9 +185,9 @@ def test_text_view_of_replicated_plan():
     g = CostGraph.load(PROFILES / "vgg16.txt")
     plan = synthetic_plan(g, split_by_compute(g, 2), [3, 1], batch_size=32, microbatches=6)
     d = ShowInput(plan, g, "vgg16")
-    sim, layout = simulate_input(d, kind="1f1b-stash")
+    sim, layout = simulate_input(d, kind="1f1b-stash", microbatches=6)
     text = render_text(plan, sim, layout, d.notes)
-    assert "1f1b-stash: 6 microbatches" in text
+    assert "1f1b-stash: 6 minibatches" in text
     assert text.count("\nr") == 4
 
 

@@ -96,7 +96,8 @@ function drawTimelines(){
   var sim = D.sim, simEl = document.getElementById('tl-sim'), mEl = document.getElementById('tl-measured');
   if (!D.measured) mEl.style.display = 'none';
   var Tmax = Math.max(spanOf(sim ? sim.ranks : {}), spanOf(D.measured ? D.measured.ranks : {}));
-  if (sim) timeline(simEl, 'simulated: '+sim.kind+', '+sim.microbatches+' microbatches, step '+fs(sim.step_s)+
+  if (sim) timeline(simEl, 'simulated: '+sim.kind+', '+sim.microbatches+
+                    (sim.kind === '1f1b-stash' ? ' minibatches' : ' microbatches')+', step '+fs(sim.step_s)+
                     ', bubble '+(100*sim.bubble).toFixed(1)+' %', sim.ranks, sim.stage_of_rank,
                     'peak memory per rank: '+Object.keys(sim.peak_memory).map(function(r){
                       return 'r'+r+' '+fb(sim.peak_memory[r]); }).join(', '), Tmax);

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from passes.costgraph import CostGraph
 
 COLLAPSE_ABOVE = 150  # nodes; smaller graphs open fully expanded
 
 
-def graph_payload(graph: CostGraph, stage_of: Mapping[str, int], max_groups: int = 80) -> dict:
+def graph_payload(graph: CostGraph, stage_of: Mapping[str, int], max_groups: Optional[int] = None) -> dict:
     """JSON-ready graph for the HTML view (indices, not names, to keep it small)."""
     names = list(graph.nodes)
+    if max_groups is None:  # enough boxes to see the structure, few enough to read: ~2·sqrt(n), 8..80
+        max_groups = max(8, min(80, int(2 * math.sqrt(len(names)))))
     index = {n: i for i, n in enumerate(names)}
     stages = [int(stage_of.get(n, -1)) for n in names]
     keys = _group_keys(graph, stages, max_groups)
@@ -80,4 +82,5 @@ def _group_label(graph: CostGraph, names: List[str], key: Tuple, members: List[i
         return first, span
     kinds = Counter(graph.nodes[names[i]].target.split("(")[0] for i in members)
     top = " ".join(f"{k}×{v}" for k, v in kinds.most_common(2))
-    return f"{len(members)}: {top}", span
+    where = "top level " if key[1] == "m" else ""
+    return f"{where}{len(members)}: {top}", span

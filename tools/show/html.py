@@ -43,6 +43,11 @@ def fmt_bytes(n: Optional[float]) -> str:
     return str(n)
 
 
+def batches_word(kind: str) -> str:
+    """PipeDream calls what flows through a stash pipeline minibatches (one update each)."""
+    return "minibatches" if kind == "1f1b-stash" else "microbatches"
+
+
 def stage_rows(plan: Any) -> List[Dict[str, Any]]:
     """The stage table's rows (shared by the HTML and the text view)."""
     worst = max((float(s.time_s or 0) for s in plan.stages), default=0.0)
@@ -82,7 +87,7 @@ def _summary_html(plan: Any, sim: Any) -> str:
              ("speedup vs data parallel", f"{float(plan.speedup_vs_dp or 0):.3g}×"),
              ("bandwidth", f"{float(opts.get('bandwidth') or 0):.3g} B/s"), ("solver", solver.get("status", "–"))]
     if sim is not None:
-        items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} microbatches"),
+        items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} {batches_word(sim.kind)}"),
                   ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
                   ("steady-state samples/s", f"{sim.steady_samples_per_s:.4g}"),
                   ("bubble", f"{100 * sim.bubble_fraction:.1f} %")]

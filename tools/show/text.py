@@ -11,7 +11,7 @@ from typing import Any, List
 
 from tabulate import tabulate
 
-from tools.show.html import fmt_bytes, fmt_s, stage_rows
+from tools.show.html import batches_word, fmt_bytes, fmt_s, stage_rows
 
 FILL = {"F": ".", "B": ":", "wait": "~", "allreduce": "A", "step": "|", "send_blocking": ">"}
 
@@ -28,7 +28,7 @@ def ascii_timeline(sim: Any, layout: Any, width: int = 100) -> str:
     """One line per rank over the simulated step."""
     T = sim.step_s or 1.0
     dt = T / width
-    lines = [f"{sim.kind}: {sim.microbatches} microbatches, step {fmt_s(sim.step_s)}, "
+    lines = [f"{sim.kind}: {sim.microbatches} {batches_word(sim.kind)}, step {fmt_s(sim.step_s)}, "
              f"{sim.samples_per_s:.4g} samples/s, bubble {100 * sim.bubble_fraction:.1f} %"]
     for rank in sorted(sim.events):
         row = [" "] * width
