@@ -141,8 +141,10 @@ def stage_source(split: "SplitModel", j: int, weights_name: str) -> Tuple[str, D
            "returned. Run it with fxpipe.run_local / the fxpipe runtime (they bind passes.comm's transport);\n"
            'load the whole split with fxpipe.SplitModel.load(folder).\n"""\n')
     body = "\n".join(f"        {line}" for line in lines) or "        pass"
-    forward = "\n".join("    " + line if line.strip() else "" for line in code.src.strip("\n").splitlines())
-    src = (f"{doc}{_imports(code.globals)}\n{_HELPERS}\n\n"
+    at = code.src.index("def forward")
+    prologue = code.src[:at].strip()  # fx's module-level lines, e.g. wrap("math_sqrt")
+    forward = "\n".join("    " + line if line.strip() else "" for line in code.src[at:].strip("\n").splitlines())
+    src = (f"{doc}{_imports(code.globals)}\n{prologue}\n{_HELPERS}\n\n"
            f"class Stage{j}(torch.nn.Module):\n"
            f"    def __init__(self, _modules=None, _constants=None):\n        super().__init__()\n{body}\n\n"
            f"{forward}\n\n\n"

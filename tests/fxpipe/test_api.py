@@ -1,0 +1,46 @@
+"""fxpipe.split: capture -> profile -> partition -> split, equal to the model it came from."""
+import copy
+
+import pytest
+import torch
+
+import fxpipe
+from tests.models import example
+from tests.splitting import check_equivalent, stage_grads
+
+
+@pytest.mark.parametrize("name", ["TinyGPT", "SkipCNN"])
+def test_split_runs_like_the_model(name):
+    model, inputs = example(name)
+    ref = copy.deepcopy(model)
+    sm = fxpipe.split(model, inputs, devices=3, replication="none", time_limit=5, progress=False)
+    assert sm.num_stages == 3 and sm.plan.num_stages == 3
+    assert [s.nodes for s in sm.plan.stages]  # the plan's node lists are what was split
+    assert all(p.grad is None for p in model.parameters())  # profiling left no gradients behind
+    check_equivalent(ref, lambda *x: fxpipe.run_local(sm, *x), lambda: stage_grads(sm), inputs)
+    if name == "TinyGPT":
+        assert sm.tied == {"tok.weight": [0, 2]}
+
+
+def test_replicated_stage_is_still_one_stage_module():
+    model, inputs = example("MLP")
+    ref = copy.deepcopy(model)
+    sm = fxpipe.split(model, inputs[0], devices=3, time_limit=5, progress=False, fewer_devices=False)
+    assert len(sm.stages) == sm.plan.num_stages == len(sm.plan.stages)
+    assert sum(s.replicas for s in sm.plan.stages) == 3
+    check_equivalent(ref, lambda *x: fxpipe.run_local(sm, *x), lambda: stage_grads(sm), inputs)
+
+
+def test_public_names_load_lazily():
+    import importlib
+    import sys
+
+    for mod in [m for m in sys.modules if m == "fxpipe" or m.startswith("fxpipe.")]:
+        sys.modules.pop(mod)
+    fx = importlib.import_module("fxpipe")
+    assert "fxpipe.api" not in sys.modules
+    assert fx.split.__module__ == "fxpipe.api" and fx.SplitModel.__name__ == "SplitModel"
+    assert callable(fx.run_local)
+    with pytest.raises(AttributeError):
+        fx.no_such_name
+    torch.manual_seed(0)
