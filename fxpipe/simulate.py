@@ -25,7 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
-from fxpipe.validate import execution_order, reduce_groups
+from fxpipe.validate import ScheduleError, execution_order, reduce_groups
 
 
 @dataclass(frozen=True)
@@ -301,6 +301,21 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     return result, schedule
 
 
+def simulate_split(split_model, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
+                   **sim_options) -> SimResult:
+    """Predict a run of a ``SplitModel`` (its plan, links and tied stages): what ``fxpipe train`` compares with.
+
+    ``graph`` defaults to the split's ``profile`` (set by ``fxpipe.split``).
+    """
+    if getattr(split_model, "plan", None) is None:
+        raise ScheduleError("this split has no plan to predict from; split it with fxpipe.split / `fxpipe split`")
+    tied = sorted({s for stages in (getattr(split_model, "tied", None) or {}).values() for s in stages})
+    graph = graph if graph is not None else getattr(split_model, "profile", None)
+    result, _ = simulate_plan(split_model.plan, kind, microbatches, graph=graph, tied_stages=tied,
+                              links=list(split_model.links), **sim_options)
+    return result
+
+
 def _round_up_for_stash(M: int, layout: Layout) -> int:
     need = 1
     for r in layout.replicas:
@@ -308,4 +323,5 @@ def _round_up_for_stash(M: int, layout: Layout) -> int:
     return -(-M // need) * need
 
 
-__all__ = ["Event", "SimResult", "StageCosts", "costs_from_plan", "link_bytes", "simulate", "simulate_plan"]
+__all__ = ["Event", "SimResult", "StageCosts", "costs_from_plan", "link_bytes", "simulate", "simulate_plan",
+           "simulate_split"]

@@ -194,3 +194,17 @@ def test_tied_parameters_cost_an_allreduce_on_both_stages():
     plan = fake_plan(g, {"x": 0, "emb": 0, "mid": 1, "head": 2}, [1, 1, 1])
     costs, _ = costs_from_plan(plan, g)
     assert [c.allreduce_s for c in costs] == [pytest.approx(0.8), 0.0, pytest.approx(0.8)]  # 2 * 400 B / 1e3 B/s
+
+
+def test_simulate_split_uses_the_splits_links_and_tied_stages():
+    from fxpipe.simulate import simulate_split
+
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
+    split = SimpleNamespace(plan=plan, profile=g, links=[(0, 1), (1, 2)], tied={"w": [0, 2]})
+    res = simulate_split(split, "1f1b-flush", 3)
+    peers = {a.peer for e in res.events[0] for a in [e.action] if a.is_send}
+    assert peers == {1}  # the split's links, not the profile's (0, 2)
+    assert any(e.action.kind is Kind.ALLREDUCE for e in res.events[2])
+    with pytest.raises(ScheduleError, match="no plan"):
+        simulate_split(SimpleNamespace(plan=None, links=[]))
