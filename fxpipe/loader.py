@@ -86,6 +86,7 @@ def load_model(spec: str, check: bool = True) -> ModelSpec:
     """Load ``spec`` (a file path or ``package.module:factory``) and check it runs."""
     namespace, source = _namespace(spec)
     model = _model(namespace, source)
+    _no_generation_cache(model, source)
     inputs = _inputs(namespace, source)
     loss_fn = getattr(namespace, "loss_fn", None)
     if loss_fn is not None and not callable(loss_fn):
@@ -201,6 +202,22 @@ def _model(namespace: Any, source: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ModelLoadError(f"{source}: 'model' must be an nn.Module or a zero-argument function returning one, not {type(model).__name__}")
     return model
+
+
+def _no_generation_cache(model: nn.Module, source: str) -> None:
+    """Turn off HF transformers' key/value cache: generation state, useless in training.
+
+    With it on, causal LMs return a ``DynamicCache`` object that no captured
+    graph can return (``torch.export`` rejects it), and every stage would carry it.
+    """
+    changed = False
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed = True
+    if changed:
+        print(f"note: {source}: set config.use_cache = False (the generation cache is not used in training)", file=sys.stderr)
 
 
 def _inputs(namespace: Any, source: str) -> Tuple[Any, ...]:

@@ -169,14 +169,15 @@ def _quiet_torch_logs() -> Any:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200] + ' …' if len(first) > 200 else first}"
 
 
 def _user_frame(exc: BaseException) -> Optional[str]:
     """``file:line`` of the deepest frame outside torch: the code that failed."""
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
-        if not frame.filename.startswith(_TORCH_DIR) and "/passes/capture" not in frame.filename:
+        if not frame.filename.startswith((_TORCH_DIR, "<")) and "/passes/capture" not in frame.filename:
             found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return found
 
@@ -197,13 +198,26 @@ def _as_capture_error(fx_exc: Optional[BaseException], export_exc: Optional[Base
         where = _user_frame(export_exc)
         parts.append("torch.export failed" + (f" at {where}" if where else "") + f": {_one_line(export_exc)}")
     path = getattr(fx_exc, "_fxpipe_module_path", "") if fx_exc is not None else ""
-    remedy = (
-        f"declare that module a leaf (leaf_modules = ['{path}'] in the model file, or its class), "
-        if path
-        else "declare the module that holds this code a leaf (leaf_modules in the model file), "
+    return CaptureError("capture: " + "; ".join(parts) + f". Way out: {_remedy(path, export_exc)}.")
+
+
+def _remedy(path: str, export_exc: Optional[BaseException]) -> str:
+    text = str(export_exc) if export_exc is not None else ""
+    if "in output, which is not a known type" in text:
+        kind = text.split("Found ", 1)[-1].split(" in output", 1)[0]
+        return (
+            f"the model returns {kind}, which a graph cannot carry: make forward return tensors "
+            "(HF transformers: set config.use_cache = False; `fxpipe` does this when it loads a model file)"
+        )
+    if path:
+        return (
+            f"declare that module a leaf (leaf_modules = ['{path}'] in the model file, or its class), "
+            "or fix its Python-level arguments with concrete_args"
+        )
+    return (
+        "declare the module that holds the failing code a leaf (leaf_modules in the model file), "
+        "or fix the Python-level arguments of forward with concrete_args"
     )
-    remedy += "or fix its Python-level arguments with concrete_args"
-    return CaptureError("capture: " + "; ".join(parts) + f". Way out: {remedy}.")
 
 
 # ------------------------------------------------------------ metadata and names
