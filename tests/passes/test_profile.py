@@ -141,3 +141,13 @@ def test_sum_of_node_forward_times_close_to_whole_forward(method):
     assert 0.5 <= ratio <= 2.0, f"sum of node forwards / whole forward = {ratio:.2f}"
     with_params = [n for n in graph.nodes.values() if n.params]
     assert with_params and all(n.bwd_s > 0 for n in with_params)
+
+
+def test_profile_runs_as_a_torch_fx_pass():
+    from torch.fx.passes.infra.pass_manager import PassManager
+
+    from passes.profile import ProfilePass
+
+    _, gm, inputs = _captured("MLP", "fx")
+    result = PassManager([ProfilePass(inputs, repeats=1, warmup=0)])(gm)
+    assert meta.has(result.graph_module, meta.ProfileInfo)
