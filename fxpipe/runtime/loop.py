@@ -11,26 +11,23 @@ the pipeline does not drain between steps: one action list covers the run
 up to the next checkpoint (or the end), where it drains so the checkpoint
 holds one consistent weight version.
 
-Reporting. Replica 0 of the last stage prints each step's mean loss over the
-microbatches it computed (all of them unless the last stage is replicated)
-and samples per second measured between its step ends.
+Reporting: see ``fxpipe.runtime.report``.
 """
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from fxpipe.actions import Kind
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
+from fxpipe.runtime.report import Reporter
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
@@ -98,49 +95,74 @@ def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
     return out
 
 
+@dataclass
+class _Rank:
+    """What one rank trains with."""
+
+    stage: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    ex: Executor
+    loss_group: Optional[Any]
+    tracer: Tracer
+
+
+def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
+           loss_fn: Optional[LossFn], device: torch.device) -> _Rank:
+    stage = layout.stage_of(rank)
+    module = split.stages[stage].to(device)
+    module.train()
+    stashing = cfg.schedule == "1f1b-stash"
+    stash = WeightStash(module, stash=stashing)
+    optimizer = make_optimizer(cfg, module)
+    groups = make_groups(layout, split.tied, rank)
+    local_of = {orig: local for local, orig in split.param_names[stage].items()}
+    reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if stashing else 1.0)
+    tracer = Tracer(rank, enabled=bool(cfg.trace))
+    p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
+    ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
+                  is_last=stage == layout.num_stages - 1, stash=stash, optimizer=optimizer, p2p=p2p,
+                  reducer=reducer, data=data, loss_fn=loss_fn,
+                  loss_scale=1.0 if stashing else 1.0 / cfg.microbatches, tracer=tracer,
+                  flatten=getattr(split, "flatten_inputs", list),
+                  unflatten=getattr(split, "unflatten_outputs", lambda out: out))
+    return _Rank(stage, module, optimizer, ex, None if stashing else groups.replica, tracer)
+
+
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
           loss_fn: Optional[LossFn], build: Optional[Callable[..., Dict[int, list]]] = None,
           device: torch.device = torch.device("cpu")) -> TrainResult:
     """Run ``cfg.steps`` steps on this rank; collective over all ranks of ``layout``."""
     if build is None:
         from fxpipe.schedule import build_schedule as build
-    stage = layout.stage_of(rank)
-    module = split.stages[stage].to(device)
-    module.train()
-    is_last = stage == layout.num_stages - 1
-    stash = WeightStash(module, stash=cfg.schedule == "1f1b-stash")
-    optimizer = make_optimizer(cfg, module)
-    groups = make_groups(layout, split.tied, rank)
-    local_of = {orig: local for local, orig in split.param_names[stage].items()}
-    scale = 1.0 / layout.replicas[stage] if cfg.schedule == "1f1b-stash" else 1.0
-    reducer = GradReducer(groups, stash.master, local_of, scale)
-    tracer = Tracer(rank, enabled=bool(cfg.trace))
-    p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
-    M = cfg.microbatches
-    ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
-                  is_last=is_last, stash=stash, optimizer=optimizer, p2p=p2p, reducer=reducer, data=data,
-                  loss_fn=loss_fn, loss_scale=1.0 if cfg.schedule == "1f1b-stash" else 1.0 / M, tracer=tracer,
-                  flatten=getattr(split, "flatten_inputs", list),
-                  unflatten=getattr(split, "unflatten_outputs", lambda out: out))
+    r = _setup(rank, layout, split, cfg, data, loss_fn, device)
+    M, stashing = cfg.microbatches, cfg.schedule == "1f1b-stash"
     info = {"schedule": cfg.schedule, "microbatches": M}
-    start = checkpoint.restore(cfg.checkpoint, rank, layout, module, optimizer, info) if cfg.resume else 0
-    result = TrainResult(rank, stage, start)
-    reporter = _Reporter(cfg, result, M * batch_dim(data(0)[0]), layout, rank, ex.losses) if is_last else None
+    start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
+    reporter = None
+    if r.stage == layout.num_stages - 1:
+        reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
+                            r.ex.losses, r.loss_group)
+        r.ex.on_backward = reporter.backward_done if stashing else None
     tied_stages = sorted({s for st in split.tied.values() for s in st})
-    links = sorted(split.links)
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
         if n not in cache:
-            cache[n] = build(cfg.schedule, layout, n * M if cfg.schedule == "1f1b-stash" else M,
-                             links, tied_stages)[rank]
-        if reporter is not None:
+            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages)[rank]
+        if reporter is not None and stashing:
             reporter.expect(cache[n], first * M)
-            ex.on_backward = reporter.backward_done
-        ex.run(cache[n], base=first * M)
+        r.ex.run(cache[n], base=first * M)
+        if reporter is not None and not stashing:
+            reporter.step_done(first)
         done = first + n
-        if cfg.checkpoint and cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            checkpoint.save(cfg.checkpoint, done, rank, layout, module, optimizer, info)
-    return _finish(cfg, result, module, layout, rank, tracer)
+        if cfg.checkpoint and (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info)
+            if reporter is not None:
+                reporter.restart_clock()
+    result = TrainResult(rank, r.stage, start)
+    if reporter is not None:
+        result.losses, result.samples_per_s = reporter.step_losses, reporter.samples_per_s
+    return _finish(cfg, result, r.module, layout, rank, r.tracer)
 
 
 def _finish(cfg: TrainConfig, result: TrainResult, module: nn.Module, layout: Layout, rank: int,
@@ -152,38 +174,3 @@ def _finish(cfg: TrainConfig, result: TrainResult, module: nn.Module, layout: La
     if cfg.trace:
         tracer.save(rank_path(cfg.trace, rank))
     return result
-
-
-class _Reporter:
-    """Tracks, on a last-stage rank, when each step's microbatches have all run backward."""
-
-    def __init__(self, cfg: TrainConfig, result: TrainResult, samples_per_step: int, layout: Layout,
-                 rank: int, losses: List[tuple]) -> None:
-        self.cfg, self.result, self.samples = cfg, result, samples_per_step
-        self.printing = cfg.log and layout.replica_of(rank) == 0
-        self.M = cfg.microbatches
-        self.left: Dict[int, int] = {}
-        self.losses = losses  # the executor's (global microbatch, loss) list
-        self.t_last = time.perf_counter()
-
-    def expect(self, actions: Sequence[Any], base: int) -> None:
-        for a in actions:
-            if a.kind is Kind.F:
-                s = (base + a.mb) // self.M
-                self.left[s] = self.left.get(s, 0) + 1
-
-    def backward_done(self, g: int) -> None:
-        s = g // self.M
-        self.left[s] -= 1
-        if self.left[s]:
-            return
-        del self.left[s]
-        now = time.perf_counter()
-        sps = self.samples / max(now - self.t_last, 1e-9)
-        self.t_last = now
-        vals = [l for g, l in self.losses if g // self.M == s]
-        loss = sum(vals) / max(len(vals), 1)
-        self.result.samples_per_s.append(sps)
-        self.result.losses.append(loss)
-        if self.printing:
-            print(f"step {s + 1}/{self.cfg.steps}  loss {loss:.6f}  samples/s {sps:.1f}", flush=True)

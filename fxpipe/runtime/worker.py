@@ -70,7 +70,7 @@ def run(run_dir: str, rank: int, world: int) -> int:
         from fxpipe.split_model import SplitModel
 
         torch.manual_seed(int(job.get("seed", 0)))
-        spec = load_model(job["model"])
+        spec = load_model(job["model"], check=False)
         split = SplitModel.load(os.path.join(run_dir, SPLIT_DIR))
         train(rank=rank, layout=layout, split=split, cfg=cfg, data=make_data(spec, cfg.microbatches),
               loss_fn=spec.loss_fn, device=device)

@@ -1,0 +1,66 @@
+"""Per-step loss and throughput, printed by the last stage.
+
+A step ends, for flush and gpipe, when its action list has run (optimizer
+step included); with ``1f1b-stash`` the pipeline never stops between steps,
+so a step ends when the last stage has run the backward of every one of the
+step's minibatches it computes. samples/s is the step's samples over the wall
+time since the previous step ended (checkpoint writing excluded).
+
+With a replicated last stage, flush and gpipe sum the loss over its replicas
+(one small all-reduce per step); with stash each replica's share is printed
+by replica 0 only, to keep collectives out of the running pipeline.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.actions import Kind
+
+
+class Reporter:
+    def __init__(self, steps: int, microbatches: int, samples_per_step: int, printing: bool,
+                 losses: List[Tuple[int, float]], loss_group: Optional[Any] = None) -> None:
+        self.steps, self.M, self.samples = steps, microbatches, samples_per_step
+        self.printing, self.losses, self.loss_group = printing, losses, loss_group
+        self.left: Dict[int, int] = {}
+        self.step_losses: List[float] = []
+        self.samples_per_s: List[float] = []
+        self.t_last = time.perf_counter()
+
+    def expect(self, actions: Sequence[Any], base: int) -> None:
+        """Count, per step, the forwards this rank runs in ``actions`` (stash)."""
+        for a in actions:
+            if a.kind is Kind.F:
+                s = (base + a.mb) // self.M
+                self.left[s] = self.left.get(s, 0) + 1
+
+    def backward_done(self, g: int) -> None:
+        s = g // self.M
+        if s not in self.left:
+            return
+        self.left[s] -= 1
+        if not self.left[s]:
+            del self.left[s]
+            self.step_done(s)
+
+    def restart_clock(self) -> None:
+        self.t_last = time.perf_counter()
+
+    def step_done(self, s: int) -> None:
+        now = time.perf_counter()
+        sps = self.samples / max(now - self.t_last, 1e-9)
+        self.t_last = now
+        mine = [l for g, l in self.losses if g // self.M == s]
+        self.losses[:] = [(g, l) for g, l in self.losses if g // self.M != s]
+        total = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64)
+        if self.loss_group is not None:
+            dist.all_reduce(total, group=self.loss_group)
+        loss = (total[0] / total[1].clamp_min(1)).item()
+        self.step_losses.append(loss)
+        self.samples_per_s.append(sps)
+        if self.printing:
+            print(f"step {s + 1}/{self.steps}  loss {loss:.6f}  samples/s {sps:.1f}", flush=True)
