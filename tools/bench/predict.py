@@ -1,0 +1,147 @@
+"""Predicted against measured: the simulator's step time next to `fxpipe train`'s, on CPU gloo.
+
+    python -m tools.bench.predict [--steps 8] [--cases mlp-2-flush,gpt-2-stash,...]
+
+For each case it runs `fxpipe split` (profile + plan), `fxpipe train --split
+... --trace` (measured samples/s, median after warm-up), and prints three
+rates:
+
+- *predicted*: the plan's profiled costs through ``fxpipe.simulate`` (what
+  `fxpipe show` draws);
+- *replay*: the same simulation with each stage's forward, backward and step
+  times replaced by their medians in the measured trace. It isolates the
+  schedule and communication model from profiling error: when *replay* is
+  close and *predicted* is not, the per-node profile is what missed
+  (another load on the machine, per-action overhead the node timings do not
+  see, thread contention);
+- *measured*.
+
+The ratio columns are predicted (or replayed) step time divided by measured
+step time: 1.00 is a perfect prediction; the target is within 15 %.
+This is a benchmark, not a test: it prints a table, nothing asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+from tabulate import tabulate
+
+from fxpipe.layout import Layout
+from fxpipe.schedule import build_schedule
+from fxpipe.simulate import costs_from_plan, simulate
+from tools.show.data import load_input, load_trace
+from tools.show.view import simulate_input
+
+FXPIPE = [sys.executable, "-m", "fxpipe"]
+
+
+# ------------------------------------------------------------ models (fxpipe's `package.module:factory`)
+
+def mlp():
+    """A deep MLP: 12 equal tanh layers of width 512, 64 samples per microbatch."""
+    torch.manual_seed(0)
+    layers: List[nn.Module] = []
+    for _ in range(12):
+        layers += [nn.Linear(512, 512), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(512, 16))
+    return model, (torch.randn(64, 512),), _mse, torch.randn(64, 16)
+
+
+def gpt():
+    """A GPT-style stack (tests.models.TinyGPT, wider): embedding tied to the output head."""
+    from tests.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, dim=128, heads=4, layers=6, ctx=64)
+    return model, (torch.randint(0, 256, (8, 64)),)
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+CASES = {  # name -> (factory, devices, schedule, microbatches)
+    "mlp-2-flush": ("tools.bench.predict:mlp", 2, "1f1b-flush", 4),
+    "mlp-2-gpipe": ("tools.bench.predict:mlp", 2, "gpipe", 4),
+    "mlp-2-stash": ("tools.bench.predict:mlp", 2, "1f1b-stash", 4),
+    "gpt-2-flush": ("tools.bench.predict:gpt", 2, "1f1b-flush", 4),
+}
+
+
+# ------------------------------------------------------------ running
+
+def _run(cmd: List[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def measure(model: str, devices: int, schedule: str, M: int, steps: int, folder: Path) -> float:
+    """Median samples/s that `fxpipe train` prints, after two warm-up steps."""
+    common = ["--devices", str(devices), "--schedule", schedule, "--microbatches", str(M)]
+    _run(FXPIPE + ["split", model, "-o", str(folder), "--time-limit", "10"] + common, "fxpipe split")
+    out = _run(FXPIPE + ["train", model, "--split", str(folder), "--steps", str(steps),
+                         "--trace", str(folder / "trace.json")] + common, "fxpipe train")
+    rates = [float(x) for x in re.findall(r"samples/s\s+([\d.]+)", out)]
+    if not rates:
+        raise SystemExit(f"no samples/s in fxpipe train's output:\n{out[-1000:]}")
+    return statistics.median(rates[2:] or rates)
+
+
+def measured_costs(trace: Dict[int, List[list]], layout: Layout) -> Dict[int, Tuple[float, float, float]]:
+    """Per stage: median forward, backward and optimizer-step seconds in the trace."""
+    out = {}
+    for j in range(layout.num_stages):
+        evs = [e for r in layout.ranks(j) for e in trace.get(r, [])]
+        med = {k: statistics.median([e[1] - e[0] for e in evs if e[3] == k] or [0.0]) for k in ("F", "B", "step")}
+        out[j] = (med["F"], med["B"], med["step"])
+    return out
+
+
+def rates(folder: Path, schedule: str, M: int) -> Tuple[float, float]:
+    """(predicted, replayed) samples/s for the case in ``folder``."""
+    data = load_input(str(folder))
+    sim, layout = simulate_input(data, schedule, M)
+    pick = (lambda r: r.steady_samples_per_s) if schedule == "1f1b-stash" else (lambda r: r.samples_per_s)
+    costs, links = costs_from_plan(data.plan, data.graph)
+    med = measured_costs(load_trace(str(folder / "trace.json")), layout)
+    costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
+    sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
+    replay = simulate(sched, costs, layout, bandwidth=float(data.plan.options.get("bandwidth") or 1e30),
+                      samples_per_microbatch=int(data.plan.batch_size or 1))
+    return pick(sim), pick(replay)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {', '.join(CASES)}")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fxpipe-predict-") as tmp:
+        for name in args.cases.split(","):
+            model, devices, schedule, M = CASES[name]
+            print(f"{name}: split + train ...", file=sys.stderr, flush=True)
+            folder = Path(tmp) / name
+            measured = measure(model, devices, schedule, M, args.steps, folder)
+            predicted, replay = rates(folder, schedule, M)
+            rows.append([name, f"{predicted:.1f}", f"{replay:.1f}", f"{measured:.1f}",
+                         f"{measured / predicted:.2f}", f"{measured / replay:.2f}"])
+    print(tabulate(rows, headers=["case", "predicted samples/s", "replay samples/s", "measured samples/s",
+                                  "predicted ÷ measured step", "replay ÷ measured step"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
