@@ -28,6 +28,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from passes import meta
+from passes.capture_check import restore_buffers, save_buffers
 from passes.errors import FxpipeError
 
 _CONSTANT_LEAVES = (int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device)
@@ -38,7 +39,12 @@ class ShapePropError(FxpipeError):
 
 
 def value_spec(value: Any) -> Any:
-    """The ``ValueMeta.spec`` of a runtime value (plain containers kept as such)."""
+    """The ``ValueMeta.spec`` of a runtime value.
+
+    Unlike ``passes.profile.value_spec`` only exact tuples, lists and dicts are
+    opened: the split sends a container leaf by leaf and rebuilds it with its
+    type, so a dict subclass (an HF ``ModelOutput``) must stay one opaque value.
+    """
     if isinstance(value, torch.Tensor):
         return meta.TensorMeta(tuple(int(s) for s in value.shape), str(value.dtype), bool(value.requires_grad))
     if type(value) in (tuple, list):
@@ -113,8 +119,12 @@ class _Recorder(torch.fx.Interpreter):
 def record_values(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> ValueRun:
     """Run ``gm`` on ``example_inputs``; write ``ValueMeta`` on every node."""
     run = ValueRun()
-    with torch.enable_grad():
-        _Recorder(gm, run).run(*example_inputs)
+    saved = save_buffers(gm)  # BatchNorm running stats: this run must not change the model
+    try:
+        with torch.enable_grad():
+            _Recorder(gm, run).run(*example_inputs)
+    finally:
+        restore_buffers(saved)
     return run
 
 
