@@ -31,7 +31,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from tools.show.data import load_input, load_trace
+    from tools.show.data import load_input
     from tools.show.view import simulate_input, stage_of
 
     data = load_input(args.target, args.profile)
@@ -48,13 +48,25 @@ def run(args) -> int:
         graphviz.write(data.graph, stage_of(data.plan), out, args.format)
     else:
         from tools.show.html import render_html
-        measured = load_trace(args.trace) if args.trace else None
+        measured, note = _measured(args.trace, sim)
         title = f"fxpipe plan: {len(data.plan.stages)} stages on {data.plan.devices} devices"
-        out.write_text(render_html(data, sim, layout, measured, title=title))
+        out.write_text(render_html(data, sim, layout, measured, title=title, measured_note=note))
     for note in data.notes:
         print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
+
+
+def _measured(trace, sim):
+    """The trace cropped to one step like the simulation (``--trace-all`` keeps the whole run)."""
+    from tools.show.data import load_trace, one_step
+
+    if not trace:
+        return None, ""
+    measured = load_trace(trace)
+    steps = sim.microbatches if sim is not None and sim.kind == "1f1b-stash" else 1
+    cropped = one_step(measured, steps)
+    return cropped if cropped else (measured, "whole run")
 
 
 def _default_output(target: Path, fmt: str) -> Path:

@@ -251,3 +251,15 @@ def test_svg_format_needs_graphviz(tmp_path, capsys):
         assert code == 2 and "Graphviz" in capsys.readouterr().err
     else:
         assert code == 0 and (tmp_path / "view.svg").read_text().lstrip().startswith("<")
+
+
+def test_measured_trace_is_cropped_to_one_middle_step():
+    from tools.show.data import one_step
+
+    trace = {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"], [2.0, 3.0, "F0", "F"], [3.0, 4.0, "STEP", "step"],
+                 [4.0, 5.5, "F0", "F"], [5.5, 6.0, "STEP", "step"]],
+             1: [[2.5, 3.5, "F0", "F"], [4.5, 5.0, "B0", "B"]]}
+    cropped, note = one_step(trace)
+    assert note == "step 2 of 3"
+    assert cropped == {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"]], 1: [[0.5, 1.5, "F0", "F"]]}
+    assert one_step({0: [[0.0, 1.0, "F0", "F"]]}) is None

@@ -99,12 +99,24 @@ def measure(model: str, devices: int, schedule: str, M: int, steps: int, folder:
     return statistics.median(rates[2:] or rates)
 
 
+def busy(event: list, waits: List[list]) -> float:
+    """An action's time minus the waits inside it (the runtime receives lazily, within F/B)."""
+    inside = sum(max(0.0, min(event[1], w[1]) - max(event[0], w[0])) for w in waits)
+    return max(0.0, event[1] - event[0] - inside)
+
+
 def measured_costs(trace: Dict[int, List[list]], layout: Layout) -> Dict[int, Tuple[float, float, float]]:
-    """Per stage: median forward, backward and optimizer-step seconds in the trace."""
+    """Per stage: median forward, backward and optimizer-step seconds in the trace, waits excluded."""
     out = {}
     for j in range(layout.num_stages):
-        evs = [e for r in layout.ranks(j) for e in trace.get(r, [])]
-        med = {k: statistics.median([e[1] - e[0] for e in evs if e[3] == k] or [0.0]) for k in ("F", "B", "step")}
+        times: Dict[str, List[float]] = {"F": [], "B": [], "step": []}
+        for r in layout.ranks(j):
+            evs = trace.get(r, [])
+            waits = [e for e in evs if e[3] == "wait"]
+            for e in evs:
+                if e[3] in times:
+                    times[e[3]].append(busy(e, waits))
+        med = {k: statistics.median(v or [0.0]) for k, v in times.items()}
         out[j] = (med["F"], med["B"], med["step"])
     return out
 

@@ -52,7 +52,8 @@ function legend(){
   h += '<span><svg width="22" height="8"><line x1="0" y1="4" x2="22" y2="4" stroke="#555" stroke-width="2"/></svg> send/recv (simulated: transfer in flight)</span>';
   document.getElementById('tl-legend').innerHTML = h;
 }
-function layer(kind){ return kind === 'wait' ? 0 : (kind === 'send' || kind === 'comm') ? 2 : 1; }
+/* waits on top of compute: a measured forward or backward that blocks on its input contains the wait */
+function layer(kind){ return kind === 'wait' ? 1 : (kind === 'send' || kind === 'comm') ? 2 : 0; }
 function spanOf(ranks){
   var T = 0; Object.keys(ranks).forEach(function(r){ ranks[r].forEach(function(e){ if (e[1] > T) T = e[1]; }); });
   return T;
@@ -102,7 +103,8 @@ function drawTimelines(){
                     'peak memory per rank: '+Object.keys(sim.peak_memory).map(function(r){
                       return 'r'+r+' '+fb(sim.peak_memory[r]); }).join(', '), Tmax);
   else simEl.innerHTML = '<p>no simulation</p>';
-  if (D.measured) timeline(mEl, 'measured (Chrome trace, same time scale)', D.measured.ranks,
+  if (D.measured) timeline(mEl, 'measured (Chrome trace' + (D.measured.note ? ', ' + D.measured.note : '') +
+                           ', same time scale)', D.measured.ranks,
                            sim ? sim.stage_of_rank : null, '', Tmax);
 }
 

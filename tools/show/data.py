@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
@@ -163,3 +163,23 @@ def trace_kind(name: str) -> str:
     if n[:1] in ("F", "B") and n[1:2].isdigit():
         return "F" if n[0] == "F" else "B"
     return "other"
+
+
+def one_step(trace: Dict[int, List[list]], steps: int = 1) -> Optional[Tuple[Dict[int, List[list]], str]]:
+    """The middle window of ``steps`` optimizer steps of a measured trace, shifted to start at 0.
+
+    A trace holds every step of a run, the simulation one step: cropping makes
+    the two comparable on one time scale. The window runs from the end of one
+    ``STEP`` of the lowest rank to the end of its ``steps``-th next one (for
+    1F1B and GPipe the input stage finishes each step last). ``None`` when
+    the trace has too few steps.
+    """
+    first = min(trace) if trace else None
+    ends = sorted(e[1] for e in trace.get(first, []) if e[3] == "step")
+    if len(ends) < steps + 1:
+        return None
+    i = max(steps, len(ends) // 2)  # window ending at ends[i] is step i + 1; the first step has no start mark
+    t0, t1 = ends[i - steps], ends[i]
+    out = {r: [[max(e[0], t0) - t0, min(e[1], t1) - t0, e[2], e[3]] for e in evs if e[1] > t0 and e[0] < t1]
+           for r, evs in trace.items()}
+    return out, f"steps {i - steps + 1}..{i} of {len(ends)}" if steps > 1 else f"step {i + 1} of {len(ends)}"

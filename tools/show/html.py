@@ -111,15 +111,16 @@ def sim_payload(sim: Any, layout: Any) -> Dict[str, Any]:
 
 
 def render_html(data: ShowInput, sim: Any = None, layout: Any = None,
-                measured: Optional[Dict[int, List[list]]] = None, title: str = "fxpipe plan") -> str:
-    """The page as one string."""
+                measured: Optional[Dict[int, List[list]]] = None, title: str = "fxpipe plan",
+                measured_note: str = "") -> str:
+    """The page as one string. ``measured``: a trace from ``data.load_trace`` (or ``one_step``)."""
     plan = data.plan
     stage_of = {n: s.index for s in plan.stages for n in s.nodes}
     payload = {
         "palette": PALETTE, "stages": len(plan.stages),
         "graph": graph_payload(data.graph, stage_of) if data.graph is not None else None,
         "sim": sim_payload(sim, layout) if sim is not None else None,
-        "measured": {"ranks": {str(r): v for r, v in measured.items()}} if measured else None,
+        "measured": {"ranks": {str(r): v for r, v in measured.items()}, "note": measured_note} if measured else None,
     }
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in data.notes)
     blob = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
