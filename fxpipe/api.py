@@ -10,9 +10,8 @@ split (send/recv nodes). Each step is also a function of its own in
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
-import torch
 import torch.nn as nn
 
 from fxpipe.split_model import SplitModel
@@ -52,18 +51,9 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, method: st
     apply_assignment(gm, result.assignment)
     if progress:
         print(f"split: {plan.num_stages} stages, replicas {[s.replicas for s in plan.stages]}", file=sys.stderr)
-    split_model = SplitModel.from_result(split_stages(gm, _flat_inputs(gm, inputs)), gm, plan=plan)
+    split_model = SplitModel.from_result(split_stages(gm, inputs), gm, plan=plan)
     split_model.profile = graph
     for p in untouched:  # capture checks and profiling ran backward on the model's parameters
         p.grad = None
     return split_model
 
-
-def _flat_inputs(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> list:
-    """The graph's positional inputs: export graphs take the flattened pytree."""
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is None:
-        return list(inputs)
-    from torch.fx import _pytree as fx_pytree
-
-    return list(fx_pytree.tree_flatten_spec((list(inputs), {}), info.in_spec))

@@ -49,7 +49,7 @@ from passes.split_values import ValueRun, ensure_value_meta, record_values
 
 Path = Tuple[Any, ...]
 
-__all__ = ["CommEdge", "SplitError", "SplitResult", "split_stages", "leaves"]
+__all__ = ["CommEdge", "SplitError", "SplitResult", "graph_inputs", "leaves", "split_stages"]
 
 
 @dataclass(frozen=True)
@@ -264,17 +264,27 @@ def _pytree_specs(gm: torch.fx.GraphModule) -> Tuple[Any, Any]:
     return (info.in_spec, info.out_spec) if info is not None else (None, None)
 
 
+def graph_inputs(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> List[Any]:
+    """The graph's placeholders' values: an export graph takes the model's inputs flattened."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return list(inputs)
+    from torch.fx import _pytree as fx_pytree
+
+    return list(fx_pytree.tree_flatten_spec((list(inputs), {}), info.in_spec))
+
+
 def split_stages(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> SplitResult:
     """Cut ``gm`` into its stages (see the module docstring).
 
-    ``example_inputs`` (flat positional inputs of ``gm``, one microbatch) give
+    ``example_inputs`` (the model's positional inputs, one microbatch) give
     shapes and let the split check in-place ops; without them the nodes must
     already carry shapes (``ValueMeta``, or export's ``val``).
     """
     stage_of, count = check_assignment(gm)
     run: Optional[ValueRun] = None
     if example_inputs is not None:
-        run = record_values(gm, example_inputs)
+        run = record_values(gm, graph_inputs(gm, example_inputs))
     ensure_value_meta(gm)
     versions = plan_versions(stage_of, run)
     for m, pairs in versions.copy_before.items():
