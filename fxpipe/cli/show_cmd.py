@@ -19,7 +19,7 @@ def register(subparsers) -> None:
     p.add_argument("target", metavar="PLAN_OR_OUTDIR", help="folder written by `fxpipe split`, or a plan.json")
     p.add_argument("-o", "--output", help="output file (default: view.html in the folder, or PLAN.html)")
     p.add_argument("--profile", help="profile.json / PipeDream graph.txt to draw (default: profile.json beside the plan)")
-    p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace` to draw beside the simulation")
+    p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace`: one middle step drawn under the simulation")
     p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
     p.add_argument("--schedule", choices=("1f1b-flush", "1f1b-stash", "gpipe"),
                    help="schedule to simulate (default: the plan's)")
@@ -58,7 +58,7 @@ def run(args) -> int:
 
 
 def _measured(trace, sim):
-    """The trace cropped to one step like the simulation (``--trace-all`` keeps the whole run)."""
+    """The trace cropped to one middle step, like the simulation; the whole run if it has too few steps."""
     from tools.show.data import load_trace, one_step
 
     if not trace:
