@@ -9,7 +9,9 @@ rates:
 - *predicted*: the plan's profiled costs through ``fxpipe.simulate`` (what
   `fxpipe show` draws);
 - *replay*: the same simulation with each stage's forward, backward and step
-  times replaced by their medians in the measured trace. It isolates the
+  times replaced by their medians in the measured trace (waits inside them
+  removed) and each send blocking its rank for the median measured send
+  time (the runtime's sends return once the bytes are handed over). It isolates the
   schedule and communication model from profiling error: when *replay* is
   close and *predicted* is not, the per-node profile is what missed
   (another load on the machine, per-action overhead the node timings do not
@@ -127,11 +129,14 @@ def rates(folder: Path, schedule: str, M: int) -> Tuple[float, float]:
     sim, layout = simulate_input(data, schedule, M)
     pick = (lambda r: r.steady_samples_per_s) if schedule == "1f1b-stash" else (lambda r: r.samples_per_s)
     costs, links = costs_from_plan(data.plan, data.graph)
-    med = measured_costs(load_trace(str(folder / "trace.json")), layout)
+    med = measured_costs(load_trace(str(folder / "trace.json")), layout)  # compute, waits excluded
     costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
     sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
+    trace = load_trace(str(folder / "trace.json"))
+    sends = [e[1] - e[0] for evs in trace.values() for e in evs if e[2].startswith("SEND")]
     replay = simulate(sched, costs, layout, bandwidth=float(data.plan.options.get("bandwidth") or 1e30),
-                      samples_per_microbatch=int(data.plan.batch_size or 1))
+                      samples_per_microbatch=int(data.plan.batch_size or 1), overlap_comm=False,
+                      latency_s=statistics.median(sends) if sends else 0.0)
     return pick(sim), pick(replay)
 
 
