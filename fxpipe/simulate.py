@@ -28,6 +28,9 @@ from fxpipe.layout import Layout
 from fxpipe.validate import ScheduleError, execution_order, reduce_groups
 
 
+BUSY = ("compute", "allreduce", "step", "send_blocking")  # event kinds that are work, not bubble
+
+
 @dataclass(frozen=True)
 class StageCosts:
     """Predicted costs of one stage for one microbatch on one device (seconds, bytes)."""
@@ -69,7 +72,7 @@ class SimResult:
         """Time in ``[t0, t1]`` when ``rank`` neither computes nor all-reduces."""
         busy = 0.0
         for e in self.events[rank]:
-            if e.kind in ("compute", "allreduce", "step", "send_blocking"):
+            if e.kind in BUSY:
                 busy += max(0.0, min(e.end, t1) - max(e.start, t0))
         return (t1 - t0) - busy
 
@@ -87,8 +90,7 @@ def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCost
     if len(costs) != layout.num_stages:
         raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
     tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
-    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm)
-    sim.overhead_s = overhead_s
+    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s)
     for step in execution_order(schedule, reduce_groups(layout, tied)):
         if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
             sim.barrier(step.ranks, step.action)
@@ -100,9 +102,10 @@ def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCost
 class _Clock:
     """Per-rank clocks, channel availability, message arrivals and memory."""
 
-    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm) -> None:
+    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
+        self.overhead_s = overhead_s
         self.t = {r: 0.0 for r in schedule}
         self.events: Dict[int, List[Event]] = {r: [] for r in schedule}
         self.channel_free: Dict[Tuple[int, int], float] = {}
@@ -110,7 +113,6 @@ class _Clock:
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
         self.peak = {r: 0 for r in schedule}
-        self.overhead_s = 0.0
 
     def stage(self, rank: int) -> StageCosts:
         return self.costs[self.layout.stage_of(rank)]
@@ -180,8 +182,7 @@ class _Clock:
 
 def _result(schedule, sim: _Clock, samples: int) -> SimResult:
     makespan = max([e.end for evs in sim.events.values() for e in evs] + [0.0])
-    busy = {r: sum(e.end - e.start for e in evs if e.kind in ("compute", "allreduce", "step", "send_blocking"))
-            for r, evs in sim.events.items()}
+    busy = {r: sum(e.end - e.start for e in evs if e.kind in BUSY) for r, evs in sim.events.items()}
     world = max(len(sim.events), 1)
     M = getattr(schedule, "microbatches", 0) or len({a.mb for acts in schedule.values() for a in acts
                                                      if a.kind is Kind.F})
