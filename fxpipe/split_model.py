@@ -31,8 +31,9 @@ class SplitModel:
                  comm: List[CommEdge], param_names: List[Dict[str, str]], tied: Dict[str, List[int]],
                  *, plan: Any = None, aliases: Optional[Dict[str, str]] = None,
                  input_names: Sequence[str] = (), input_defaults: Optional[Dict[str, Any]] = None,
-                 in_spec: Any = None, out_spec: Any = None) -> None:
+                 in_spec: Any = None, out_spec: Any = None, profile: Any = None) -> None:
         self.plan = plan
+        self.profile = profile  # the profiled CostGraph when fxpipe.split made it (not saved: profile.json)
         self.stages = stages
         self.stage_inputs = stage_inputs
         self.comm = comm
