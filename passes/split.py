@@ -125,6 +125,7 @@ class _StageBuilder:
         self.inputs: List[int] = []
         self.edges: List[CommEdge] = []
         self.tokens: List[torch.fx.Node] = []
+        self.items: Dict[Tuple[torch.fx.Node, Path], torch.fx.Node] = {}
 
     def used_here(self, n: torch.fx.Node) -> bool:
         return any(self.ctx.stage_of.get(u) == self.j for u in n.users)
@@ -189,13 +190,20 @@ class _StageBuilder:
         else:
             self.older[(u, version)] = _rebuild(spec, (), got)
 
+    def _item(self, node: torch.fx.Node, path: Path, key: Any, u: torch.fx.Node) -> torch.fx.Node:
+        """``node[key]``, made once per (container node, path) however many stages it goes to."""
+        if (node, path) not in self.items:
+            name = u.name + "".join(f"_{p}" for p in path)
+            self.items[(node, path)] = self._node(operator.getitem, (node, key), name)
+        return self.items[(node, path)]
+
     def _send(self, u: torch.fx.Node, t: int, version: Optional[int]) -> None:
         spec = meta.get(u, meta.ValueMeta).spec
         base = self.env[u] if version is None else self.older[(u, version)]
         for path, leaf in leaves(spec):
             node = base
             for k, p in enumerate(path):
-                node = self.ctx.item(self, node, path[: k + 1], p, u)
+                node = self._item(node, path[: k + 1], p, u)
             tag = _tag(u, path, self.j, t, version)
             tok = self._node(comm.send, (node, tag, t), f"send_{u.name}" + "".join(f"_{p}" for p in path))
             meta.put(tok, meta.CommInfo("send", tag, self.j, t, meta.ValueMeta(leaf)))
@@ -210,15 +218,6 @@ class _Context:
     dsts: Dict[torch.fx.Node, List[int]]
     versions: Versions
     reach: set
-    items: Dict[Tuple[int, torch.fx.Node, Path], torch.fx.Node] = field(default_factory=dict)
-
-    def item(self, b: _StageBuilder, node: torch.fx.Node, path: Path, key: Any, u: torch.fx.Node) -> torch.fx.Node:
-        """``node[key]`` in stage ``b``, made once per (stage, sent node, path)."""
-        cache = (b.j, node, path)
-        if cache not in self.items:
-            name = u.name + "".join(f"_{p}" for p in path)
-            self.items[cache] = b._node(operator.getitem, (node, key), name)
-        return self.items[cache]
 
 
 def _destinations(stage_of: Dict[torch.fx.Node, int]) -> Dict[torch.fx.Node, List[int]]:
