@@ -263,3 +263,28 @@ def test_measured_trace_is_cropped_to_one_middle_step():
     assert note == "step 2 of 3"
     assert cropped == {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"]], 1: [[0.5, 1.5, "F0", "F"]]}
     assert one_step({0: [[0.0, 1.0, "F0", "F"]]}) is None
+
+
+def bundled_example_graph():
+    """examples/gpt.py captured with fx; costs are made up (the structure is what the page shows)."""
+    import runpy
+
+    from passes.capture import capture, module_path_of
+
+    ns = runpy.run_path(str(ROOT / "examples" / "gpt.py"))
+    gm = capture(ns["model"], ns["example_inputs"], method="fx", check=False)
+    keep = [n for n in gm.graph.nodes if n.op != "get_attr"]
+    nodes = {n.name: CostNode(n.name, n.op, str(n.target), 1e-4, 2e-4, 4096, 0, module_path=module_path_of(n) or "",
+                              is_input=n.op == "placeholder") for n in keep}
+    edges = [(a.name, n.name) for n in keep for a in n.all_input_nodes if a.name in nodes]
+    return CostGraph(nodes, edges)
+
+
+def test_bundled_example_page():
+    g = bundled_example_graph()
+    plan = synthetic_plan(g, split_by_compute(g, 3), [1, 1, 1], batch_size=8)
+    d = ShowInput(plan, g, "examples/gpt.py")
+    sim, layout = simulate_input(d, "1f1b-flush", 4)
+    data = check_page(render_html(d, sim, layout), g, plan)
+    labels = {grp["label"].split(" ")[0] for grp in data["graph"]["groups"]}
+    assert {"tok", "pos", "blocks.0", "blocks.3"} <= labels  # module subtrees of the example
