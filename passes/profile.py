@@ -35,7 +35,7 @@ from passes import meta
 from passes.capture_check import restore_buffers, save_buffers
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
-from passes.profile_timing import Clock, measure, time_node
+from passes.profile_timing import Clock, grad_call_overhead, measure, time_node
 
 __all__ = ["profile", "to_cost_graph", "ProfilePass", "ProfileError", "value_spec", "COMPUTE_OPS"]
 
@@ -70,8 +70,9 @@ def profile(
     try:
         env = _record_values(gm, inputs)
         clock = Clock(dev)
-        _time_nodes(gm, env, clock, repeats, warmup, progress)
-        fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup)
+        overhead = grad_call_overhead(clock)
+        _time_nodes(gm, env, clock, repeats, warmup, progress, overhead)
+        fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup, overhead)
     finally:
         restore_buffers(saved)
     _write_param_costs(gm, env)
@@ -149,12 +150,12 @@ def _record_values(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> Dict[torc
 
 
 def _time_nodes(gm: torch.fx.GraphModule, env: Dict[torch.fx.Node, Any], clock: Clock,
-                repeats: int, warmup: int, progress: Optional[ProgressFn]) -> None:
+                repeats: int, warmup: int, progress: Optional[ProgressFn], overhead: float) -> None:
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
         try:
-            t = time_node(gm, node, env, clock, repeats, warmup)
+            t = time_node(gm, node, env, clock, repeats, warmup, overhead)
         except Exception as exc:
             raise ProfileError(
                 f"profile: timing node '{node.name}' ({node.op} {node.target}) in isolation failed: "
@@ -168,10 +169,10 @@ def _time_nodes(gm: torch.fx.GraphModule, env: Dict[torch.fx.Node, Any], clock: 
 
 
 def _time_whole(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: Clock,
-                repeats: int, warmup: int) -> Tuple[float, float]:
+                repeats: int, warmup: int, overhead: float) -> Tuple[float, float]:
     """Whole-model forward and backward, measured like a node (for comparison)."""
     params = [p for p in gm.parameters() if p.requires_grad]
-    t = measure(clock, lambda: ((lambda: gm(*inputs)), params), repeats, warmup)
+    t = measure(clock, lambda: ((lambda: gm(*inputs)), params), repeats, warmup, overhead)
     return t.fwd_s, t.bwd_s
 
 
