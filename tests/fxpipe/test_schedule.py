@@ -177,3 +177,11 @@ def test_validator_allreduce_is_a_barrier_of_the_replicas():
 def test_validator_rejects_backward_before_forward():
     with pytest.raises(ScheduleError, match="rank 0: B1 comes before F1"):
         validate({0: parse("F0 B1 F1 B0 STEP")})
+
+
+def test_validator_tied_stages_share_one_barrier():
+    s = build_schedule("1f1b-flush", Layout.of([1, 1, 1]), 2, [(0, 1), (1, 2)], tied_stages=(0, 2))
+    broken = Schedule({r: list(a) for r, a in s.items()}, layout=s.layout, tied_stages=(0, 2))
+    broken[2] = [a for a in broken[2] if a.kind is not Kind.ALLREDUCE]
+    with pytest.raises(ScheduleError, match=r"rank 0: blocked at action #\d+ ALLREDUCE \(barrier waits for ranks \[2\]\)"):
+        validate(broken)
