@@ -14,7 +14,8 @@ from typing import Callable, Dict, List, Optional
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
-from passes.partition.coarsen import Units, coarsen
+from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
+from passes.partition.downsets import downset_dp
 from passes.partition.costmodel import CostOptions, Evaluation, StageCost, evaluate
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
@@ -38,6 +39,7 @@ class PartitionResult:
     units: int  # what the solver saw after coarsening
     heuristic_s: Optional[float] = None  # the warm start's bottleneck
     trace: List[tuple] = field(default_factory=list)
+    method: str = "CP-SAT"  # or "downset DP" (exact, see passes/partition/downsets.py)
 
     @property
     def gap(self) -> float:
@@ -49,22 +51,33 @@ class PartitionResult:
 
     def solver_stats(self) -> Dict[str, object]:
         return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
-                "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s}
+                "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s,
+                "method": self.method}
 
 
 def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, workers: int = 2,
-              coarsen_above: int = 300, progress: Optional[Callable[[str], None]] = None,
-              **options) -> PartitionResult:
+              coarsen_above: int = 300, method: str = "auto", downset_limit: int = 2500,
+              progress: Optional[Callable[[str], None]] = None, **options) -> PartitionResult:
     """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
 
-    ``progress``: called with one line per improving solution (the CLI passes
-    a stderr printer); ``coarsen_above``: unit count above which nodes merge.
+    ``method``: ``"auto"`` solves exactly by the downset DP when the graph has
+    at most ``downset_limit`` downsets and neither memory nor tied weights are
+    involved, else by CP-SAT; ``"cpsat"`` always uses CP-SAT.
+    ``progress``: called with one line per improving CP-SAT solution (the CLI
+    passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
     """
     opts = CostOptions(devices=devices, **options)
+    if method not in ("auto", "cpsat"):
+        raise FxpipeError(f"partition: method must be 'auto' or 'cpsat', not {method!r}")
     start = time.monotonic()
+    fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
+    _check_devices(fine, opts)
+    exact = downset_dp(fine, opts, downset_limit) if method == "auto" else None
+    if exact is not None and opts.memory is None and not fine.shared:
+        solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
+        return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
     units = coarsen(graph, opts, target=coarsen_above)
-    _check_devices(units, opts)
-    warm = best_order_dp(units, opts)
+    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts)
     model = PartitionModel(units, opts)
     heuristic_s = None
     if warm is not None:
@@ -77,6 +90,11 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solved.stage_of is None:
         _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
+    return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
+
+
+def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,
+            heuristic_s: Optional[float], method: str) -> PartitionResult:
     assignment = _to_nodes(graph, units, solved.stage_of)
     result = evaluate(graph, assignment, solved.replicas, opts)
     return PartitionResult(
@@ -84,6 +102,7 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
         objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
+        method=method,
     )
 
 

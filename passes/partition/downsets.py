@@ -1,0 +1,118 @@
+"""Exact dynamic program over the downsets of a graph, for graphs that have few.
+
+A downset (every predecessor of a member is a member) is what all stages up to
+some boundary hold, so a pipeline is a chain of nested downsets and a stage is
+the difference of two of them. This is the exact search PipeDream's optimizer
+performs; it is only cheap while the graph has few downsets (chains, residual
+networks: a few hundred), and it explodes on branchy graphs (Inception, NASNet:
+tens of thousands), which is why CP-SAT is the general method. When it fits
+under ``limit`` downsets, it is exact for the cost model (compute, weights,
+cuts are additive over a stage), so its answer is a proof of optimality that
+CP-SAT would need long to find on graphs with many stages; memory limits and
+shared (tied) weights are not modelled here, so callers use it as a warm
+start only in those cases.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.heuristic import Solution
+
+
+def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
+    """Bitmasks of the downsets the DP may use, by size; None when there are more than ``limit``.
+
+    The smallest holds the inputs (they sit in stage 0); the output unit only
+    appears in the full set (it must be in the last stage).
+    """
+    n = len(units)
+    pred = [0] * n
+    for a, b in units.edges:
+        pred[b] |= 1 << a
+    start = sum(1 << u for u in range(n) if units.is_input[u])
+    full = (1 << n) - 1
+    outputs = sum(1 << u for u in range(n) if units.is_output[u])
+    seen, level, ordered = {start}, [start], [start]
+    while level:
+        nxt = []
+        for s in level:
+            for v in range(n):
+                bit = 1 << v
+                if s & bit or pred[v] & ~s:
+                    continue
+                t = s | bit
+                if t & outputs and t != full:
+                    continue
+                if t not in seen:
+                    seen.add(t)
+                    nxt.append(t)
+                    if len(seen) > limit:
+                        return None
+        ordered += nxt
+        level = nxt
+    return ordered if full in seen else None
+
+
+def downset_dp(units: Units, opts: CostOptions, limit: int = 2500) -> Optional[Solution]:
+    """Optimal (stage per unit, replicas, bottleneck), or None if the graph has too many downsets."""
+    masks = enumerate_downsets(units, limit)
+    if masks is None:
+        return None
+    n, D, K = len(units), len(masks), opts.devices
+    member = np.array([[(m >> u) & 1 for u in range(n)] for m in masks], dtype=bool)
+    comp = member @ np.asarray(units.compute, dtype=float)
+    par = member @ np.asarray(units.param_bytes, dtype=float)
+    work = member @ np.asarray(units.has_compute, dtype=float)
+    cut = np.zeros(D)
+    for unit, nbytes, consumers in units.producers:
+        cmask = sum(1 << c for c in consumers)
+        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * (2.0 * nbytes / opts.bandwidth)
+    cut[0] = 0.0
+    packed = np.packbits(member, axis=1)
+    best = np.full((D, K + 1), np.inf)
+    best[0, 0] = 0.0
+    choice = np.zeros((D, K + 1, 2), dtype=np.int64)
+    for i in range(1, D):
+        js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
+        if js.size:
+            _relax(i, js, comp, par, cut, best, choice, opts)
+    last = D - 1
+    devices = range(1, K + 1) if opts.fewer_devices else [K]
+    m = min(devices, key=lambda d: best[last, d])
+    if not np.isfinite(best[last, m]):
+        return None
+    return _walk_back(choice, masks, n, last, m, float(best[last, m]))
+
+
+def _relax(i, js, comp, par, cut, best, choice, opts: CostOptions) -> None:
+    K = opts.devices
+    for r in opts.allowed_replicas():
+        stage = (comp[i] - comp[js] + allreduce_coeff(r, opts) * (par[i] - par[js])) / r
+        g = np.maximum(stage, np.maximum(cut[js], cut[i]) / r)
+        cand = np.maximum(best[js, : K + 1 - r], g[:, None])
+        arg = np.argmin(cand, axis=0)
+        val = cand[arg, np.arange(K + 1 - r)]
+        better = val < best[i, r:]
+        best[i, r:][better] = val[better]
+        choice[i, r:][better] = np.stack([js[arg], np.full_like(arg, r)], axis=1)[better]
+
+
+def _walk_back(choice, masks, n, i, m, value) -> Solution:
+    stages, replicas = [], []
+    while i > 0:
+        j, r = (int(x) for x in choice[i, m])
+        stages.append(masks[i] & ~masks[j])
+        replicas.append(r)
+        i, m = j, m - r
+    stages.reverse()
+    replicas.reverse()
+    stage_of = [0] * n
+    for s, mask in enumerate(stages):
+        for u in range(n):
+            if (mask >> u) & 1:
+                stage_of[u] = s
+    return stage_of, replicas, value
