@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import operator
 import os
+import re
 import traceback
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
@@ -134,7 +136,37 @@ def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Opt
         exc._fxpipe_module_path = tracer.path_stack[-1] if tracer.path_stack else ""  # type: ignore[attr-defined]
         raise
     name = type(model).__name__
-    return torch.fx.GraphModule(tracer.root, graph, name)
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    if concrete_args:
+        _drop_concrete_placeholders(gm, concrete_args)
+    return gm
+
+
+def _drop_concrete_placeholders(gm: torch.fx.GraphModule, concrete_args: Dict[str, Any]) -> None:
+    """Fold constant ``concrete_args`` into the graph, so placeholders are exactly the inputs.
+
+    Symbolic tracing keeps a placeholder for each concrete argument plus an
+    ``_assert`` that it has the traced value; later passes map placeholders to
+    ``example_inputs`` by position, so a constant argument is folded instead.
+    """
+    simple = (type(None), bool, int, float, str)
+    for node in list(gm.graph.nodes):
+        if node.op != "placeholder" or not node.args:  # a concrete argument's placeholder has a default
+            continue
+        key = str(node.target)
+        key = key if key in concrete_args else re.sub(r"_\d+$", "", key)  # fx renames it ``double_1``
+        if key not in concrete_args or not isinstance(concrete_args[key], simple):
+            continue
+        for user in list(node.users):
+            checks = list(user.users)
+            if user.target is operator.eq and checks and all(c.target is torch._assert for c in checks):
+                for check in checks:
+                    gm.graph.erase_node(check)
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(concrete_args[key])  # type: ignore[arg-type]
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _check_leaf_paths(model: nn.Module, leaves: Tuple[LeafSpec, ...]) -> None:

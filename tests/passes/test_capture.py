@@ -111,3 +111,23 @@ def test_bad_method():
     model, inputs = example("MLP")
     with pytest.raises(FxpipeError, match="method must be"):
         capture(model, inputs, method="jit")
+
+
+def test_concrete_args_are_folded_so_placeholders_are_the_inputs():
+    class Flag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, double=False):
+            y = self.lin(x)
+            if double:
+                y = y * 2
+            return y
+
+    model, x = Flag(), torch.randn(2, 4)
+    with pytest.raises(CaptureError, match="concrete_args"):
+        capture(model, (x,), method="fx")
+    gm = capture(model, (x,), method="fx", concrete_args={"double": False})
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    torch.testing.assert_close(gm(x), model(x))

@@ -136,9 +136,11 @@ def test_sum_of_node_forward_times_close_to_whole_forward(method):
         info = meta.get(gm, meta.ProfileInfo)
         graph = to_cost_graph(gm)
         ratio = sum(n.fwd_s for n in graph.nodes.values()) / info.whole_fwd_s
-        if 0.5 <= ratio <= 2.0:
+        bwd_ratio = sum(n.bwd_s for n in graph.nodes.values()) / info.whole_bwd_s
+        if 0.5 <= ratio <= 2.0 and 0.5 <= bwd_ratio <= 2.0:
             break
     assert 0.5 <= ratio <= 2.0, f"sum of node forwards / whole forward = {ratio:.2f}"
+    assert 0.5 <= bwd_ratio <= 2.0, f"sum of node backwards / whole backward = {bwd_ratio:.2f}"
     with_params = [n for n in graph.nodes.values() if n.params]
     assert with_params and all(n.bwd_s > 0 for n in with_params)
 
