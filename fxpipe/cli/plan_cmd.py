@@ -45,6 +45,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fewer-devices", action="store_true", help="allow plans that leave devices idle")
     p.add_argument("--optimizer-state", type=float, default=1.0, help="optimizer bytes per weight byte (Adam: 2)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
+    p.add_argument("--method", choices=("auto", "cpsat"), default="auto",
+                   help="auto: exact downset DP when the graph has few downsets, else CP-SAT; cpsat: always CP-SAT")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: from the profile)")
 

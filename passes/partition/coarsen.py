@@ -7,8 +7,9 @@ boundaries from the search. Merges are chosen to remove the least useful ones:
    only producer or only consumer: a cut next to them rarely matters, their
    output usually has the size of their input;
 2. chains ``u -> v`` (``u`` has one consumer, ``v`` one producer) with the
-   smallest combined compute first, up to a cap of a few percent of the ideal
-   stage, so balance cannot suffer by more than that.
+   smallest combined compute first, up to a cap of 5% of the ideal stage
+   (sum of compute / K), raised step by step to 20% while the graph is still
+   over the target, so balance cannot suffer by more than that.
 
 Both merges keep the group graph acyclic (the merged edge is the only path
 between the two). Bytes crossing a boundary are still counted per original
@@ -95,8 +96,11 @@ def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300) -> Units:
         return build_units(graph, opts, [[n] for n in names])
     merger = _Merger(graph, names, opts)
     merger.merge_zero_cost(target)
-    cap = 0.05 * graph.total_compute_s() / opts.devices
-    merger.merge_chains(target, cap)
+    ideal = graph.total_compute_s() / opts.devices
+    cap = 0.05 * ideal
+    while len(merger.items) > target and cap <= 0.2 * ideal:
+        merger.merge_chains(target, cap)
+        cap *= 2
     return build_units(graph, opts, merger.groups())
 
 
