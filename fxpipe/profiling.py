@@ -5,12 +5,14 @@ way; this is that start, with a progress bar on stderr.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 import torch.fx
 
 from fxpipe.loader import ModelSpec
+from passes import meta
 from passes.capture import capture
 from passes.profile import COMPUTE_OPS, profile
 from passes.progress import Progress
@@ -30,8 +32,14 @@ def profile_model(
     ``threads`` sets torch's intra-op threads for the measurement (restored
     after): on a machine shared with other work, 1 gives the steadiest times.
     """
+    if show_progress:
+        print(f"capture: {spec.source} ({method}) ...", file=sys.stderr, flush=True)
     gm = capture(spec.model, spec.example_inputs, method=method,
                  leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args)
+    if show_progress:
+        info = meta.get(gm, meta.CaptureInfo)
+        why = f" (symbolic tracing failed: {info.fx_error})" if info.fx_error else ""
+        print(f"capture: {info.method}, {len(gm.graph.nodes)} graph nodes, checked against the model{why}", file=sys.stderr)
     total = sum(1 for n in gm.graph.nodes if n.op in COMPUTE_OPS)
     bar = Progress(total, "profile") if show_progress else None
     before = torch.get_num_threads()
