@@ -273,6 +273,26 @@ def graph_inputs(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> List[Any]:
     return list(fx_pytree.tree_flatten_spec((list(inputs), {}), info.in_spec))
 
 
+def _check_opaque(stage_of: Dict[torch.fx.Node, int], run: Optional[ValueRun]) -> None:
+    """Reject a crossing value that holds tensors inside a type the split cannot open.
+
+    Only plain tuples/lists/dicts are sent leaf by leaf; anything else (a
+    namedtuple such as ``torch.max``'s result, a dataclass) would travel as one
+    object, and a runtime that moves tensors between processes would drop
+    their gradients.
+    """
+    if run is None:
+        return
+    for u, dsts in _destinations(stage_of).items():
+        spec = meta.get(u, meta.ValueMeta).spec
+        if isinstance(spec, str) and run.keys.get(u):
+            users = ", ".join(sorted(v.name for v in u.users if stage_of.get(v) in dsts))
+            raise SplitError(f"split: '{u.name}' ({spec.strip('<>')}, holding tensors) would cross from stage "
+                             f"{stage_of[u]} to stage {dsts[0]} ({users}); only tensors, sizes, scalars and "
+                             f"plain tuples/lists/dicts can cross: put {users} in stage {stage_of[u]}, or "
+                             "unpack the value in the model (a, b = ...)")
+
+
 def split_stages(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]] = None) -> SplitResult:
     """Cut ``gm`` into its stages (see the module docstring).
 
@@ -285,6 +305,7 @@ def split_stages(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any
     if example_inputs is not None:
         run = record_values(gm, graph_inputs(gm, example_inputs))
     ensure_value_meta(gm)
+    _check_opaque(stage_of, run)
     versions = plan_versions(stage_of, run)
     for m, pairs in versions.copy_before.items():
         for v, _ in pairs:

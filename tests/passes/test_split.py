@@ -160,3 +160,23 @@ def test_shapes_from_export_without_example_inputs():
     assign_even(gm, 2)
     result = split_stages(gm)
     assert result.comm[0].value.spec.shape == (8, 32)
+
+
+class NamedCross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        best = self.lin(x).max(dim=1)
+        return best.values * 2
+
+
+def test_namedtuple_crossing_is_a_clear_error():
+    torch.manual_seed(0)
+    model, inputs = NamedCross(), (torch.randn(3, 6),)
+    gm = capture(model, inputs, "fx")
+    assign_by_name(gm, {"lin": 0, "max_1": 0}, default=1)
+    with pytest.raises(SplitError, match=r"'max_1' \(max, holding tensors\) would cross from stage 0 to stage 1 "
+                                         r"\(getattr_1\).*put getattr_1 in stage 0"):
+        split_stages(gm, inputs)
