@@ -45,7 +45,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fewer-devices", action="store_true", help="allow plans that leave devices idle")
     p.add_argument("--optimizer-state", type=float, default=1.0, help="optimizer bytes per weight byte (Adam: 2)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
-    p.add_argument("--method", choices=("auto", "cpsat"), default="auto",
+    p.add_argument("--solver", choices=("auto", "cpsat"), default="auto",
                    help="auto: exact downset DP when the graph has few downsets, else CP-SAT; cpsat: always CP-SAT")
     p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: from the profile)")
@@ -56,7 +56,8 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
     return dict(bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth, memory=args.memory,
                 microbatches=args.microbatches, schedule=args.schedule, cost_model=args.cost_model,
                 replication=args.replication, fewer_devices=args.fewer_devices,
-                optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers)
+                optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers,
+                method=args.solver)
 
 
 def load_source(source: str) -> CostGraph:
