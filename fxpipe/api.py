@@ -17,17 +17,18 @@ import torch.nn as nn
 from fxpipe.split_model import SplitModel
 
 
-def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, method: str = "auto",
+def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_method: str = "auto",
           leaf_modules: Iterable[Any] = (), concrete_args: Optional[dict] = None, device: str = "cpu",
           repeats: int = 3, threads: Optional[int] = 1, batch_size: Optional[int] = None,
           time_limit: float = 30.0, progress: bool = True, **plan_options: Any) -> SplitModel:
     """Split ``model`` into pipeline stages for ``devices`` devices.
 
     ``example_inputs``: one microbatch (a tuple of positional inputs, or one
-    tensor). ``plan_options`` are the partitioner's (``bandwidth``,
+    tensor). ``capture_method``: ``"auto"`` (symbolic trace, else torch.export),
+    ``"fx"`` or ``"export"``. ``plan_options`` are the partitioner's (``bandwidth``,
     ``allreduce_bandwidth``, ``memory``, ``microbatches``, ``schedule``,
     ``cost_model``, ``replication``, ``fewer_devices``, ``optimizer_state``,
-    ``workers``), as on ``fxpipe plan``. The result's ``.plan`` is the plan,
+    ``workers``, ``method``: the solver), as on ``fxpipe plan``. The result's ``.plan`` is the plan,
     ``.profile`` the profiled cost graph. Stages share parameter objects with
     ``model`` (this process only).
     """
@@ -42,7 +43,7 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, method: st
     untouched = [p for p in model.parameters() if p.grad is None]
     spec = ModelSpec(model=model, example_inputs=inputs, leaf_modules=tuple(leaf_modules),
                      concrete_args=concrete_args)
-    gm = profile_model(spec, device=device, repeats=repeats, method=method, threads=threads,
+    gm = profile_model(spec, device=device, repeats=repeats, method=capture_method, threads=threads,
                        show_progress=progress)
     graph = to_cost_graph(gm)
     result = partition(graph, devices, time_limit=time_limit, progress=stderr_progress if progress else None,

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     spec = load_model(args.model)
     outdir = Path(args.output) if args.output else default_outdir(args.model)
     kwargs = partition_kwargs(args)
-    result = split(spec.model, spec.example_inputs, args.devices, method=args.method,
+    result = split(spec.model, spec.example_inputs, args.devices, capture_method=args.method,
                    leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args, device=args.device,
                    repeats=args.repeats, batch_size=args.batch_size, **kwargs)
     result.save(outdir)
