@@ -1,0 +1,272 @@
+"""Benchmark: fxpipe's runtime against torch.distributed.pipelining on the same split.
+
+    python tools/bench/runtime.py [--steps 10] [--warmup 3] [--models gpt,mlp] [--stages 2,4]
+
+Two models (a GPT-style stack and a deep MLP), each cut at the same block
+boundaries into 2 and 4 stages, the same number of microbatches, CPU gloo,
+one thread per rank. Per configuration a fresh set of processes runs:
+
+- fxpipe ``1f1b-flush``, ``1f1b-stash``, ``gpipe``: the model captured and
+  split by fxpipe (``passes.split``) at those boundaries, trained by
+  ``fxpipe.runtime.loop.train``;
+- torch ``Schedule1F1B`` and ``ScheduleGPipe``: ``PipelineStage`` on
+  ``nn.Sequential`` chunks holding the same modules.
+
+Throughput is samples/s of one step (M microbatches) measured on the last
+stage between consecutive step ends (optimizer step included), median over
+``--steps`` steps after ``--warmup``; every configuration runs ``--rounds``
+times, interleaved with the others, and the best median is kept (load from
+other processes only ever slows a run down). The ratio compares an fxpipe schedule
+with its torch peer (flush and stash with Schedule1F1B, gpipe with
+ScheduleGPipe). Memory is the peak resident set size (``ru_maxrss``) of the
+rank that peaked highest, and its growth during training (peak after minus
+peak before the first step): the latter is what activations, stashed
+weights and communication buffers added. It is a benchmark, not a test: the
+machine may be shared; the load average is printed with the table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+FX = ("1f1b-flush", "1f1b-stash", "gpipe")
+TORCH = ("torch-1f1b", "torch-gpipe")
+PEER = {"1f1b-flush": "torch-1f1b", "1f1b-stash": "torch-1f1b", "gpipe": "torch-gpipe"}
+
+
+# ------------------------------------------------------------------ models
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, dim: int, ctx: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(ctx, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, 1.0 / math.sqrt(dim // heads)
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.size(0), x.size(1), x.size(2)  # not `x.shape` unpacking: keeps fx tracing possible
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * self.scale
+        mask = torch.ones_like(att[0, 0], dtype=torch.bool).triu(1)
+        y = (att.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.ln, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(x))
+
+
+class Dense(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def gpt() -> Tuple[List[nn.Module], torch.Tensor, torch.Tensor, Callable]:
+    vocab, dim, ctx, micro = 128, 64, 32, 8
+    torch.manual_seed(0)
+    pieces = [Embed(vocab, dim, ctx)] + [Block(dim, 4) for _ in range(8)] + [Head(dim, vocab)]
+    idx = torch.randint(0, vocab, (micro, ctx + 1))
+    return pieces, idx[:, :-1], idx[:, 1:], lambda out, y: F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
+
+
+def mlp() -> Tuple[List[nn.Module], torch.Tensor, torch.Tensor, Callable]:
+    width, micro = 256, 32
+    torch.manual_seed(0)
+    pieces: List[nn.Module] = [Dense(width) for _ in range(16)] + [nn.Linear(width, 16)]
+    return pieces, torch.randn(micro, width), torch.randn(micro, 16), F.mse_loss
+
+
+MODELS = {"gpt": gpt, "mlp": mlp}
+
+
+def bounds(n_pieces: int, stages: int) -> List[int]:
+    """Piece index where each stage starts (even split of the pieces)."""
+    return [round(j * n_pieces / stages) for j in range(stages)] + [n_pieces]
+
+
+class Stack(nn.Module):
+    def __init__(self, pieces: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*pieces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+# ------------------------------------------------------------------ one rank
+
+
+def _fxpipe_split(pieces: List[nn.Module], x: torch.Tensor, cuts: List[int]) -> Any:
+    from fxpipe.split_model import SplitModel
+    from passes import meta
+    from passes.capture import capture
+    from passes.partition import apply_assignment
+    from passes.split import split_stages
+
+    gm = capture(Stack(pieces), (x,), check=False)
+    stage_of_piece = {p: j for j in range(len(cuts) - 1) for p in range(cuts[j], cuts[j + 1])}
+    assignment, stage = {}, 0
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method", "call_module"):
+            continue
+        path = meta.get(n, meta.ModuleInfo, None)
+        parts = path.path.split(".") if path is not None else []
+        if len(parts) > 1 and parts[0] == "layers" and parts[1].isdigit():
+            stage = max(stage, stage_of_piece[int(parts[1])])
+        assignment[n.name] = stage
+    apply_assignment(gm, assignment)
+    return SplitModel.from_result(split_stages(gm, (x,)), gm)
+
+
+def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: int) -> List[float]:
+    from fxpipe.layout import Layout
+    from fxpipe.runtime.loop import TrainConfig, train
+
+    pieces, x, y, loss = MODELS[model]()
+    split = _fxpipe_split(pieces, x, bounds(len(pieces), stages))
+    cfg = TrainConfig(schedule=kind, microbatches=M, steps=steps, lr=1e-3, log=False)
+    _mark_baseline()
+    res = train(rank=rank, layout=Layout.of([1] * stages), split=split, cfg=cfg, data=lambda g: ((x,), y),
+                loss_fn=loss)
+    return res.samples_per_s
+
+
+def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int) -> List[float]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pieces, x, y, loss = MODELS[model]()
+    cuts = bounds(len(pieces), stages)
+    sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[rank]:cuts[rank + 1]]])
+    stage = PipelineStage(sub, rank, stages, torch.device("cpu"))
+    sched = (Schedule1F1B if kind == "torch-1f1b" else ScheduleGPipe)(stage, M, loss_fn=loss)
+    opt = torch.optim.SGD(sub.parameters(), lr=1e-3)
+    xs, ys = torch.cat([x] * M), torch.cat([y] * M)
+    _mark_baseline()
+    sps, t_last = [], time.perf_counter()
+    for _ in range(steps):
+        if rank == 0:
+            sched.step(xs)
+        elif rank == stages - 1:
+            sched.step(target=ys, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        now = time.perf_counter()
+        sps.append(M * x.shape[0] / (now - t_last))
+        t_last = now
+    return sps
+
+
+_BASE: Dict[str, float] = {}
+
+
+def _mark_baseline() -> None:
+    _BASE["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
+    from fxpipe.runtime.worker import init
+
+    torch.set_num_threads(1)
+    init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}")
+    kind = args[0]
+    try:
+        sps = (_run_torch if kind in TORCH else _run_fxpipe)(rank, *args)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        torch.save({"sps": sps, "peak": peak, "growth": peak - _BASE.get("rss", peak)},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_config(kind: str, model: str, stages: int, M: int, steps: int) -> Dict[str, Any]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, args=(stages, port, (kind, model, stages, M, steps), out), nprocs=stages,
+                           join=True, start_method="spawn")
+        res = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(stages)]
+    return {"sps": res[-1]["sps"], "peak": max(r["peak"] for r in res), "growth": max(r["growth"] for r in res)}
+
+
+# ------------------------------------------------------------------ table
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10, help="measured steps (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--models", default="gpt,mlp")
+    p.add_argument("--stages", default="2,4")
+    p.add_argument("--rounds", type=int, default=2, help="run every configuration this many times, interleaved")
+    args = p.parse_args(list(argv) or None)
+    from tabulate import tabulate
+
+    load0 = os.getloadavg()
+    rows = []
+    for model in args.models.split(","):
+        for stages in [int(s) for s in args.stages.split(",")]:
+            got: Dict[str, Dict[str, Any]] = {}
+            for _ in range(args.rounds):  # interleaved, best round kept: others' load only slows a run down
+                for kind in TORCH + FX:
+                    r = run_config(kind, model, stages, args.microbatches, args.warmup + args.steps)
+                    r["median"] = statistics.median(r["sps"][args.warmup:])
+                    print(f"  {model} x{stages} {kind}: {r['median']:.1f} samples/s", file=sys.stderr, flush=True)
+                    if kind not in got or r["median"] > got[kind]["median"]:
+                        got[kind] = r
+            for kind in FX + TORCH:
+                r = got[kind]
+                ratio = f"{r['median'] / got[PEER[kind]]['median']:.2f}" if kind in FX else ""
+                rows.append([model, stages, args.microbatches, kind, f"{r['median']:.1f}", ratio,
+                             f"{r['peak']:.0f}", f"{r['growth']:.0f}"])
+    print(tabulate(rows, headers=["model", "stages", "M", "schedule", "samples/s", "fxpipe / torch",
+                                  "peak RSS MiB", "RSS growth MiB"]))
+    load1 = os.getloadavg()
+    print(f"CPU gloo, 1 thread per rank, {os.cpu_count()} cores; load average {load0[0]:.1f} before, "
+          f"{load1[0]:.1f} after; median of {args.steps} steps after {args.warmup} warm-up steps, best of {args.rounds} interleaved rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
