@@ -1,4 +1,9 @@
-"""Pipeline partitioning with CP-SAT: which nodes go to which stage, with how many replicas.
+"""Pipeline partitioning: which nodes go to which stage, with how many replicas.
+
+Two exact methods behind one call: the downset dynamic program
+(``downsets.py``) when the graph has few downsets (chains, residual networks),
+otherwise the CP-SAT model (``model.py``) on a coarsened graph (``coarsen.py``)
+with a warm start from a DP over topological orders (``heuristic.py``).
 
 ``partition(graph, devices, **options)`` returns a ``PartitionResult``;
 ``apply_assignment(gm, result.assignment)`` records the stages on an fx graph.
