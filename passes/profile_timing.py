@@ -29,6 +29,7 @@ with parameters does have a backward).
 """
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from dataclasses import dataclass
@@ -89,6 +90,9 @@ def is_inplace(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
         return bool(schema.is_mutable)
+    name = getattr(node.target, "__name__", "")
+    if node.target is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+        return True  # torch.relu_, x[i] = y
     return bool(node.kwargs.get("inplace", False))
 
 
@@ -137,9 +141,18 @@ def time_node(
 ) -> Timing:
     """Median forward and backward time of ``node`` on its recorded inputs."""
     fn = node_callable(gm, node)
-    clone = is_inplace(gm, node)
     params = module_params(gm, node)
+    try:
+        return _time_node(fn, node, env, clock, repeats, warmup, grad_overhead_s, params, is_inplace(gm, node))
+    except RuntimeError as exc:
+        if "in-place" not in str(exc) and "inplace" not in str(exc):
+            raise
+        # an in-place write no rule above recognised: run it on copies
+        return _time_node(fn, node, env, clock, repeats, warmup, grad_overhead_s, params, True)
 
+
+def _time_node(fn: Callable[..., Any], node: torch.fx.Node, env: Dict[torch.fx.Node, Any], clock: Clock,
+               repeats: int, warmup: int, grad_overhead_s: float, params: List[torch.Tensor], clone: bool) -> Timing:
     def prepare() -> Tuple[Callable[[], Any], List[torch.Tensor]]:
         leaves: List[torch.Tensor] = []
         fresh = {n: _fresh(env[n], clone, leaves) for n in node.all_input_nodes}

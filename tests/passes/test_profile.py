@@ -101,13 +101,34 @@ def test_profile_leaves_buffers_unchanged():
     assert torch.equal(model.norm.running_mean, before)
 
 
-def test_inplace_nodes_profile_without_corrupting_values():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(inplace=True), torch.nn.Linear(8, 2))
+class InPlace(torch.nn.Module):
+    """In-place writes of every kind a graph carries: module flag, method, function, setitem."""
+
+    def __init__(self, setitem):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.setitem = setitem
+
+    def forward(self, x):
+        y = self.act(self.a(x)) * 1.5
+        if self.setitem:
+            y[:, 0] = 0.0  # symbolic tracing cannot; export can
+        y.add_(1.0)
+        z = torch.nn.functional.relu(self.b(y) * 3, inplace=True)
+        return torch.sigmoid_(z * 2)
+
+
+@pytest.mark.parametrize("setitem", [False, True])
+def test_inplace_nodes_profile_without_corrupting_values(setitem):
+    model = InPlace(setitem)
     x = torch.randn(4, 8)
-    for method in ("fx", "export"):
+    for method in ("auto", "export"):
         gm = capture(model, (x,), method=method)
         profile(gm, (x,), repeats=2, warmup=1)
         torch.testing.assert_close(gm(x), model(x))
+        values = [meta.get(n, meta.ValueMeta) for n in gm.graph.nodes if n.op != "get_attr"]
+        assert all(v is not None for v in values)
 
 
 def test_cuda_without_cuda_is_a_clear_error():
