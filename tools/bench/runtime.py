@@ -206,6 +206,9 @@ def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
 
     torch.set_num_threads(1)
     init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}")
+    lin = nn.Linear(2, 2)  # the first optimizer step imports torch._dynamo: keep that out of the memory growth
+    lin(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(lin.parameters(), lr=0.1).step()
     kind = args[0]
     try:
         sps = (_run_torch if kind in TORCH else _run_fxpipe)(rank, *args)

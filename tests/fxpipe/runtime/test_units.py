@@ -1,0 +1,91 @@
+"""Runtime pieces without processes: weight stash, data cutting, trace merging, wiring checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxpipe.runtime.data import DataError, FromBatches
+from fxpipe.runtime.stash import WeightStash
+from fxpipe.runtime.trace import Tracer, merge, rank_path
+from fxpipe.runtime.transport import TransportError, wires_of
+from passes.meta import TensorMeta, ValueMeta
+from tests.fxpipe.runtime.fakes import Edge
+
+
+class _Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([[2.0]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_stash_backward_uses_the_weights_its_forward_saw() -> None:
+    m = _Lin()
+    stash = WeightStash(m, stash=True)
+    x0 = torch.tensor([[1.0]], requires_grad=True)
+    y0 = stash.forward(0, (x0,))
+    with torch.no_grad():
+        m.w.sub_(5.0)  # the optimizer moves the master: w = -3
+    stash.stepped()
+    x1 = torch.tensor([[1.0]], requires_grad=True)
+    y1 = stash.forward(1, (x1,))
+    assert stash.versions_kept == 2
+    y0.sum().backward()
+    stash.backward_done(0)
+    assert x0.grad.item() == 2.0  # d(x w)/dx with the stashed w = 2, not the current -3
+    assert m.w.grad.item() == 1.0
+    assert stash.versions_kept == 1
+    y1.sum().backward()
+    stash.backward_done(1)
+    assert x1.grad.item() == -3.0 and m.w.grad.item() == 2.0  # gradients accumulate on the master
+    assert m.w.item() == -3.0  # the master itself was never swapped
+
+
+def test_no_stash_runs_the_module_itself() -> None:
+    m = _Lin()
+    stash = WeightStash(m, stash=False)
+    stash.forward(0, (torch.ones(1, 1),)).sum().backward()
+    stash.backward_done(0)
+    assert m.w.grad.item() == 1.0 and stash.versions_kept == 0
+
+
+def _stream(n: int):
+    def batches():
+        for i in range(3):
+            yield (torch.full((n, 2), float(i)),), torch.full((n,), float(i))
+    return batches
+
+
+def test_from_batches_cuts_steps_into_microbatches_and_restarts() -> None:
+    src = FromBatches(_stream(8), micro_size=2, microbatches=4)
+    assert [src(g)[1][0].item() for g in range(0, 14)] == [0] * 4 + [1] * 4 + [2] * 4 + [0] * 2
+    assert src(1)[0][0].shape == (2, 2)  # going back (resume) replays the stream
+    assert FromBatches(_stream(2), micro_size=2, microbatches=4)(5)[1][0].item() == 2.0
+    with pytest.raises(DataError, match="one microbatch"):
+        FromBatches(_stream(3), micro_size=2, microbatches=4)(0)
+
+
+def test_trace_merge(tmp_path) -> None:
+    out = str(tmp_path / "t.json")
+    for r in range(2):
+        t = Tracer(r)
+        with t.span("F0", mb=0):
+            pass
+        with t.span("SEND_F0>r1", "comm"):
+            pass
+        t.save(rank_path(out, r))
+    assert merge([rank_path(out, r) for r in range(2)], out) > 4
+    events = [e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1} and min(e["ts"] for e in events) == 0
+    assert {e["tid"] for e in events if e["name"].startswith("SEND")} == {1}
+
+
+def test_duplicate_tags_are_rejected() -> None:
+    v = ValueMeta(TensorMeta((2,), "torch.float32", True))
+    with pytest.raises(TransportError, match="used by two edges"):
+        wires_of([Edge("a", 0, 1, v), Edge("a", 0, 2, v)])
