@@ -81,6 +81,10 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
     from fxpipe.split_model import SplitModel
 
     spec = load_model(model)
+    kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
+    if cfg.resume and kept and os.path.exists(kept) and not split_dir:
+        split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)
+        _log(f"resuming with the split saved in {kept}")
     if split_dir:
         split = SplitModel.load(split_dir)
     else:
@@ -94,6 +98,8 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
                           f"not --devices {devices}; drop --devices or split again")
     os.makedirs(run_dir, exist_ok=True)
     split.save(os.path.join(run_dir, SPLIT_DIR))
+    if kept and split_dir != kept:
+        split.save(kept)
     job = {"model": os.path.abspath(model) if os.path.exists(model) else model,
            "replicas": replicas, "config": cfg.to_json()}
     with open(os.path.join(run_dir, RUN_FILE), "w") as f:

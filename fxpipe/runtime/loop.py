@@ -95,6 +95,14 @@ def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
     return out
 
 
+def _on_device(data: Callable[[int], Any], device: torch.device) -> Callable[[int], Any]:
+    from torch.utils._pytree import tree_map
+
+    def moved(g: int) -> Any:
+        return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, data(g))
+    return moved
+
+
 @dataclass
 class _Rank:
     """What one rank trains with."""
@@ -110,6 +118,8 @@ class _Rank:
 def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
            loss_fn: Optional[LossFn], device: torch.device) -> _Rank:
     stage = layout.stage_of(rank)
+    if device.type != "cpu":  # guarded GPU path: data is loaded on the CPU, stages run on the device
+        data = _on_device(data, device)
     module = split.stages[stage].to(device)
     module.train()
     stashing = cfg.schedule == "1f1b-stash"
