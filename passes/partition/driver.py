@@ -56,12 +56,13 @@ class PartitionResult:
 
 
 def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, workers: int = 2,
-              coarsen_above: int = 300, method: str = "auto", downset_limit: int = 2500,
+              coarsen_above: int = 300, method: str = "auto", downset_limit: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, **options) -> PartitionResult:
     """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
 
     ``method``: ``"auto"`` solves exactly by the downset DP when the graph has
-    at most ``downset_limit`` downsets and neither memory nor tied weights are
+    at most ``downset_limit`` downsets (default: a budget by graph size, see
+    ``downsets.downset_dp``) and neither memory nor tied weights are
     involved, else by CP-SAT; ``"cpsat"`` always uses CP-SAT.
     ``progress``: called with one line per improving CP-SAT solution (the CLI
     passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
@@ -72,7 +73,10 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     start = time.monotonic()
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
-    exact = downset_dp(fine, opts, downset_limit) if method == "auto" else None
+    exact = None
+    if method == "auto":
+        quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
+        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"))
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
         return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
