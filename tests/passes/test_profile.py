@@ -174,3 +174,20 @@ def test_profile_runs_as_a_torch_fx_pass():
     _, gm, inputs = _captured("MLP", "fx")
     result = PassManager([ProfilePass(inputs, repeats=1, warmup=0)])(gm)
     assert meta.has(result.graph_module, meta.ProfileInfo)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_profile_times_with_events_and_reports_peak_memory():
+    _, gm, inputs = _captured("TinyGPT", "fx")
+    profile(gm, inputs, device="cuda", repeats=3, warmup=1)
+    graph = to_cost_graph(gm)
+    assert graph.info["device"].startswith("cuda")
+    timed = [n for n in graph.nodes.values() if n.op in ("call_module", "call_function", "call_method")]
+    assert all(n.peak_mem_bytes is not None for n in timed)
+    assert any(n.peak_mem_bytes > 0 for n in timed)
+
+
+def test_cpu_profile_reports_no_peak_memory():
+    _, gm, inputs = _captured("MLP", "fx")
+    profile(gm, inputs, repeats=1, warmup=0)
+    assert all(n.peak_mem_bytes is None for n in to_cost_graph(gm).nodes.values())
