@@ -57,7 +57,7 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
                 microbatches=args.microbatches, schedule=args.schedule, cost_model=args.cost_model,
                 replication=args.replication, fewer_devices=args.fewer_devices,
                 optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers,
-                method=args.solver)
+                solver=args.solver)
 
 
 def load_source(source: str) -> CostGraph:

@@ -56,11 +56,11 @@ class PartitionResult:
 
 
 def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, workers: int = 2,
-              coarsen_above: int = 300, method: str = "auto", downset_limit: Optional[int] = None,
+              coarsen_above: int = 300, solver: str = "auto", downset_limit: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None, **options) -> PartitionResult:
     """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
 
-    ``method``: ``"auto"`` solves exactly by the downset DP when the graph has
+    ``solver``: ``"auto"`` solves exactly by the downset DP when the graph has
     at most ``downset_limit`` downsets (default: a budget by graph size, see
     ``downsets.downset_dp``) and neither memory nor tied weights are
     involved, else by CP-SAT; ``"cpsat"`` always uses CP-SAT.
@@ -68,13 +68,13 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
     """
     opts = CostOptions(devices=devices, **options)
-    if method not in ("auto", "cpsat"):
-        raise FxpipeError(f"partition: method must be 'auto' or 'cpsat', not {method!r}")
+    if solver not in ("auto", "cpsat"):
+        raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
     exact = None
-    if method == "auto":
+    if solver == "auto":
         quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
         exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"))
     if exact is not None and opts.memory is None and not fine.shared:

@@ -91,7 +91,7 @@ def brute_force(g: CostGraph, K: int, model: str, allowed) -> float:
 @pytest.mark.parametrize("seed,n,K", [(1, 6, 3), (2, 7, 3), (3, 7, 2), (4, 8, 2), (5, 6, 4)])
 def test_brute_force_random_dags(method, model, seed, n, K):
     g = random_dag(n, seed, output=seed % 2 == 1)
-    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, method=method)
+    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, solver=method)
     assert res.method == ("CP-SAT" if method == "cpsat" else "downset DP")
     expected = brute_force(g, K, model, range(1, K + 1))
     assert is_convex(g, res.assignment)
@@ -103,7 +103,7 @@ def test_brute_force_random_dags(method, model, seed, n, K):
 
 def test_brute_force_straight_pipeline():
     g = random_dag(8, 11)
-    res = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, replication="none", time_limit=20, method="cpsat")
+    res = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, replication="none", time_limit=20, solver="cpsat")
     assert res.replicas == [1, 1, 1]
     assert res.bottleneck_s <= brute_force(g, 3, "fxpipe", [1]) * 1.001
 
@@ -140,7 +140,7 @@ def test_chain_dp(method, model, seed, n, K):
     params = [g.nodes[x].param_bytes for x in names]
     acts = [g.nodes[x].out_bytes for x in names]
     expected = chain_dp(tuple(costs), tuple(params), tuple(acts), K, model)
-    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, method=method)
+    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, solver=method)
     assert expected <= res.bottleneck_s * (1 + 1e-9)
     assert res.bottleneck_s <= expected * 1.001
     assert res.status == "OPTIMAL"
@@ -187,7 +187,7 @@ def _opts(K, model, **kw):
 
 def test_vgg16_matches_pipedream_optimum():
     g = CostGraph.load(PROFILES / "vgg16.txt")
-    res = partition(g, 16, bandwidth=1.25e9, cost_model="pipedream", time_limit=20, method="cpsat")
+    res = partition(g, 16, bandwidth=1.25e9, cost_model="pipedream", time_limit=20, solver="cpsat")
     assert res.bottleneck_s <= 0.0548 * 1.001
     assert res.replicas == [13, 2, 1]
 
@@ -215,7 +215,7 @@ def test_downset_dp_on_resnet50_matches_pipedream_and_cpsat():
     exact = partition(g, 8, bandwidth=1.25e9, cost_model="pipedream")
     assert exact.method == "downset DP" and exact.replicas == [4, 3, 1]
     assert exact.bottleneck_s <= 0.0822 * 1.001
-    cp = partition(g, 8, bandwidth=1.25e9, cost_model="pipedream", method="cpsat", time_limit=30)
+    cp = partition(g, 8, bandwidth=1.25e9, cost_model="pipedream", solver="cpsat", time_limit=30)
     assert cp.bottleneck_s == pytest.approx(exact.bottleneck_s, rel=1e-3)
 
 
@@ -227,7 +227,7 @@ def test_too_many_devices_without_replication():
 
 def test_pow2_replication():
     g = random_dag(6, 5)
-    res = partition(g, 4, bandwidth=B, allreduce_bandwidth=BAR, replication="pow2", time_limit=20, method="cpsat")
+    res = partition(g, 4, bandwidth=B, allreduce_bandwidth=BAR, replication="pow2", time_limit=20, solver="cpsat")
     assert all(r & (r - 1) == 0 for r in res.replicas) and sum(res.replicas) == 4
     assert res.bottleneck_s <= brute_force(g, 4, "fxpipe", [1, 2, 4]) * 1.001
 
