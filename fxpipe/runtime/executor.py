@@ -52,6 +52,7 @@ class _InFlight:
     box: comm.MailboxTransport
     tokens: Tuple[Any, ...] = ()
     loss: Optional[torch.Tensor] = None
+    forwarded: bool = False
 
 
 class Executor:
@@ -75,17 +76,45 @@ class Executor:
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
-        for a in actions:
-            g = base + a.mb if a.mb >= 0 else -1
-            cat = "comm" if a.is_send or a.is_recv else "compute"
-            with self.tracer.span(str(a), cat, mb=g):
-                self._handlers[a.kind](a, g)
+        early = self._early_receives(actions)
+        moved = {j for js in early.values() for j in js}
+        for i, a in enumerate(actions):
+            for j in early.get(i, ()):
+                self._do(actions[j], base)
+            if i not in moved:
+                self._do(a, base)
         self.p2p.wait_sends()
         if self.inflight and any(f.loss is not None or f.tokens for f in self.inflight.values()):
             left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens)
             raise ExecutorError(f"rank {self.rank}: the action list ended with microbatches {left} "
                                 "forwarded but never backwarded")
         self.inflight.clear()
+
+    def _do(self, a: Action, base: int) -> None:
+        g = base + a.mb if a.mb >= 0 else -1
+        with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
+            self._handlers[a.kind](a, g)
+
+    def _early_receives(self, actions: Sequence[Action]) -> Dict[int, List[int]]:
+        """Receives to post before compute action ``i``: those right after it, before the next compute.
+
+        Posting an ``irecv`` earlier changes no order the schedule fixes (the
+        wait stays where the schedule put the receive's use) but lets the
+        bytes arrive while ``i`` computes instead of after it. Receives of
+        non-tensor values block while posted, so they stay in place.
+        """
+        compute = [i for i, a in enumerate(actions) if a.kind in (Kind.F, Kind.B)]
+        early: Dict[int, List[int]] = {}
+        for i, k in zip(compute, compute[1:] + [len(actions)]):
+            recvs = [j for j in range(i + 1, k) if actions[j].is_recv and self._tensors_only(actions[j])]
+            if recvs:
+                early[i] = recvs
+        return early
+
+    def _tensors_only(self, a: Action) -> bool:
+        peer = self._peer_stage(a)
+        src, dst = (peer, self.stage) if a.kind is Kind.RECV_F else (self.stage, peer)
+        return self.p2p.tensors_only(src, dst)
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
@@ -105,6 +134,7 @@ class Executor:
         with comm.bind(box), torch.enable_grad():
             outputs, tokens = self.stash.forward(g, args)
         state = self.inflight[g]
+        state.forwarded = True
         state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
         if self.is_last:
             loss = self._loss(self.unflatten(outputs), targets)
@@ -124,7 +154,7 @@ class Executor:
 
     def _backward(self, a: Action, g: int) -> None:
         state = self.inflight.get(g)
-        if state is None:
+        if state is None or not state.forwarded:
             raise ExecutorError(f"rank {self.rank}: {a} before its forward (global microbatch {g})")
         self.p2p.complete(g, "B")
         roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)

@@ -117,6 +117,10 @@ class P2P:
     def _between(self, src: int, dst: int) -> List[Wire]:
         return [w for w in self.wires if w.src_stage == src and w.dst_stage == dst]
 
+    def tensors_only(self, src: int, dst: int) -> bool:
+        """Whether every value from stage ``src`` to ``dst`` is a tensor (its receive never blocks)."""
+        return all(w.tensor is not None for w in self._between(src, dst))
+
     # ------------------------------------------------------------ sends
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> None:
         t = t.detach().to(self.device).contiguous()

@@ -1,6 +1,6 @@
 """Benchmark: fxpipe's runtime against torch.distributed.pipelining on the same split.
 
-    python tools/bench/runtime.py [--steps 10] [--warmup 3] [--models gpt,mlp] [--stages 2,4]
+    python -m tools.bench.runtime [--steps 10] [--warmup 3] [--models gpt,mlp] [--stages 2,4]
 
 Two models (a GPT-style stack and a deep MLP), each cut at the same block
 boundaries into 2 and 4 stages, the same number of microbatches, CPU gloo,
