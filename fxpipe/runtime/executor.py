@@ -70,6 +70,7 @@ class Executor:
         self.inflight: Dict[int, _InFlight] = {}
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
         self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
+        self._versioned: set = set()  # microbatches with an optimizer step between their F and B
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step}
@@ -78,6 +79,7 @@ class Executor:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
         early = self._early_receives(actions)
         moved = {j for js in early.values() for j in js}
+        self._versioned = {base + m for m in _updated_in_flight(actions)}
         for i, a in enumerate(actions):
             for j in early.get(i, ()):
                 self._do(actions[j], base)
@@ -128,11 +130,11 @@ class Executor:
     def _forward(self, a: Action, g: int) -> None:
         box = self._box(g)
         self.p2p.complete(g, "F")
-        inputs, targets = self.data(g)
+        inputs, targets = self.data(g) if self.input_indices or self.is_last else ((), None)
         flat = self.flatten(inputs) if self.input_indices else ()
         args = [flat[i] for i in self.input_indices]
         with comm.bind(box), torch.enable_grad():
-            outputs, tokens = self.stash.forward(g, args)
+            outputs, tokens = self.stash.forward(g, args, versioned=g in self._versioned)
         state = self.inflight[g]
         state.forwarded = True
         state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
@@ -199,3 +201,21 @@ class Executor:
 
     def _recv_b(self, a: Action, g: int) -> None:
         self.p2p.recv_backward(self._box(g), g, self.stage, self._peer_stage(a), a.peer)
+
+
+def _updated_in_flight(actions: Sequence[Action]) -> List[int]:
+    """Microbatches whose forward and backward on this rank have a ``STEP`` between them.
+
+    Only those need a weight version of their own; the others can run on
+    the master weights, which no update touches while they are in flight.
+    """
+    out, open_mbs = [], set()
+    for a in actions:
+        if a.kind is Kind.F:
+            open_mbs.add(a.mb)
+        elif a.kind is Kind.B:
+            open_mbs.discard(a.mb)
+        elif a.kind is Kind.STEP:
+            out.extend(open_mbs)
+            open_mbs.clear()
+    return out

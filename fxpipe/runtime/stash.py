@@ -43,9 +43,14 @@ class WeightStash:
         """How many weight versions are alive (PipeDream: one per minibatch in flight)."""
         return len(self._versions)
 
-    def forward(self, mb: int, args: Any) -> Any:
-        """Run the stage for microbatch ``mb`` on the current version and remember which."""
-        if not self.stash:
+    def forward(self, mb: int, args: Any, versioned: bool = True) -> Any:
+        """Run the stage for microbatch ``mb`` on the current version and remember which.
+
+        ``versioned=False``: the caller knows no update happens before ``mb``'s
+        backward (the last stage's ``F m, B m, STEP``), so the master itself
+        is safe to use and no copy is made.
+        """
+        if not self.stash or not versioned:
             return self.module(*args)
         v = self.version
         if v not in self._versions:
@@ -57,7 +62,7 @@ class WeightStash:
 
     def backward_done(self, mb: int) -> None:
         """Move ``mb``'s gradients onto the master and release its version."""
-        if not self.stash:
+        if mb not in self._mb_version:  # ran on the master: its gradients are already there
             return
         v = self._mb_version.pop(mb)
         for name, t in self._versions[v].items():
