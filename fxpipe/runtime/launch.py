@@ -52,26 +52,18 @@ def _log(msg: str) -> None:
 
 def plan_and_split(spec: Any, devices: int, schedule: str, microbatches: int,
                    plan_options: Optional[Dict[str, Any]] = None) -> Any:
-    """Capture, profile, partition and split ``spec``'s model; returns a ``SplitModel`` with its plan."""
-    from fxpipe.plan import plan_from_result
-    from fxpipe.profiling import profile_model
-    from fxpipe.split_model import SplitModel
+    """``fxpipe.split`` of ``spec``'s model for this schedule; returns a ``SplitModel`` with its plan."""
+    from fxpipe.api import split
     from passes.capture_check import restore_buffers, save_buffers
-    from passes.partition import apply_assignment, partition, stderr_progress
-    from passes.profile import to_cost_graph
-    from passes.split import split_stages
 
-    saved = save_buffers(spec.model)  # profiling runs the model: keep BatchNorm statistics as given
-    gm = profile_model(spec, threads=1)
-    restore_buffers(saved)
-    graph = to_cost_graph(gm)
     opts = dict(plan_options or {})
-    result = partition(graph, devices, microbatches=microbatches, schedule=schedule,
-                       progress=stderr_progress, time_limit=opts.pop("time_limit", 20.0), **opts)
-    plan = plan_from_result(result, graph)
-    print(plan.table(), file=sys.stderr, flush=True)
-    apply_assignment(gm, plan.assignment())
-    return SplitModel.from_result(split_stages(gm, spec.example_inputs), gm, plan)
+    saved = save_buffers(spec.model)  # profiling runs the model: keep BatchNorm statistics as given
+    result = split(spec.model, spec.example_inputs, devices, leaf_modules=spec.leaf_modules,
+                   concrete_args=spec.concrete_args, time_limit=opts.pop("time_limit", 20.0),
+                   microbatches=microbatches, schedule=schedule, **opts)
+    restore_buffers(saved)
+    print(result.plan.table(), file=sys.stderr, flush=True)
+    return result
 
 
 def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, split_dir: Optional[str] = None,
