@@ -33,6 +33,9 @@ class WeightStash:
         self.module = module
         self.stash = stash
         self.master: Dict[str, nn.Parameter] = dict(module.named_parameters())
+        # functional_call's weight tying scans the module on every call; only pay for it when a
+        # parameter really is registered under two names in this stage
+        self._tied = len(list(module.named_parameters(remove_duplicate=False))) != len(self.master)
         self.version = 0  # the version the next forward uses
         self._versions: Dict[int, Dict[str, torch.Tensor]] = {}
         self._users: Dict[int, int] = {}  # version -> microbatches in flight on it
@@ -58,7 +61,7 @@ class WeightStash:
                                  for n, p in self.master.items()}
         self._users[v] = self._users.get(v, 0) + 1
         self._mb_version[mb] = v
-        return functional_call(self.module, self._versions[v], tuple(args), strict=False)
+        return functional_call(self.module, self._versions[v], tuple(args), strict=False, tie_weights=self._tied)
 
     def backward_done(self, mb: int) -> None:
         """Move ``mb``'s gradients onto the master and release its version."""

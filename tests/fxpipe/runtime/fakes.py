@@ -13,6 +13,7 @@ the tests compare the pipeline with plain single-process training.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -93,8 +94,6 @@ def chain(cuts: Sequence[int]) -> Tuple[nn.Module, FakeSplit]:
 
 
 def _copy(m: nn.Module) -> nn.Module:
-    import copy
-
     return copy.deepcopy(m)
 
 
