@@ -156,7 +156,10 @@ def stage_source(split: "SplitModel", j: int, weights_name: str) -> Tuple[str, D
            f"    stage = Stage{j}(blob['modules'], blob['constants'])\n"
            "    with torch.no_grad():\n"
            "        for name, value in blob['state'].items():\n"
-           "            getattr(_owner(stage, name), name.split('.')[-1]).copy_(value)\n"
+           "            target = getattr(_owner(stage, name), name.split('.')[-1])\n"
+           "            if target.dtype != value.dtype:  # constructors build float32; keep the saved dtype\n"
+           "                target.data = target.data.to(value.dtype)\n"
+           "            target.copy_(value)\n"
            "    return stage\n")
     return src, pickled, constants
 

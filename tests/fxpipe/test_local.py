@@ -59,6 +59,17 @@ def test_saved_stages_load_back_and_run_the_same(name, method, tmp_path):
     _check(model, loaded, inputs)
 
 
+def test_saved_float64_stages_stay_float64(tmp_path):
+    """Stage constructors build float32 layers; loading must keep the saved dtype."""
+    model, inputs = example("MLP")
+    model, inputs = model.double(), tuple(x.double() for x in inputs)
+    sm, _ = split_model_of(model, inputs, "fx", 2)
+    sm.save(tmp_path)
+    loaded = SplitModel.load(tmp_path)
+    assert {p.dtype for s in loaded.stages for p in s.parameters()} == {torch.float64}
+    assert torch.equal(run_local(loaded, *inputs), model(*inputs))
+
+
 def test_saved_folder_runs_in_a_fresh_process(tmp_path):
     model, inputs = example("TinyGPT")
     sm, _ = split_model_of(model, inputs, "fx", 2)

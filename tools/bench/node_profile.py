@@ -7,7 +7,7 @@ forward / backward times divided by the whole model's forward / backward
 measured the same way (1.00 = the parts add up exactly), plus node counts and
 how long capture and profiling took.
 
-    python -m tools.bench.profile [--repeats 5] [--threads 1] [--transformers]
+    python -m tools.bench.node_profile [--repeats 5] [--threads 1] [--transformers]
 
 Ratios, not absolute times: other processes on the machine change both sides.
 """
