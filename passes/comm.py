@@ -129,6 +129,8 @@ class _RecvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, box: "MailboxTransport", tag: str) -> torch.Tensor:
         ctx.box, ctx.tag = box, tag
+        if box.owns_inbox:  # a private receive buffer: an alias is safe, a copy would only cost time
+            return value.detach()
         return value.detach().clone() if value.requires_grad else value.clone()
 
     @staticmethod
@@ -144,9 +146,16 @@ class MailboxTransport:
     values this stage sent) are filled by the executor's receive actions;
     ``outbox`` (values to send) and ``grad_out`` (gradients of received values)
     are emptied by its send actions. One mailbox serves one microbatch.
+
+    A received tensor is copied on the way into the stage, because the inbox
+    may hold the sender's own tensor (in-process use): an in-place op in the
+    receiving stage must not change what the sender's graph saved.
+    ``owns_inbox=True`` says every inbox tensor is a buffer nobody else
+    holds (a runtime's receive buffer), so the stage gets it without a copy.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owns_inbox: bool = False) -> None:
+        self.owns_inbox = owns_inbox
         self.inbox: Dict[str, Any] = {}
         self.outbox: Dict[str, Any] = {}
         self.grad_in: Dict[str, torch.Tensor] = {}

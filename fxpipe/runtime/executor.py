@@ -94,6 +94,9 @@ class Executor:
 
     def _do(self, a: Action, base: int) -> None:
         g = base + a.mb if a.mb >= 0 else -1
+        if not self.tracer.enabled:  # no span bookkeeping per action when not tracing
+            self._handlers[a.kind](a, g)
+            return
         with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
             self._handlers[a.kind](a, g)
 
@@ -120,7 +123,7 @@ class Executor:
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
-            self.inflight[g] = _InFlight(comm.MailboxTransport())
+            self.inflight[g] = _InFlight(comm.MailboxTransport(owns_inbox=True))  # inbox: fresh irecv buffers
         return self.inflight[g].box
 
     def _peer_stage(self, a: Action) -> int:

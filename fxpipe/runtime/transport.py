@@ -110,12 +110,22 @@ class P2P:
         self.on_wait = on_wait
         self._sends: List[Tuple[Any, Any]] = []
         self._recvs: Dict[Tuple[int, str], List[_Pending]] = {}
+        self._pairs: Dict[Tuple[int, int], List[Wire]] = {}  # per-microbatch lookups, computed once
+        self._dtypes: Dict[int, torch.dtype] = {w.index: torch_dtype(w.tensor.dtype) for w in self.wires
+                                                if w.tensor is not None}
+        self._grads = {w.index for w in self.wires if w.carries_grad}
 
     def _tag(self, wire: Wire, mb: int, code: int) -> int:
         return (((mb % _TAG_WINDOW) * len(self.wires) + wire.index) << 2) | code
 
     def _between(self, src: int, dst: int) -> List[Wire]:
-        return [w for w in self.wires if w.src_stage == src and w.dst_stage == dst]
+        got = self._pairs.get((src, dst))
+        if got is None:
+            got = self._pairs[(src, dst)] = [w for w in self.wires if w.src_stage == src and w.dst_stage == dst]
+        return got
+
+    def _empty(self, w: Wire) -> torch.Tensor:
+        return torch.empty(w.tensor.shape, dtype=self._dtypes[w.index], device=self.device)
 
     def tensors_only(self, src: int, dst: int) -> bool:
         """Whether every value from stage ``src`` to ``dst`` is a tensor (its receive never blocks)."""
@@ -136,7 +146,7 @@ class P2P:
             if w.tensor is None:
                 objects.append((w, value))
                 continue
-            _check(value, w, mb)
+            _check(value, w, mb, self._dtypes[w.index])
             self._isend(value, peer, self._tag(w, mb, _FWD))
         for w, value in objects:  # headers first, payloads after: one order on both sides
             payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
@@ -147,11 +157,11 @@ class P2P:
     def send_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         """Gradients of the values ``peer_stage`` sent here, back to it."""
         for w in self._between(peer_stage, my_stage):
-            if not w.carries_grad:
+            if w.index not in self._grads:
                 continue
             grad = box.grad_out.pop(w.tag, None)
             if grad is None:
-                grad = torch.zeros(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype))
+                grad = torch.zeros(w.tensor.shape, dtype=self._dtypes[w.index])
             self._isend(grad, peer, self._tag(w, mb, _BWD))
         self._prune()
 
@@ -172,7 +182,7 @@ class P2P:
             if w.tensor is None:
                 objects.append(w)
                 continue
-            buf = torch.empty(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype), device=self.device)
+            buf = self._empty(w)
             work = dist.irecv(buf, peer, tag=self._tag(w, mb, _FWD))
             pending.append(_Pending(work, buf, box.inbox, w.tag, peer, f"RECV_F{mb}"))
         for w in objects:
@@ -188,9 +198,9 @@ class P2P:
     def recv_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         pending = self._recvs.setdefault((mb, "B"), [])
         for w in self._between(my_stage, peer_stage):
-            if not w.carries_grad:
+            if w.index not in self._grads:
                 continue
-            buf = torch.empty(w.tensor.shape, dtype=torch_dtype(w.tensor.dtype), device=self.device)
+            buf = self._empty(w)
             work = dist.irecv(buf, peer, tag=self._tag(w, mb, _BWD))
             pending.append(_Pending(work, buf, box.grad_in, w.tag, peer, f"RECV_B{mb}"))
 
@@ -216,12 +226,12 @@ class P2P:
             ) from exc
 
 
-def _check(value: Any, w: Wire, mb: int) -> None:
+def _check(value: Any, w: Wire, mb: int, dtype: torch.dtype) -> None:
     meta = w.tensor
     if not isinstance(value, torch.Tensor):
         raise TransportError(f"tag '{w.tag}' (stage {w.src_stage}->{w.dst_stage}): the split recorded a "
                              f"tensor but microbatch {mb} produced a {type(value).__name__}")
-    if tuple(value.shape) != tuple(meta.shape) or value.dtype != torch_dtype(meta.dtype):
+    if value.shape != tuple(meta.shape) or value.dtype != dtype:
         raise TransportError(
             f"tag '{w.tag}' (stage {w.src_stage}->{w.dst_stage}): microbatch {mb} produced "
             f"{tuple(value.shape)} {value.dtype}, the split recorded {tuple(meta.shape)} {meta.dtype}; "

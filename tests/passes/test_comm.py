@@ -55,3 +55,25 @@ def test_missing_gradient_is_an_error_not_zero():
         token = comm.send(w * 2, "v", 1)
     with pytest.raises(comm.CommError, match="'v'.*not received"):
         torch.autograd.backward([token], [torch.ones(())])
+
+
+def test_received_tensor_copied_unless_the_inbox_owns_it():
+    """In-process, the inbox holds the sender's tensor: an in-place op after recv must not reach it."""
+    w = torch.randn(3, requires_grad=True)
+    for owns in (False, True):
+        w.grad = None
+        a, b = comm.MailboxTransport(), comm.MailboxTransport(owns_inbox=owns)
+        with comm.bind(a):
+            h = torch.tanh(w)  # tanh saves its output for backward
+            token = comm.send(h, "h", 1)
+        sent = a.outbox.pop("h")
+        inbox = sent if not owns else sent.clone()  # owned: a runtime's own receive buffer
+        b.inbox["h"] = inbox
+        with comm.bind(b):
+            r = comm.recv("h", 0, (3,), torch.float32, requires_grad=True)
+            assert (r.data_ptr() == inbox.data_ptr()) == owns  # no copy exactly when the inbox owns it
+            loss = r.mul_(2).sum()
+        loss.backward()
+        a.grad_in["h"] = b.grad_out.pop("h")
+        torch.autograd.backward([token], [torch.ones(())])  # fails if the receiver changed tanh's output
+        assert torch.allclose(w.grad, 2 * (1 - torch.tanh(w.detach()) ** 2))
