@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,7 @@ class Prepared:
     layout: Layout
     split: Any
     spec: Any
+    predicted_samples_per_s: Optional[float] = None
 
 
 def _log(msg: str) -> None:
@@ -98,7 +101,42 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
         json.dump(job, f, indent=1)
     if spec.batches is None:
         _log(f"{model} defines no batches(): every microbatch is the example minibatch, repeated")
-    return Prepared(run_dir, layout, split, spec)
+    return Prepared(run_dir, layout, split, spec, _predict(split, cfg))
+
+
+def _predict(split: Any, cfg: TrainConfig) -> Optional[float]:
+    """Samples/s the simulator predicts for this run from the plan's profiled costs.
+
+    Printed before training and again beside the measured rate at the end, so a
+    user sees at once how far the cost model is from this machine.
+    """
+    if split.plan is None:
+        return None
+    from fxpipe.simulate import simulate_split
+
+    try:
+        sim = simulate_split(split, cfg.schedule, cfg.microbatches)
+    except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
+        _log(f"no prediction: {exc}")
+        return None
+    _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
+         f"simulated from the profile; bubble {sim.bubble_fraction:.0%})")
+    return sim.samples_per_s
+
+
+_STEP_LINE = re.compile(r"^step (\d+)/\d+ .*samples/s ([\d.]+)")
+
+
+def _compare(predicted: Optional[float], rates: List[float]) -> None:
+    """Measured median (first step left out: warm-up) next to the prediction."""
+    steady = rates[1:] or rates
+    if not steady:
+        return
+    measured = statistics.median(steady)
+    line = f"measured {measured:.1f} samples/s (median of {len(steady)} steps)"
+    if predicted:
+        line += f"; predicted {predicted:.1f}; measured / predicted = {measured / predicted:.2f}"
+    _log(line)
 
 
 def launch(prep: Prepared, threads: Optional[int] = None) -> int:
@@ -110,7 +148,17 @@ def launch(prep: Prepared, threads: Optional[int] = None) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "--max-restarts=0", "-m", "fxpipe.runtime.worker", prep.run_dir]
     _log(f"starting {world} workers: {' '.join(cmd[2:])}")
-    return subprocess.run(cmd, env=env).returncode
+    rates: List[float] = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
+        for line in proc.stdout or ():  # echo the workers' output, keep the step rates
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            m = _STEP_LINE.match(line)
+            if m:
+                rates.append(float(m.group(2)))
+    if proc.returncode == 0:
+        _compare(prep.predicted_samples_per_s, rates)
+    return proc.returncode
 
 
 def finish(prep: Prepared, cfg: TrainConfig, save: Optional[str]) -> None:

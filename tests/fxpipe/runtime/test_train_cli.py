@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -32,6 +33,10 @@ def test_train_cli_saves_original_state_dict_and_trace(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 3/3" in out.stdout and "samples/s" in out.stdout, out.stdout
     assert "defines no batches()" in out.stderr
+    predicted = re.search(r"predicted ([\d.]+) samples/s", out.stderr)
+    compared = re.search(r"measured ([\d.]+) samples/s \(median of 2 steps\); predicted ([\d.]+)", out.stderr)
+    assert predicted and compared, out.stderr[-2000:]
+    assert float(predicted.group(1)) > 0 and compared.group(2) == predicted.group(1)
     ns: dict = {}
     exec(MODEL, ns)
     before = {k: v.clone() for k, v in ns["model"].state_dict().items()}
