@@ -70,7 +70,7 @@ class ProfilePass(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         profile(graph_module, self.example_inputs, device=self.device, repeats=self.repeats, warmup=self.warmup)
-        return PassResult(graph_module, True)
+        return PassResult(graph_module, False)  # metadata only: the graph itself is unchanged
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         require_costs(graph_module)

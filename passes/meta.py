@@ -11,7 +11,7 @@ same way in ``graph_module.meta["fxpipe"]``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional, Tuple, Type, TypeVar, Union
 
 import torch.fx

@@ -29,7 +29,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from passes import meta
 from passes.capture_check import restore_buffers, save_buffers
@@ -37,7 +36,7 @@ from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.profile_timing import Clock, grad_call_overhead, measure, time_node
 
-__all__ = ["profile", "to_cost_graph", "ProfilePass", "ProfileError", "value_spec", "COMPUTE_OPS"]
+__all__ = ["profile", "to_cost_graph", "ProfileError", "value_spec", "COMPUTE_OPS"]
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 ProgressFn = Callable[..., None]
@@ -273,15 +272,3 @@ def _cost_node(node: torch.fx.Node) -> CostNode:
     return CostNode(name=node.name, op=node.op, target=_target_name(node), fwd_s=c.fwd_s, bwd_s=c.bwd_s,
                     out_bytes=c.out_bytes, param_bytes=c.param_bytes, module_path=path,
                     params=c.params, peak_mem_bytes=c.peak_mem_bytes)
-
-
-class ProfilePass(PassBase):
-    """``profile`` as a ``torch.fx`` pass, for ``PassManager`` pipelines of other compilers."""
-
-    def __init__(self, example_inputs: Sequence[Any], **options: Any) -> None:
-        super().__init__()
-        self.example_inputs = tuple(example_inputs)
-        self.options = options
-
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        return PassResult(profile(graph_module, self.example_inputs, **self.options), False)

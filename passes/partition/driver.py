@@ -16,7 +16,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
 from passes.partition.downsets import downset_dp
-from passes.partition.costmodel import CostOptions, Evaluation, StageCost, evaluate
+from passes.partition.costmodel import CostOptions, StageCost, evaluate
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
 

@@ -169,7 +169,7 @@ def test_sum_of_node_forward_times_close_to_whole_forward(method):
 def test_profile_runs_as_a_torch_fx_pass():
     from torch.fx.passes.infra.pass_manager import PassManager
 
-    from passes.profile import ProfilePass
+    from passes.infra import ProfilePass
 
     _, gm, inputs = _captured("MLP", "fx")
     result = PassManager([ProfilePass(inputs, repeats=1, warmup=0)])(gm)
