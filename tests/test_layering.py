@@ -45,3 +45,12 @@ def test_importing_passes_loads_no_fxpipe_module():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_public_name_resolves_with_a_description():
+    import passes
+
+    for name, (module, doc) in passes.PUBLIC.items():
+        obj = getattr(passes, name)
+        assert obj is not None and doc.strip(), name
+        assert module.startswith("passes."), name
