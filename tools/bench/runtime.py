@@ -243,24 +243,27 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--models", default="gpt,mlp")
     p.add_argument("--stages", default="2,4")
     p.add_argument("--rounds", type=int, default=2, help="run every configuration this many times, interleaved")
+    p.add_argument("--schedules", default=",".join(TORCH + FX),
+                   help="subset to run (a ratio needs the torch peer in the subset)")
     args = p.parse_args(list(argv) or None)
     from tabulate import tabulate
 
+    kinds = [k for k in TORCH + FX if k in args.schedules.split(",")]
     load0 = os.getloadavg()
     rows = []
     for model in args.models.split(","):
         for stages in [int(s) for s in args.stages.split(",")]:
             got: Dict[str, Dict[str, Any]] = {}
             for _ in range(args.rounds):  # interleaved, best round kept: others' load only slows a run down
-                for kind in TORCH + FX:
+                for kind in kinds:
                     r = run_config(kind, model, stages, args.microbatches, args.warmup + args.steps)
                     r["median"] = statistics.median(r["sps"][args.warmup:])
                     print(f"  {model} x{stages} {kind}: {r['median']:.1f} samples/s", file=sys.stderr, flush=True)
                     if kind not in got or r["median"] > got[kind]["median"]:
                         got[kind] = r
-            for kind in FX + TORCH:
+            for kind in [k for k in FX + TORCH if k in got]:
                 r = got[kind]
-                ratio = f"{r['median'] / got[PEER[kind]]['median']:.2f}" if kind in FX else ""
+                ratio = f"{r['median'] / got[PEER[kind]]['median']:.2f}" if kind in FX and PEER[kind] in got else ""
                 rows.append([model, stages, args.microbatches, kind, f"{r['median']:.1f}", ratio,
                              f"{r['peak']:.0f}", f"{r['growth']:.0f}"])
     print(tabulate(rows, headers=["model", "stages", "M", "schedule", "samples/s", "fxpipe / torch",
