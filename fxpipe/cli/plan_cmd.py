@@ -38,7 +38,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="bytes/s inside a replica group (default: --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
-    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-stash")
+    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
+                   help="schedule the plan is for (memory, in-flight counts); default 1f1b-flush, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
     p.add_argument("--replication", choices=("any", "pow2", "none"), default="any",
                    help="replicas per stage: any count, powers of two, or none (straight pipeline)")
