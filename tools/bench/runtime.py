@@ -175,7 +175,9 @@ def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int
     sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[rank]:cuts[rank + 1]]])
     stage = PipelineStage(sub, rank, stages, torch.device("cpu"))
     sched = (Schedule1F1B if kind == "torch-1f1b" else ScheduleGPipe)(stage, M, loss_fn=loss)
-    opt = torch.optim.SGD(sub.parameters(), lr=1e-3)
+    from fxpipe.runtime.loop import TrainConfig, make_optimizer
+
+    opt = make_optimizer(TrainConfig(lr=1e-3), sub)  # the very optimizer fxpipe's ranks build (same kernels)
     xs, ys = torch.cat([x] * M), torch.cat([y] * M)
     _mark_baseline()
     sps, t_last = [], time.perf_counter()
