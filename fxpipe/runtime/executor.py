@@ -74,17 +74,20 @@ class Executor:
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step}
+        self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
+        self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
-        early = self._early_receives(actions)
-        moved = {j for js in early.values() for j in js}
         self._versioned = {base + m for m in _updated_in_flight(actions)}
-        for i, a in enumerate(actions):
-            for j in early.get(i, ()):
-                self._do(actions[j], base)
-            if i not in moved:
-                self._do(a, base)
+        tracing = self.tracer.enabled
+        for handler, a in self._program(actions):
+            g = base + a.mb if a.mb >= 0 else -1
+            if tracing:
+                with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
+                    handler(a, g)
+            else:  # no span bookkeeping per action when not tracing
+                handler(a, g)
         self.p2p.wait_sends()
         if self.inflight and any(f.loss is not None or f.tokens for f in self.inflight.values()):
             left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens)
@@ -92,13 +95,24 @@ class Executor:
                                 "forwarded but never backwarded")
         self.inflight.clear()
 
-    def _do(self, a: Action, base: int) -> None:
-        g = base + a.mb if a.mb >= 0 else -1
-        if not self.tracer.enabled:  # no span bookkeeping per action when not tracing
-            self._handlers[a.kind](a, g)
-            return
-        with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
-            self._handlers[a.kind](a, g)
+    def _program(self, actions: Sequence[Action]) -> List[Tuple[Callable[[Action, int], None], Action]]:
+        """``actions`` in execution order (early receives moved), each with its handler.
+
+        Worked out once per action list (the loop runs the same list every
+        step): per action, the run then costs one call, no lookups.
+        """
+        if self._compiled is not None and self._compiled[0] is actions:
+            return self._compiled[1]
+        early = self._early_receives(actions)
+        moved = {j for js in early.values() for j in js}
+        order = []
+        for i, a in enumerate(actions):
+            order.extend(actions[j] for j in early.get(i, ()))
+            if i not in moved:
+                order.append(a)
+        program = [(self._handlers[a.kind], a) for a in order]
+        self._compiled = (actions, program)
+        return program
 
     def _early_receives(self, actions: Sequence[Action]) -> Dict[int, List[int]]:
         """Receives to post before compute action ``i``: those right after it, before the next compute.
@@ -127,7 +141,8 @@ class Executor:
         return self.inflight[g].box
 
     def _peer_stage(self, a: Action) -> int:
-        return self.layout.stage_of(a.peer)
+        stage = self._stage_of.get(a.peer)
+        return self.layout.stage_of(a.peer) if stage is None else stage  # unknown rank: the layout's error
 
     # ------------------------------------------------------------ compute
     def _forward(self, a: Action, g: int) -> None:
