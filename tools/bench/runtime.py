@@ -7,8 +7,9 @@ boundaries into 2 and 4 stages, the same number of microbatches, CPU gloo,
 one thread per rank. Per configuration a fresh set of processes runs:
 
 - fxpipe ``1f1b-flush``, ``1f1b-stash``, ``gpipe``: the model captured and
-  split by fxpipe (``passes.split``) at those boundaries, trained by
-  ``fxpipe.runtime.loop.train``;
+  split by fxpipe (``passes.split``) at those boundaries, once, in the parent
+  process, and saved; every rank loads the saved split (as ``fxpipe train``'s
+  workers do) and trains it with ``fxpipe.runtime.loop.train``;
 - torch ``Schedule1F1B`` and ``ScheduleGPipe``: ``PipelineStage`` on
   ``nn.Sequential`` chunks holding the same modules.
 
@@ -154,12 +155,13 @@ def _fxpipe_split(pieces: List[nn.Module], x: torch.Tensor, cuts: List[int]) -> 
     return SplitModel.from_result(split_stages(gm, (x,)), gm)
 
 
-def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: int) -> List[float]:
+def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: int, split_dir: str) -> List[float]:
     from fxpipe.layout import Layout
     from fxpipe.runtime.loop import TrainConfig, train
+    from fxpipe.split_model import SplitModel
 
-    pieces, x, y, loss = MODELS[model]()
-    split = _fxpipe_split(pieces, x, bounds(len(pieces), stages))
+    _, x, y, loss = MODELS[model]()
+    split = SplitModel.load(split_dir)  # as `fxpipe train`'s workers do: the parent split once
     cfg = TrainConfig(schedule=kind, microbatches=M, steps=steps, lr=1e-3, log=False)
     _mark_baseline()
     res = train(rank=rank, layout=Layout.of([1] * stages), split=split, cfg=cfg, data=lambda g: ((x,), y),
@@ -167,7 +169,7 @@ def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: in
     return res.samples_per_s
 
 
-def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int) -> List[float]:
+def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int, split_dir: str) -> List[float]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     pieces, x, y, loss = MODELS[model]()
@@ -228,7 +230,11 @@ def run_config(kind: str, model: str, stages: int, M: int, steps: int) -> Dict[s
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(stages, port, (kind, model, stages, M, steps), out), nprocs=stages,
+        split_dir = os.path.join(out, "split")
+        if kind in FX:
+            pieces, x, _, _ = MODELS[model]()
+            _fxpipe_split(pieces, x, bounds(len(pieces), stages)).save(split_dir)
+        mp.start_processes(_entry, args=(stages, port, (kind, model, stages, M, steps, split_dir), out), nprocs=stages,
                            join=True, start_method="spawn")
         res = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(stages)]
     return {"sps": res[-1]["sps"], "peak": max(r["peak"] for r in res), "growth": max(r["growth"] for r in res)}
