@@ -19,10 +19,10 @@ stage between consecutive step ends (optimizer step included), median over
 times, interleaved with the others, and the best median is kept (load from
 other processes only ever slows a run down). The ratio compares an fxpipe schedule
 with its torch peer (flush and stash with Schedule1F1B, gpipe with
-ScheduleGPipe). Memory is the peak resident set size (``ru_maxrss``) of the
-rank that peaked highest, and its growth during training (peak after minus
-peak before the first step): the latter is what activations, stashed
-weights and communication buffers added. It is a benchmark, not a test: the
+ScheduleGPipe). Memory is the peak resident set size during training of the
+rank that peaked highest (Linux ``VmHWM``, reset when training starts), and
+its growth (that peak minus the resident size when training started): what
+activations, stashed weights and communication buffers added. It is a benchmark, not a test: the
 machine may be shared; the load average is printed with the table.
 """
 from __future__ import annotations
@@ -201,8 +201,35 @@ def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int
 _BASE: Dict[str, float] = {}
 
 
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise KeyError(field)
+
+
 def _mark_baseline() -> None:
-    _BASE["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """Start measuring: the peak from here on is training's, not start-up's.
+
+    ``ru_maxrss`` never goes down, so start-up (imports, unpickling the
+    spawn arguments, loading the split) would hide training's peak. Linux
+    resets the high-water mark (``VmHWM``) when ``5`` is written to
+    ``/proc/self/clear_refs``; elsewhere fall back to ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _BASE["rss"] = _status_mib("VmRSS")
+        _BASE["hwm"] = 1.0
+    except OSError:
+        _BASE["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _peak_mib() -> float:
+    if "hwm" in _BASE:
+        return _status_mib("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
@@ -216,7 +243,7 @@ def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
     kind = args[0]
     try:
         sps = (_run_torch if kind in TORCH else _run_fxpipe)(rank, *args)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        peak = _peak_mib()
         torch.save({"sps": sps, "peak": peak, "growth": peak - _BASE.get("rss", peak)},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
