@@ -24,6 +24,7 @@ restored afterwards: profiling must not change the model.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -237,8 +238,18 @@ def _target_name(node: torch.fx.Node) -> str:
     return f"{module}.{name}" if module and not module.startswith("torch._C") else f"torch.{name}"
 
 
-def to_cost_graph(gm: torch.fx.GraphModule) -> CostGraph:
-    """The profiled graph as plain data (contract in /work/notes/contracts.md)."""
+def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph:
+    """The profiled graph as plain data (contract in /work/notes/contracts.md).
+
+    ``calibrate``: scale every node's forward (backward) time so that they
+    sum to the whole model's measured forward (backward). Nodes timed one by
+    one miss what only the whole run pays (the autograd engine walking the
+    graph, gradient accumulation, per-call dispatch between nodes): on the
+    bundled MLP the parts sum to 0.97x the whole forward and 0.84x the whole
+    backward, and uncalibrated stage times made predicted step times 30 %
+    short of measured ones. The factors go to ``info["calibration"]``; the
+    node meta on ``gm`` keeps the raw timings.
+    """
     meta.require(gm, meta.NodeCost, needed_by="to_cost_graph", made_by="passes.profile.profile")
     nodes: Dict[str, CostNode] = {}
     edges: List[tuple] = []
@@ -257,9 +268,22 @@ def to_cost_graph(gm: torch.fx.GraphModule) -> CostGraph:
     if meta.has(gm, meta.CaptureInfo):
         info["capture_method"] = meta.get(gm, meta.CaptureInfo).method
     sizes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters()}
+    if calibrate and info.get("whole_fwd_s"):
+        nodes, info["calibration"] = _calibrated(nodes, float(info["whole_fwd_s"]), float(info["whole_bwd_s"]))
     graph = CostGraph(nodes=nodes, edges=list(dict.fromkeys(edges)), info=info, param_sizes=sizes)
     graph.check()
     return graph
+
+
+def _calibrated(nodes: Dict[str, CostNode], whole_fwd_s: float,
+                whole_bwd_s: float) -> Tuple[Dict[str, CostNode], Dict[str, float]]:
+    """``nodes`` with times scaled to sum to the whole model's, and the two factors."""
+    sum_f = sum(n.fwd_s for n in nodes.values())
+    sum_b = sum(n.bwd_s for n in nodes.values())
+    kf = whole_fwd_s / sum_f if sum_f > 0 and whole_fwd_s > 0 else 1.0
+    kb = whole_bwd_s / sum_b if sum_b > 0 and whole_bwd_s > 0 else 1.0
+    out = {name: dataclasses.replace(n, fwd_s=n.fwd_s * kf, bwd_s=n.bwd_s * kb) for name, n in nodes.items()}
+    return out, {"fwd": kf, "bwd": kb}
 
 
 def _cost_node(node: torch.fx.Node) -> CostNode:

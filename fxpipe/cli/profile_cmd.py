@@ -48,9 +48,13 @@ def run(args) -> int:
     spec = load_model(args.model)
     gm = profile_model(spec, device=args.device, repeats=args.repeats, warmup=args.warmup,
                        method=args.method, threads=args.threads or None)
-    graph = to_cost_graph(gm)
+    graph = to_cost_graph(gm)  # what plans read: node times calibrated to the whole model's
     clock = "cuda events" if args.device == "cuda" else ("thread CPU time" if args.threads == 1 else "wall time")
-    print(render_table(graph, args.top, clock))
+    print(render_table(to_cost_graph(gm, calibrate=False), args.top, clock))  # the node timings as measured
+    cal = graph.info.get("calibration")
+    if cal:
+        print(f"plans scale node times by {cal['fwd']:.2f}x forward, {cal['bwd']:.2f}x backward "
+              f"so that they sum to the whole model" + (" (as saved)" if args.output else ""))
     if args.output:
         graph.save(args.output)
         print(f"wrote {args.output}", file=sys.stderr)

@@ -26,7 +26,13 @@ def test_profile_prints_table_and_writes_json(tmp_path, capsys):
     names = [n for n in graph.nodes if n in text]
     assert len(names) >= len(graph.nodes) - 2  # every node but input/output is a row
     # the totals row carries every parameter byte exactly once
-    assert f"{sum(graph.param_sizes.values()):,}" in text.splitlines()[-4]
+    total = next(line for line in text.splitlines() if line.startswith("total ("))
+    assert f"{sum(graph.param_sizes.values()):,}" in total
+    # the saved profile (what plans read) is calibrated: its node times sum to the whole model's
+    cal = graph.info["calibration"]
+    assert f"plans scale node times by {cal['fwd']:.2f}x forward" in text
+    assert sum(n.fwd_s for n in graph.nodes.values()) == pytest.approx(graph.info["whole_fwd_s"], rel=1e-9)
+    assert sum(n.bwd_s for n in graph.nodes.values()) == pytest.approx(graph.info["whole_bwd_s"], rel=1e-9)
 
 
 def test_profile_export_method_and_top(capsys):

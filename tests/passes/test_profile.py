@@ -69,6 +69,22 @@ def test_tied_embedding_owned_once_listed_by_both_users(method):
     assert all("tok.weight" in s for s in shared)
 
 
+def test_cost_graph_calibrated_to_the_whole_model_raw_on_request():
+    _, gm, inputs = _captured("TinyGPT", "fx")
+    profile(gm, inputs, repeats=1, warmup=0)
+    info = meta.get(gm, meta.ProfileInfo)
+    raw, cal = to_cost_graph(gm, calibrate=False), to_cost_graph(gm)
+    measured = {n.name: meta.get(n, meta.NodeCost) for n in gm.graph.nodes if meta.has(n, meta.NodeCost)}
+    assert all(raw.nodes[k].fwd_s == c.fwd_s and raw.nodes[k].bwd_s == c.bwd_s for k, c in measured.items())
+    assert "calibration" not in raw.info
+    assert sum(n.fwd_s for n in cal.nodes.values()) == pytest.approx(info.whole_fwd_s, rel=1e-9)
+    assert sum(n.bwd_s for n in cal.nodes.values()) == pytest.approx(info.whole_bwd_s, rel=1e-9)
+    kf, kb = cal.info["calibration"]["fwd"], cal.info["calibration"]["bwd"]
+    for name, node in raw.nodes.items():  # one factor per direction: relative costs unchanged
+        assert cal.nodes[name].fwd_s == pytest.approx(node.fwd_s * kf)
+        assert cal.nodes[name].bwd_s == pytest.approx(node.bwd_s * kb)
+
+
 def test_contract_shapes_of_the_cost_graph():
     _, gm, inputs = _captured("MultiIO", "export")
     profile(gm, inputs, repeats=1, warmup=0)

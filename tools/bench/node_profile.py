@@ -81,7 +81,7 @@ def measure(make: Factory, method: str, repeats: int) -> List:
     profile(gm, inputs, repeats=repeats)
     t2 = time.perf_counter()
     info = meta.get(gm, meta.ProfileInfo)
-    graph = to_cost_graph(gm)
+    graph = to_cost_graph(gm, calibrate=False)
     fwd = sum(n.fwd_s for n in graph.nodes.values()) / info.whole_fwd_s
     bwd = sum(n.bwd_s for n in graph.nodes.values()) / info.whole_bwd_s
     return [method, len(graph.nodes), f"{fwd:.2f}", f"{bwd:.2f}",
