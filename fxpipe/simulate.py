@@ -19,6 +19,7 @@ lists the executor runs. Model, chosen to match the runtime:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -278,11 +279,13 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int,
 
 def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                   tied_stages: Sequence[int] = (), links: Optional[Sequence[Tuple[int, int]]] = None,
-                  **sim_options) -> Tuple[SimResult, "object"]:
+                  step_s: Optional[Sequence[float]] = None, **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
-    profile; ``sim_options`` go to ``simulate`` (``overlap_comm``, ``latency_s``...).
+    profile; ``step_s``: per stage, the optimizer step's seconds (the plan has
+    none: the optimizer is a training option); ``sim_options`` go to
+    ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
 
@@ -293,6 +296,10 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
         M = max(M, 4 * layout.world_size)
     costs, found = costs_from_plan(plan, graph)
+    if step_s is not None:
+        if len(step_s) != len(costs):
+            raise ScheduleError(f"step_s has {len(step_s)} entries for a plan of {len(costs)} stages")
+        costs = [dataclasses.replace(c, step_s=float(t)) for c, t in zip(costs, step_s)]
     links = list(links) if links is not None else found
     if kind == "1f1b-stash":
         M = _round_up_for_stash(M, layout)

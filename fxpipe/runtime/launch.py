@@ -108,19 +108,24 @@ def _predict(split: Any, cfg: TrainConfig) -> Optional[float]:
     """Samples/s the simulator predicts for this run from the plan's profiled costs.
 
     Printed before training and again beside the measured rate at the end, so a
-    user sees at once how far the cost model is from this machine.
+    user sees at once how far the cost model is from this machine. On CPU the
+    optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``);
+    on GPUs it is left out (timing it would need the workers' devices).
     """
     if split.plan is None:
         return None
+    from fxpipe.runtime.stepcost import step_costs
     from fxpipe.simulate import simulate_split
 
+    steps = None if torch.cuda.is_available() else step_costs(split, cfg)
     try:
-        sim = simulate_split(split, cfg.schedule, cfg.microbatches)
+        sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None
+    with_step = "optimizer step included" if steps else "optimizer step not included"
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
-         f"simulated from the profile; bubble {sim.bubble_fraction:.0%})")
+         f"simulated from the profile, {with_step}; bubble {sim.bubble_fraction:.0%})")
     return sim.samples_per_s
 
 

@@ -155,6 +155,34 @@ def test_simulate_plan_uses_profile_links_and_batch_size():
     assert no_graph.kind == "gpipe" and no_graph.microbatches == 2
 
 
+def test_optimizer_step_times_lengthen_the_step_once_per_step_or_per_backward():
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
+    base, _ = simulate_plan(plan, kind="1f1b-flush", microbatches=4, graph=g)
+    flush, _ = simulate_plan(plan, kind="1f1b-flush", microbatches=4, graph=g, step_s=[0.5, 0.5, 0.5])
+    assert flush.step_s == pytest.approx(base.step_s + 0.5)  # one step at the end of the flush
+    stash0, _ = simulate_plan(plan, kind="1f1b-stash", microbatches=8, graph=g)
+    stash, _ = simulate_plan(plan, kind="1f1b-stash", microbatches=8, graph=g, step_s=[0.5, 0.5, 0.5])
+    assert stash.step_s > stash0.step_s + 4 * 0.5  # a step after every backward
+    with pytest.raises(ScheduleError, match="2 entries for a plan of 3 stages"):
+        simulate_plan(plan, graph=g, step_s=[0.1, 0.1])
+
+
+def test_stage_step_cost_is_timed_on_copies():
+    import torch
+
+    from fxpipe.runtime.loop import TrainConfig
+    from fxpipe.runtime.stepcost import stage_step_s
+
+    stage = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in stage.state_dict().items()}
+    for kind in ("1f1b-flush", "1f1b-stash"):
+        for opt in ("sgd", "adamw"):
+            assert stage_step_s(stage, TrainConfig(schedule=kind, optimizer=opt), repeats=2) > 0
+    assert all(torch.equal(before[k], v) for k, v in stage.state_dict().items())
+    assert all(p.grad is None for p in stage.parameters())
+
+
 @pytest.mark.parametrize("replicas", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 1, 2), (4, 2, 1)])
 def test_flush_keeps_replicated_pipelines_at_full_rate(replicas):
     # stage j is r_j times slower, so every stage serves one microbatch per 3 s

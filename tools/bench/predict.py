@@ -6,8 +6,10 @@ For each case it runs `fxpipe split` (profile + plan), `fxpipe train --split
 ... --trace` (measured samples/s, median after warm-up), and prints three
 rates:
 
-- *predicted*: the plan's profiled costs through ``fxpipe.simulate`` (what
-  `fxpipe show` draws);
+- *predicted*: what `fxpipe train` prints before training: the plan's
+  profiled costs (node times calibrated to the whole model) through
+  ``fxpipe.simulate``, plus each stage's optimizer step timed by
+  ``fxpipe.runtime.stepcost``;
 - *replay*: the same simulation with each stage's forward, backward and step
   times replaced by their medians in the measured trace (waits inside them
   removed) and each send blocking its rank for the median measured send
@@ -82,23 +84,27 @@ CASES = {  # name -> (factory, devices, schedule, microbatches)
 
 # ------------------------------------------------------------ running
 
-def _run(cmd: List[str], what: str) -> str:
+def _run(cmd: List[str], what: str) -> Tuple[str, str]:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-2000:]}")
-    return proc.stdout
+    return proc.stdout, proc.stderr
 
 
-def measure(model: str, devices: int, schedule: str, M: int, steps: int, folder: Path) -> float:
-    """Median samples/s that `fxpipe train` prints, after two warm-up steps."""
+def measure(model: str, devices: int, schedule: str, M: int, steps: int, folder: Path) -> Tuple[float, float]:
+    """(measured, predicted) samples/s that `fxpipe train` prints: median after two warm-up steps, and
+    its prediction (the simulator on the plan's costs plus each stage's optimizer step timed on CPU)."""
     common = ["--devices", str(devices), "--schedule", schedule, "--microbatches", str(M)]
     _run(FXPIPE + ["split", model, "-o", str(folder), "--time-limit", "10"] + common, "fxpipe split")
-    out = _run(FXPIPE + ["train", model, "--split", str(folder), "--steps", str(steps),
+    out, err = _run(FXPIPE + ["train", model, "--split", str(folder), "--steps", str(steps),
                          "--trace", str(folder / "trace.json")] + common, "fxpipe train")
     rates = [float(x) for x in re.findall(r"samples/s\s+([\d.]+)", out)]
     if not rates:
         raise SystemExit(f"no samples/s in fxpipe train's output:\n{out[-1000:]}")
-    return statistics.median(rates[2:] or rates)
+    predicted = re.search(r"predicted ([\d.]+) samples/s", err)
+    if predicted is None:
+        raise SystemExit(f"no prediction in fxpipe train's output:\n{err[-1000:]}")
+    return statistics.median(rates[2:] or rates), float(predicted.group(1))
 
 
 def busy(event: list, waits: List[list]) -> float:
@@ -123,21 +129,21 @@ def measured_costs(trace: Dict[int, List[list]], layout: Layout) -> Dict[int, Tu
     return out
 
 
-def rates(folder: Path, schedule: str, M: int) -> Tuple[float, float]:
-    """(predicted, replayed) samples/s for the case in ``folder``."""
+def replay_rate(folder: Path, schedule: str, M: int) -> float:
+    """Samples/s of the simulation replayed on the costs measured in the trace."""
     data = load_input(str(folder))
     sim, layout = simulate_input(data, schedule, M)
     pick = (lambda r: r.steady_samples_per_s) if schedule == "1f1b-stash" else (lambda r: r.samples_per_s)
     costs, links = costs_from_plan(data.plan, data.graph)
-    med = measured_costs(load_trace(str(folder / "trace.json")), layout)  # compute, waits excluded
+    trace = load_trace(str(folder / "trace.json"))
+    med = measured_costs(trace, layout)  # compute, waits excluded
     costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
     sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
-    trace = load_trace(str(folder / "trace.json"))
     sends = [e[1] - e[0] for evs in trace.values() for e in evs if e[2].startswith("SEND")]
     replay = simulate(sched, costs, layout, bandwidth=float(data.plan.options.get("bandwidth") or 1e30),
                       samples_per_microbatch=int(data.plan.batch_size or 1), overlap_comm=False,
                       latency_s=statistics.median(sends) if sends else 0.0)
-    return pick(sim), pick(replay)
+    return pick(replay)
 
 
 def main(argv=None) -> int:
@@ -151,8 +157,8 @@ def main(argv=None) -> int:
             model, devices, schedule, M = CASES[name]
             print(f"{name}: split + train ...", file=sys.stderr, flush=True)
             folder = Path(tmp) / name
-            measured = measure(model, devices, schedule, M, args.steps, folder)
-            predicted, replay = rates(folder, schedule, M)
+            measured, predicted = measure(model, devices, schedule, M, args.steps, folder)
+            replay = replay_rate(folder, schedule, M)
             rows.append([name, f"{predicted:.1f}", f"{replay:.1f}", f"{measured:.1f}",
                          f"{measured / predicted:.2f}", f"{measured / replay:.2f}"])
     print(tabulate(rows, headers=["case", "predicted samples/s", "replay samples/s", "measured samples/s",
