@@ -288,3 +288,10 @@ def test_bundled_example_page():
     data = check_page(render_html(d, sim, layout), g, plan)
     labels = {grp["label"].split(" ")[0] for grp in data["graph"]["groups"]}
     assert {"tok", "pos", "blocks.0", "blocks.3"} <= labels  # module subtrees of the example
+
+
+def test_times_round_before_choosing_the_unit():
+    from tools.show.html import fmt_s
+
+    assert fmt_s(0.0009996) == "1 ms" and fmt_s(0.0009994) == "999 µs" and fmt_s(0.99996) == "1 s"
+    assert fmt_s(0.0123) == "12.3 ms" and fmt_s(0) == "0" and fmt_s(None) == "–"

@@ -34,7 +34,7 @@ var PAL = D.palette;
 function col(s){ return s < 0 ? '#cccccc' : PAL[s % PAL.length]; }
 function esc(s){ return String(s).replace(/[&<>"]/g, function(c){
   return {'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]; }); }
-function fs(x){ x = +x; if (!x) return '0'; var a = Math.abs(x);
+function fs(x){ x = +(+x).toPrecision(3); if (!x) return '0'; var a = Math.abs(x);
   if (a >= 1) return x.toPrecision(3) + ' s'; if (a >= 1e-3) return (x*1e3).toPrecision(3) + ' ms';
   return (x*1e6).toPrecision(3) + ' µs'; }
 function fb(n){ n = +n; var u = ['B','KiB','MiB','GiB','TiB'], i = 0;

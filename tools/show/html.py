@@ -22,7 +22,7 @@ PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b
 def fmt_s(x: Optional[float]) -> str:
     if x is None:
         return "–"
-    x = float(x)
+    x = float(f"{float(x):.3g}")  # round first: 999.96 µs is "1 ms", not "1e+03 µs"
     if x == 0:
         return "0"
     if abs(x) >= 1:
