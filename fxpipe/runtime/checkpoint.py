@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fxpipe.layout import Layout
+from fxpipe.runtime.transport import peer_guard
 from passes.errors import FxpipeError
 
 
@@ -46,7 +47,8 @@ def save(folder: str, step: int, rank: int, layout: Layout, module: nn.Module,
         tmp = os.path.join(where, f".stage{stage}.pt.tmp")
         torch.save(state, tmp)
         os.replace(tmp, os.path.join(where, f"stage{stage}.pt"))
-    dist.barrier()
+    with peer_guard(f"checkpoint barrier at step {step}"):
+        dist.barrier()
     if rank == 0:
         record = dict(info, step=step, replicas=list(layout.replicas))
         tmp = os.path.join(folder, ".latest.json.tmp")
@@ -56,7 +58,8 @@ def save(folder: str, step: int, rank: int, layout: Layout, module: nn.Module,
         for name in os.listdir(folder):
             if name.startswith("step-") and name != os.path.basename(where):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    dist.barrier()
+    with peer_guard(f"checkpoint barrier at step {step}"):
+        dist.barrier()
 
 
 def latest(folder: str) -> Optional[Dict[str, Any]]:

@@ -31,6 +31,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from fxpipe.layout import Layout
+from fxpipe.runtime.transport import peer_guard
 
 
 @dataclass
@@ -89,6 +90,7 @@ class GradReducer:
         flat = _flatten_dense_tensors(grads)
         if self.scale != 1.0:
             flat.mul_(self.scale)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        with peer_guard("all-reduce of gradients"):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
             p.grad = g

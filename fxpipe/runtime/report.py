@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.actions import Kind
+from fxpipe.runtime.transport import peer_guard
 
 
 class Reporter:
@@ -58,7 +59,8 @@ class Reporter:
         self.losses[:] = [(g, l) for g, l in self.losses if g // self.M != s]
         total = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64)
         if self.loss_group is not None:
-            dist.all_reduce(total, group=self.loss_group)
+            with peer_guard("all-reduce of the step's loss"):
+                dist.all_reduce(total, group=self.loss_group)
         loss = (total[0] / total[1].clamp_min(1)).item()
         self.step_losses.append(loss)
         self.samples_per_s.append(sps)

@@ -28,9 +28,10 @@ them, so a receive posted early overlaps with compute.
 from __future__ import annotations
 
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,15 @@ _TAG_WINDOW = 4096  # microbatches in flight never come close to this
 
 class TransportError(FxpipeError):
     """A peer vanished, timed out, or sent a value that does not match the split."""
+
+
+@contextmanager
+def peer_guard(what: str) -> Iterator[None]:
+    """Turn a collective's failure (gloo: "Connection closed by peer", a timeout) into a ``TransportError``."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise TransportError(f"{what}: lost a peer (it failed, was killed, or timed out): {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,14 @@ class P2P:
     # ------------------------------------------------------------ sends
     def _isend(self, t: torch.Tensor, peer: int, tag: int) -> None:
         t = t.detach().to(self.device).contiguous()
-        self._sends.append((dist.isend(t, peer, tag=tag), t))
+        self._sends.append((self._post(dist.isend, t, peer, tag), t))
+
+    def _post(self, op: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int) -> Any:
+        """Post an ``isend``/``irecv``: gloo raises at once when the peer's connection is already gone."""
+        try:
+            return op(buf, peer, tag=tag)
+        except RuntimeError as exc:
+            raise self._lost("posting a message", peer, exc) from exc
 
     def send_forward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         objects = []
@@ -167,7 +184,10 @@ class P2P:
 
     def _prune(self) -> None:
         if len(self._sends) > 64:
-            self._sends = [(wk, t) for wk, t in self._sends if not wk.is_completed()]
+            try:
+                self._sends = [(wk, t) for wk, t in self._sends if not wk.is_completed()]
+            except RuntimeError as exc:  # a send that failed reports it here
+                raise self._lost("a send", -1, exc) from exc
 
     def wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -183,16 +203,16 @@ class P2P:
                 objects.append(w)
                 continue
             buf = self._empty(w)
-            work = dist.irecv(buf, peer, tag=self._tag(w, mb, _FWD))
+            work = self._post(dist.irecv, buf, peer, self._tag(w, mb, _FWD))
             pending.append(_Pending(work, buf, box.inbox, w.tag, peer, f"RECV_F{mb}"))
         for w in objects:
             box.inbox[w.tag] = self._recv_object(w, mb, peer)
 
     def _recv_object(self, w: Wire, mb: int, peer: int) -> Any:
         head = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(head, peer, tag=self._tag(w, mb, _HDR)), f"RECV_F{mb} '{w.tag}'", peer)
+        self._wait(self._post(dist.irecv, head, peer, self._tag(w, mb, _HDR)), f"RECV_F{mb} '{w.tag}'", peer)
         payload = torch.empty(int(head.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(payload, peer, tag=self._tag(w, mb, _PAY)), f"RECV_F{mb} '{w.tag}'", peer)
+        self._wait(self._post(dist.irecv, payload, peer, self._tag(w, mb, _PAY)), f"RECV_F{mb} '{w.tag}'", peer)
         return pickle.loads(payload.cpu().numpy().tobytes())
 
     def recv_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
@@ -201,7 +221,7 @@ class P2P:
             if w.index not in self._grads:
                 continue
             buf = self._empty(w)
-            work = dist.irecv(buf, peer, tag=self._tag(w, mb, _BWD))
+            work = self._post(dist.irecv, buf, peer, self._tag(w, mb, _BWD))
             pending.append(_Pending(work, buf, box.grad_in, w.tag, peer, f"RECV_B{mb}"))
 
     def complete(self, mb: int, direction: str) -> None:
@@ -219,11 +239,12 @@ class P2P:
             else:
                 work.wait(self.timeout)
         except RuntimeError as exc:
-            who = f"rank {peer}" if peer >= 0 else "a peer"
-            raise TransportError(
-                f"{what}: lost {who} (it failed, was killed, or took longer than the "
-                f"{self.timeout.total_seconds():.0f} s timeout): {exc}".strip()
-            ) from exc
+            raise self._lost(what, peer, exc) from exc
+
+    def _lost(self, what: str, peer: int, exc: Exception) -> TransportError:
+        who = f"rank {peer}" if peer >= 0 else "a peer"
+        return TransportError(f"{what}: lost {who} (it failed, was killed, or took longer than the "
+                              f"{self.timeout.total_seconds():.0f} s timeout): {exc}".strip())
 
 
 def _check(value: Any, w: Wire, mb: int, dtype: torch.dtype) -> None:

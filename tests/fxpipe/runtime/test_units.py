@@ -89,3 +89,28 @@ def test_duplicate_tags_are_rejected() -> None:
     v = ValueMeta(TensorMeta((2,), "torch.float32", True))
     with pytest.raises(TransportError, match="used by two edges"):
         wires_of([Edge("a", 0, 1, v), Edge("a", 0, 2, v)])
+
+
+def test_a_peer_gone_before_posting_is_a_transport_error_naming_it(monkeypatch) -> None:
+    """gloo raises from isend/irecv itself when the peer's connection already closed."""
+    import torch.distributed as dist
+
+    from fxpipe.runtime.transport import P2P, peer_guard
+    from passes.comm import MailboxTransport
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(dist, "isend", closed)
+    monkeypatch.setattr(dist, "irecv", closed)
+    v = ValueMeta(TensorMeta((2,), "torch.float32", True))
+    p2p = P2P(wires_of([Edge("a", 0, 1, v)]), torch.device("cpu"), timeout_s=1.0)
+    box = MailboxTransport()
+    box.outbox["a"] = torch.ones(2)
+    with pytest.raises(TransportError, match=r"lost rank 1 .*Connection closed by peer"):
+        p2p.send_forward(box, 0, 0, 1, peer=1)
+    with pytest.raises(TransportError, match=r"lost rank 0 "):
+        p2p.recv_forward(MailboxTransport(), 0, 1, 0, peer=0)
+    with pytest.raises(TransportError, match="all-reduce of gradients: lost a peer"):
+        with peer_guard("all-reduce of gradients"):
+            closed()
