@@ -37,7 +37,8 @@ def stage_step_s(stage: nn.Module, cfg: TrainConfig, repeats: int = 5, warmup: i
         start = time.perf_counter()
         opt.step()
         if stash:
-            [p.detach().clone() for p in copies]
+            for p in copies:
+                p.detach().clone()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
