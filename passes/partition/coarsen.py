@@ -6,13 +6,22 @@ boundaries from the search. Merges are chosen to remove the least useful ones:
 1. zero-cost nodes (no compute, no weights: views, adds, concats) join their
    only producer or only consumer: a cut next to them rarely matters, their
    output usually has the size of their input;
-2. chains ``u -> v`` (``u`` has one consumer, ``v`` one producer) with the
-   smallest combined compute first, up to a cap of 5% of the ideal stage
-   (sum of compute / K), raised step by step to 20% while the graph is still
-   over the target, so balance cannot suffer by more than that.
+2. module subtrees: the groups whose nodes all come from one module (by
+   ``module_path``, deepest modules first) merge into one group when the
+   result is convex (no path leaves the set and comes back) and its compute is
+   under the cap below; a model's own module boundaries are where its
+   activations are narrowest (a transformer block hands on the residual
+   stream, its attention internals are three times wider), so they are the
+   cuts worth keeping. PipeDream's profiles carry no module paths, so this
+   step only acts on fxpipe's own profiles;
+3. chains ``u -> v`` (``u`` has one consumer, ``v`` one producer) with the
+   smallest combined compute first.
 
-Both merges keep the group graph acyclic (the merged edge is the only path
-between the two). Bytes crossing a boundary are still counted per original
+Steps 2 and 3 each merge up to a cap of 5% of the ideal stage (sum of compute
+/ K), raised step by step to 20% while the graph is still over the target, so
+balance cannot suffer by more than that; step 2 runs through all its caps
+first, so chains do not join the ends of two modules before the modules merge. Every merge keeps the group graph
+acyclic. Bytes crossing a boundary are still counted per original
 producer (see ``Units.producers``), so a group's cut accounting stays exact;
 the only approximation is the restricted set of cut positions. Inputs and the
 output node are never merged.
@@ -97,10 +106,11 @@ def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300) -> Units:
     merger = _Merger(graph, names, opts)
     merger.merge_zero_cost(target)
     ideal = graph.total_compute_s() / opts.devices
-    cap = 0.05 * ideal
-    while len(merger.items) > target and cap <= 0.2 * ideal:
-        merger.merge_chains(target, cap)
-        cap *= 2
+    for merge in (merger.merge_modules, merger.merge_chains):  # whole modules before chains cross them
+        cap = 0.05 * ideal
+        while len(merger.items) > target and cap <= 0.2 * ideal:
+            merge(target, cap)
+            cap *= 2
     return build_units(graph, opts, merger.groups())
 
 
@@ -156,6 +166,49 @@ class _Merger:
                 self._merge(next(iter(self.pred[n])), n)
             elif len(self.succ[n]) == 1 and next(iter(self.succ[n])) not in self.fixed:
                 self._merge(next(iter(self.succ[n])), n)
+
+    def merge_modules(self, target: int, cap: float) -> None:
+        """Merge each module subtree's groups into one, deepest modules first (see the module docstring)."""
+        prefix = {h: self._module_of(h) for h in self.items}
+        for depth in range(max((len(p) for p in prefix.values()), default=0), 0, -1):
+            buckets: Dict[Tuple[str, ...], List[str]] = {}
+            for h, path in prefix.items():
+                if len(path) >= depth and h in self.items and h not in self.fixed:
+                    buckets.setdefault(path[:depth], []).append(h)
+            for module, heads in buckets.items():
+                if len(self.items) <= target:
+                    return
+                if len(heads) < 2 or sum(self.cost[h] for h in heads) > cap or not self._convex(set(heads)):
+                    continue
+                heads.sort(key=lambda h: min(self.order[n] for n in self.items[h]))
+                for h in heads[1:]:
+                    self._merge(heads[0], h)
+                    prefix.pop(h, None)
+                prefix[heads[0]] = module
+
+    def _module_of(self, head: str) -> Tuple[str, ...]:
+        """The deepest module holding every node of the group (() if none)."""
+        paths = [tuple(filter(None, self.graph.nodes[n].module_path.split("."))) for n in self.items[head]]
+        common = paths[0]
+        for p in paths[1:]:
+            k = 0
+            while k < min(len(common), len(p)) and common[k] == p[k]:
+                k += 1
+            common = common[:k]
+        return common
+
+    def _convex(self, heads: Set[str]) -> bool:
+        """No path from the set through a group outside it back into the set."""
+        stack = [x for h in heads for x in self.succ[h] if x not in heads]
+        seen = set(stack)
+        while stack:
+            for x in self.succ[stack.pop()]:
+                if x in heads:
+                    return False
+                if x not in seen:
+                    seen.add(x)
+                    stack.append(x)
+        return True
 
     def merge_chains(self, target: int, cap: float) -> None:
         heap = []
