@@ -18,6 +18,7 @@ import torch.fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from passes import meta
 from passes.errors import FxpipeError
 from passes.split import CommEdge, SplitResult
 
@@ -31,7 +32,8 @@ class SplitModel:
                  comm: List[CommEdge], param_names: List[Dict[str, str]], tied: Dict[str, List[int]],
                  *, plan: Any = None, aliases: Optional[Dict[str, str]] = None,
                  input_names: Sequence[str] = (), input_defaults: Optional[Dict[str, Any]] = None,
-                 in_spec: Any = None, out_spec: Any = None, profile: Any = None) -> None:
+                 in_spec: Any = None, out_spec: Any = None, profile: Any = None,
+                 state_keys: Optional[Sequence[str]] = None) -> None:
         self.plan = plan
         self.profile = profile  # the profiled CostGraph when fxpipe.split made it (not saved: profile.json)
         self.stages = stages
@@ -40,6 +42,7 @@ class SplitModel:
         self.param_names = param_names
         self.tied = tied
         self.aliases = dict(aliases or {})
+        self.state_keys = list(state_keys) if state_keys else None  # the original model's state_dict keys
         self.input_names = list(input_names)
         self.input_defaults = dict(input_defaults or {})
         self.in_spec = in_spec
@@ -50,9 +53,11 @@ class SplitModel:
         """Wrap ``passes.split.split_stages``'s result for the graph ``gm`` it split."""
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         defaults = {p.name: p.args[0] for p in holders if p.args}
+        captured = meta.get(gm, meta.CaptureInfo, None)
         return cls(result.stages, result.stage_inputs, result.comm, result.param_names, result.tied,
                    plan=plan, aliases=result.aliases, input_names=[p.name for p in holders],
-                   input_defaults=defaults, in_spec=result.in_spec, out_spec=result.out_spec)
+                   input_defaults=defaults, in_spec=result.in_spec, out_spec=result.out_spec,
+                   state_keys=captured.state_keys if captured is not None else None)
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +102,10 @@ class SplitModel:
 
         A tied tensor is taken from the first stage holding it (copies agree
         once the runtime has synchronised them); every alias name gets it too,
-        so ``model.load_state_dict`` accepts the result.
+        so ``model.load_state_dict`` accepts the result. When the capture
+        recorded the model's own keys, the result holds exactly those, in the
+        model's order: tensors the trace introduced (``_tensor_constant0``)
+        are left out, and a key of the model that no stage holds is an error.
         """
         out: Dict[str, Any] = {}
         for names, sd in zip(self.param_names, stage_state_dicts):
@@ -106,7 +114,14 @@ class SplitModel:
         for alias, canon in self.aliases.items():
             if canon in out:
                 out[alias] = out[canon]
-        return out
+        if self.state_keys is None:
+            return out
+        missing = [k for k in self.state_keys if k not in out]
+        if missing:
+            raise FxpipeError(f"the stages hold no tensor for {len(missing)} of the model's state_dict keys "
+                              f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); "
+                              "was the split made from a different model?")
+        return {k: out[k] for k in self.state_keys}
 
     def save(self, folder: Union[str, Path]) -> Path:
         """Write one Python file per stage, its weights, and ``split.json``."""

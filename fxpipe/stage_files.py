@@ -216,6 +216,7 @@ def save_split(split: "SplitModel", folder: Path) -> Path:
         "param_names": split.param_names,
         "tied": split.tied,
         "aliases": split.aliases,
+        "state_keys": split.state_keys,
         "in_spec": pytree.treespec_dumps(split.in_spec) if split.in_spec is not None else None,
         "out_spec": pytree.treespec_dumps(split.out_spec) if split.out_spec is not None else None,
         "plan": split.plan.to_json() if hasattr(split.plan, "to_json") else None,
@@ -317,4 +318,4 @@ def load_split(folder: Path) -> "SplitModel":
     return SplitModel(stages, [e["inputs"] for e in m["stages"]], edges, m["param_names"],
                       {k: list(v) for k, v in m["tied"].items()}, plan=plan, aliases=m["aliases"],
                       input_names=m["input_names"], input_defaults=m["input_defaults"],
-                      in_spec=specs[0], out_spec=specs[1])
+                      in_spec=specs[0], out_spec=specs[1], state_keys=m.get("state_keys"))

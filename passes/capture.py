@@ -108,7 +108,7 @@ def capture(
             gm = _trace_fx(model, leaves, concrete_args)
             if check:
                 check_capture(model, gm, inputs, method="fx")
-            return _finish(gm, "fx", None)
+            return _finish(gm, "fx", None, model)
         except Exception as exc:  # noqa: BLE001 - any tracing failure means: try export
             if method == "fx" or isinstance(exc, CaptureError):
                 raise _as_capture_error(exc, None) from exc
@@ -122,7 +122,7 @@ def capture(
     _rename_export_nodes(gm)
     if check:
         check_capture(model, gm, inputs, method="export")
-    return _finish(gm, "export", fx_error)
+    return _finish(gm, "export", fx_error, model)
 
 
 # ------------------------------------------------------------ fx
@@ -279,14 +279,15 @@ def _clean_path(path: str) -> str:
     return path.strip(".")
 
 
-def _finish(gm: torch.fx.GraphModule, method: str, fx_error: Optional[str]) -> torch.fx.GraphModule:
+def _finish(gm: torch.fx.GraphModule, method: str, fx_error: Optional[str],
+            model: torch.nn.Module) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
         path = module_path_of(node)
         if path is not None:
             meta.put(node, meta.ModuleInfo(path))
-    meta.put(gm, meta.CaptureInfo(method=method, fx_error=fx_error))
+    meta.put(gm, meta.CaptureInfo(method=method, fx_error=fx_error, state_keys=tuple(model.state_dict())))
     return gm
 
 

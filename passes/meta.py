@@ -140,6 +140,9 @@ class CaptureInfo:
     KEY: ClassVar[str] = "capture"
     method: str  # "fx" | "export"
     fx_error: Optional[str] = None
+    # the model's own state_dict keys: the graph may hold more tensors (constants the trace made,
+    # ``_tensor_constant0``), which a state_dict for the original model must leave out
+    state_keys: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

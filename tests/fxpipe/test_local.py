@@ -12,6 +12,7 @@ import torch
 
 from fxpipe.local import run_local
 from fxpipe.split_model import SplitModel
+from passes.errors import FxpipeError
 from tests.models import example
 from tests.splitting import check_equivalent, split_model_of, stage_grads
 
@@ -94,6 +95,41 @@ def test_original_state_dict_round_trips_to_the_model():
     assert set(sd) == set(model.state_dict())
     fresh, _ = example("TinyGPT")
     fresh.load_state_dict(sd)
+
+
+class _WithConstant(torch.nn.Module):
+    """A tensor made in forward: the trace keeps it as a buffer ``_tensor_constant0`` the model lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return self.b(self.a(x) * torch.tensor([1.0, 2.0, 3.0, 4.0]) * self.scale)
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_original_state_dict_leaves_out_tensors_the_trace_made(method, tmp_path):
+    from passes.capture import capture
+    from passes.split import split_stages
+    from tests.splitting import assign_even
+
+    model, x = _WithConstant(), torch.randn(3, 4)
+    gm = capture(model, (x,), method=method)
+    assign_even(gm, 2)
+    sm = SplitModel.from_result(split_stages(gm, (x,)), gm)
+    stage_keys = {k for st in sm.stages for k in st.state_dict()}
+    assert any("constant" in k for k in stage_keys) or method == "export"
+    sd = sm.original_state_dict([st.state_dict() for st in sm.stages])
+    assert list(sd) == list(model.state_dict())
+    model.load_state_dict(sd)  # strict: nothing unexpected, nothing missing
+    sm.save(tmp_path / "s")
+    loaded = SplitModel.load(tmp_path / "s")
+    assert list(loaded.original_state_dict([st.state_dict() for st in loaded.stages])) == list(model.state_dict())
+    loaded.state_keys.append("c.weight")
+    with pytest.raises(FxpipeError, match=r"no tensor for 1 of the model's state_dict keys \(c.weight\)"):
+        loaded.original_state_dict([st.state_dict() for st in loaded.stages])
 
 
 def _run_with_mailboxes(sm, inputs, loss_fn):
