@@ -11,7 +11,10 @@ So before training the parent times, per stage, the very optimizer the
 workers build (``make_optimizer``) on throwaway copies of the stage's
 parameters with gradients set, one thread as the workers run; with stashing,
 plus the copy of the weights that makes the next version. The model's own
-parameters and optimizer state are never touched.
+parameters and optimizer state are never touched. A stage over
+``SAMPLE_NUMEL`` elements is timed on one tensor of that size and the time
+scaled by its element count (a fused step is linear in bytes), so the copies
+and optimizer state never cost the parent more than a few hundred MiB.
 """
 from __future__ import annotations
 
@@ -24,10 +27,21 @@ import torch.nn as nn
 
 from fxpipe.runtime.loop import TrainConfig, make_optimizer
 
+SAMPLE_NUMEL = 16 * 2**20  # 64 MiB of fp32
+
 
 def stage_step_s(stage: nn.Module, cfg: TrainConfig, repeats: int = 5, warmup: int = 2) -> float:
     """Median seconds of one optimizer step (and, stashing, one weight copy) for ``stage``."""
-    copies = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in stage.parameters() if p.requires_grad])
+    params = [p for p in stage.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    if numel > SAMPLE_NUMEL:
+        sample = torch.zeros(SAMPLE_NUMEL, dtype=params[0].dtype, device=params[0].device)
+        return _time_step([sample], cfg, repeats, warmup) * numel / SAMPLE_NUMEL
+    return _time_step(params, cfg, repeats, warmup)
+
+
+def _time_step(params: List[torch.Tensor], cfg: TrainConfig, repeats: int, warmup: int) -> float:
+    copies = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in params])
     for p in copies:
         p.grad = torch.zeros_like(p)
     opt = make_optimizer(cfg, copies)

@@ -236,3 +236,18 @@ def test_simulate_split_uses_the_splits_links_and_tied_stages():
     assert any(e.action.kind is Kind.ALLREDUCE for e in res.events[2])
     with pytest.raises(ScheduleError, match="no plan"):
         simulate_split(SimpleNamespace(plan=None, links=[]))
+
+
+def test_a_big_stage_is_timed_on_a_sample_and_scaled(monkeypatch):
+    import torch
+
+    from fxpipe.runtime import stepcost
+    from fxpipe.runtime.loop import TrainConfig
+
+    stage = torch.nn.Linear(64, 64)  # 4160 elements
+    seen = []
+    monkeypatch.setattr(stepcost, "_time_step", lambda params, *a: seen.append(sum(p.numel() for p in params)) or 1.0)
+    monkeypatch.setattr(stepcost, "SAMPLE_NUMEL", 1040)
+    assert stepcost.stage_step_s(stage, TrainConfig()) == 4.0 and seen == [1040]
+    monkeypatch.setattr(stepcost, "SAMPLE_NUMEL", 10**6)
+    assert stepcost.stage_step_s(stage, TrainConfig()) == 1.0 and seen[-1] == 4160
