@@ -126,6 +126,10 @@ def _predict(split: Any, cfg: TrainConfig) -> Optional[float]:
     with_step = "optimizer step included" if steps else "optimizer step not included"
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
          f"simulated from the profile, {with_step}; bubble {sim.bubble_fraction:.0%})")
+    world, cores = sum(s.replicas for s in split.plan.stages), os.cpu_count() or 1
+    if steps is not None and world > cores:
+        _log(f"note: {world} ranks share {cores} CPU cores here; the prediction gives every rank its own "
+             "core, so expect a lower measured rate")
     return sim.samples_per_s
 
 
