@@ -101,10 +101,10 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
         json.dump(job, f, indent=1)
     if spec.batches is None:
         _log(f"{model} defines no batches(): every microbatch is the example minibatch, repeated")
-    return Prepared(run_dir, layout, split, spec, _predict(split, cfg))
+    return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size))
 
 
-def _predict(split: Any, cfg: TrainConfig) -> Optional[float]:
+def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
     """Samples/s the simulator predicts for this run from the plan's profiled costs.
 
     Printed before training and again beside the measured rate at the end, so a
@@ -126,7 +126,7 @@ def _predict(split: Any, cfg: TrainConfig) -> Optional[float]:
     with_step = "optimizer step included" if steps else "optimizer step not included"
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
          f"simulated from the profile, {with_step}; bubble {sim.bubble_fraction:.0%})")
-    world, cores = sum(s.replicas for s in split.plan.stages), os.cpu_count() or 1
+    cores = os.cpu_count() or 1
     if steps is not None and world > cores:
         _log(f"note: {world} ranks share {cores} CPU cores here; the prediction gives every rank its own "
              "core, so expect a lower measured rate")

@@ -20,11 +20,11 @@ boundaries from the search. Merges are chosen to remove the least useful ones:
 Steps 2 and 3 each merge up to a cap of 5% of the ideal stage (sum of compute
 / K), raised step by step to 20% while the graph is still over the target, so
 balance cannot suffer by more than that; step 2 runs through all its caps
-first, so chains do not join the ends of two modules before the modules merge. Every merge keeps the group graph
-acyclic. Bytes crossing a boundary are still counted per original
-producer (see ``Units.producers``), so a group's cut accounting stays exact;
-the only approximation is the restricted set of cut positions. Inputs and the
-output node are never merged.
+first, so chains do not join the ends of two modules before the modules
+merge. Every merge keeps the group graph acyclic. Bytes crossing a boundary
+are still counted per original producer (see ``Units.producers``), so a
+group's cut accounting stays exact; the only approximation is the restricted
+set of cut positions. Inputs and the output node are never merged.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ class _Merger:
         for depth in range(max((len(p) for p in prefix.values()), default=0), 0, -1):
             buckets: Dict[Tuple[str, ...], List[str]] = {}
             for h, path in prefix.items():
-                if len(path) >= depth and h in self.items and h not in self.fixed:
+                if len(path) >= depth and h not in self.fixed:  # merged heads left ``prefix``
                     buckets.setdefault(path[:depth], []).append(h)
             for module, heads in buckets.items():
                 if len(self.items) <= target:
