@@ -9,7 +9,7 @@ backward are timed the same way (same clock, median of ``repeats``) and kept
 in ``meta.ProfileInfo``, so a user can see how far the sum of the parts is
 from the whole.
 
-Parameters (see /work/notes/contracts.md): a ``call_module`` node uses its
+Parameters: a ``call_module`` node uses its
 module's parameters; any node uses the parameters that reach it through
 ``get_attr`` nodes (export graphs, and attributes used directly in
 ``forward``). A parameter is named by its first name in
@@ -239,7 +239,7 @@ def _target_name(node: torch.fx.Node) -> str:
 
 
 def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph:
-    """The profiled graph as plain data (contract in /work/notes/contracts.md).
+    """The profiled graph as plain data (the ``fxpipe-profile/1`` format, see ``CostGraph.save``).
 
     ``calibrate``: scale every node's forward (backward) time so that they
     sum to the whole model's measured forward (backward). Nodes timed one by

@@ -22,7 +22,7 @@ the r replicas on each side each have their own link.
   - values produced by ``is_input`` nodes cost nothing to move: every rank
     loads the model inputs itself.
 ``pipedream`` model, exactly as PipeDream's optimizer computes it (see
-shared/anchors/pipedream-results.md): stage time ``(C + 4(r-1)·P/(B·r)) / r``,
+examples/pipedream/README.md): stage time ``(C + 4(r-1)·P/(B·r)) / r``,
 cut time as above, input nodes in stage 0 and their activations counted.
 
 Memory per device of stage j (both models; PipeDream itself only checks

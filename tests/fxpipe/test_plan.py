@@ -9,7 +9,9 @@ from passes.partition import partition
 from fxpipe.cli import main
 from fxpipe.plan import Plan, plan_from_result
 
-VGG = Path("/work/shared/anchors/pipedream-profiles/vgg16.txt")
+from tests.profiles import PROFILES
+
+VGG = PROFILES / "vgg16.txt"
 
 
 @pytest.fixture(scope="module")

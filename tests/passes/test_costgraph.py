@@ -12,10 +12,7 @@ from passes.profile import profile, to_cost_graph
 from tests.models import example
 from tests.passes.test_profile import one_thread  # noqa: F401 - autouse fixture: stable timing under load
 
-PROFILES = Path("/work/shared/anchors/pipedream-profiles")
-if not PROFILES.exists():  # a clone carries no anchors: look next to the repository
-    PROFILES = Path(__file__).resolve().parents[3] / "shared" / "anchors" / "pipedream-profiles"
-needs_profiles = pytest.mark.skipif(not PROFILES.exists(), reason="PipeDream anchor profiles not present")
+from tests.profiles import PROFILES
 
 
 def _count_lines(path: Path):
@@ -56,7 +53,6 @@ def test_wrong_schema_is_named(tmp_path):
         CostGraph.load(path)
 
 
-@needs_profiles
 def test_vgg16_loads_with_the_counts_of_the_file():
     path = PROFILES / "vgg16.txt"
     nodes, edges = _count_lines(path)
@@ -71,8 +67,7 @@ def test_vgg16_loads_with_the_counts_of_the_file():
     assert graph.nodes["node11"].fwd_s == pytest.approx(fwd_ms / 1e3)
 
 
-@needs_profiles
-@pytest.mark.parametrize("path", sorted(PROFILES.glob("*.txt")) if PROFILES.exists() else [], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(PROFILES.glob("*.txt")), ids=lambda p: p.stem)
 def test_every_pipedream_profile_loads_and_round_trips(tmp_path, path):
     graph = CostGraph.load(path)
     assert (len(graph.nodes), len(graph.edges)) == _count_lines(path)

@@ -16,7 +16,7 @@ from tools.show.html import render_html
 from tools.show.text import render_text
 from tools.show.view import simulate_input
 
-PROFILES = Path("/work/shared/anchors/pipedream-profiles")
+from tests.profiles import PROFILES
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,6 +1,6 @@
 """Benchmark: fxpipe's partitioner against PipeDream's optimizer, on PipeDream's own profiles.
 
-Every row of shared/anchors/pipedream-results.md (parsed from that file) is
+Every row of examples/pipedream/README.md's table (PipeDream's published runs) is
 re-solved with ``--cost-model pipedream`` at the same K and 1.25e9 bytes/s;
 the table prints fxpipe's bottleneck ÷ PipeDream's (≤ 1.000 means fxpipe's
 plan is at least as good under PipeDream's own model) and both wall times
@@ -14,7 +14,6 @@ Wall times are CPU-bound: other processes on the machine inflate them.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from tabulate import tabulate
 from passes.costgraph import CostGraph
 from passes.partition import partition
 
-ANCHORS = Path(os.environ.get("FXPIPE_ANCHORS", "/work/shared/anchors"))
+PROFILES = Path(__file__).resolve().parents[2] / "examples" / "pipedream"
 BRANCHY = ("inception_v3", "densenet121", "nasnetamobile", "resnext101")
 
 
@@ -40,7 +39,7 @@ def pipedream_rows(path: Path) -> List[Tuple[str, int, str, float, float]]:
 
 
 def solve(name: str, k: int, time_limit: float):
-    graph = CostGraph.load(ANCHORS / "pipedream-profiles" / f"{name}.txt")
+    graph = CostGraph.load(PROFILES / f"{name}.txt")
     return partition(graph, k, bandwidth=1.25e9, cost_model="pipedream", time_limit=time_limit)
 
 
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(",")))
     table = []
-    for name, k, pd_split, pd_s, pd_wall in pipedream_rows(ANCHORS / "pipedream-results.md"):
+    for name, k, pd_split, pd_s, pd_wall in pipedream_rows(PROFILES / "README.md"):
         if only and name not in only:
             continue
         r = solve(name, k, args.time_limit)
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
             continue
         for k in (8, 16):
             r = solve(name, k, args.branchy_time_limit)
-            rows.append([name, k, len(CostGraph.load(ANCHORS / "pipedream-profiles" / f"{name}.txt").nodes), r.units,
+            rows.append([name, k, len(CostGraph.load(PROFILES / f"{name}.txt").nodes), r.units,
                          "-".join(map(str, r.replicas)), f"{r.bottleneck_s:.4f}", f"{r.bound_s:.4f}",
                          f"{100 * r.gap:.2f}%", f"{r.wall_s:.2f}", r.status, r.method])
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
