@@ -11,12 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from passes.costgraph import CostGraph
-from passes.errors import FxpipeError
-from passes.partition import partition, stderr_progress
+from typing import TYPE_CHECKING
 
-from fxpipe.plan import plan_from_result
+from passes.errors import FxpipeError
+
 from fxpipe.units import parse_bandwidth, parse_memory
+
+if TYPE_CHECKING:
+    from passes.costgraph import CostGraph
 
 
 def register(subparsers) -> None:
@@ -61,8 +63,13 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
                 solver=args.solver)
 
 
-def load_source(source: str) -> CostGraph:
-    """A CostGraph from a profile file, or by capturing and profiling a model."""
+def load_source(source: str) -> "CostGraph":
+    """A CostGraph from a profile file, or by capturing and profiling a model.
+
+    A profile file loads without torch: only a model source imports it.
+    """
+    from passes.costgraph import CostGraph
+
     path = Path(source)
     if path.suffix != ".py" and (path.exists() or ":" not in source):
         return CostGraph.load(path)
@@ -82,6 +89,9 @@ def load_source(source: str) -> CostGraph:
 
 
 def run(args: argparse.Namespace) -> int:
+    from passes.partition import partition, stderr_progress
+    from fxpipe.plan import plan_from_result
+
     graph = load_source(args.source)
     result = partition(graph, args.devices, progress=stderr_progress, **partition_kwargs(args))
     plan = plan_from_result(result, graph, batch_size=args.batch_size)

@@ -14,9 +14,10 @@ import argparse
 import sys
 from typing import List, Optional
 
-from tabulate import tabulate
+from typing import TYPE_CHECKING
 
-from passes.costgraph import CostGraph
+if TYPE_CHECKING:
+    from passes.costgraph import CostGraph
 
 
 def register(subparsers) -> None:
@@ -65,8 +66,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def render_table(graph: CostGraph, top: Optional[int] = None, clock: str = "") -> str:
+def render_table(graph: "CostGraph", top: Optional[int] = None, clock: str = "") -> str:
     """The per-node table, a totals row, and the whole-model comparison."""
+    from tabulate import tabulate
+
     nodes = [n for n in graph.nodes.values() if not n.is_input and n.op != "output"]
     shown = sorted(nodes, key=lambda n: -n.compute_s)[:top] if top else nodes
     rows: List[list] = [

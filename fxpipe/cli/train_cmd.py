@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxpipe.runtime.launch import train
-from fxpipe.runtime.loop import SCHEDULES, TrainConfig
+from fxpipe.schedule import KINDS as SCHEDULES
 from fxpipe.units import parse_bandwidth, parse_memory
 
 
@@ -50,6 +49,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fxpipe.runtime.launch import train  # torch: imported only when training
+    from fxpipe.runtime.loop import TrainConfig
+
     if args.resume and not args.checkpoint:
         raise SystemExit("fxpipe train: --resume needs --checkpoint DIR")
     lr = args.lr if args.lr is not None else (0.001 if args.optimizer == "adamw" else 0.01)
