@@ -11,7 +11,12 @@ Loading imports each file, loads its weights, and re-traces the module into a
 ``GraphModule`` (modules kept as leaves, the comm calls kept as calls), the way
 torch itself restores a pickled GraphModule. Tied parameters are re-tied: the
 loaded stages share one ``Parameter`` as the split ones did, so ``run_local``
-on a loaded model gives the same gradients.
+on a loaded model gives the same gradients. Inside one stage a tensor the model
+registers under several names (GPT's ``lm_head.weight`` is ``tok.weight``) is
+saved once, under its first name, and the generated ``__init__`` ties the
+other names to it (``_tie`` lines): modules built from their constructors
+would otherwise each get their own copy, and the gradient of all but one user
+would be lost at the first optimizer step.
 """
 from __future__ import annotations
 
@@ -100,6 +105,26 @@ def _init_lines(stage: torch.fx.GraphModule) -> Tuple[List[str], Dict[str, Any],
     return lines, pickled, constants
 
 
+def _ties(stage: nn.Module) -> List[Tuple[str, str]]:
+    """(alias, first name) of every tensor the stage holds under more than one name.
+
+    The first name is the one ``named_parameters()`` / ``named_buffers()`` keep,
+    the name the weights file stores the tensor under.
+    """
+    first: Dict[int, str] = {}
+    out = []
+    for name, t in _named_tensors(stage, remove_duplicate=False):
+        owner = first.setdefault(id(t), name)
+        if owner != name:
+            out.append((name, owner))
+    return out
+
+
+def _named_tensors(stage: nn.Module, remove_duplicate: bool) -> List[Tuple[str, torch.Tensor]]:
+    return (list(stage.named_parameters(remove_duplicate=remove_duplicate))
+            + list(stage.named_buffers(remove_duplicate=remove_duplicate)))
+
+
 def _owner(root: nn.Module, parts: List[str]) -> nn.Module:
     for p in parts:
         root = getattr(root, p)
@@ -116,6 +141,11 @@ def _owner(root, path):
 
 def _setpath(root, path, value):
     setattr(_owner(root, path), path.split(".")[-1], value)
+
+
+def _tie(root, alias, name):
+    """Make ``alias`` the very tensor ``name`` is (weights shared in the model stay one tensor)."""
+    _setpath(root, alias, getattr(_owner(root, name), name.split(".")[-1]))
 '''
 
 
@@ -131,6 +161,7 @@ def stage_source(split: "SplitModel", j: int, weights_name: str) -> Tuple[str, D
     stage = split.stages[j]
     code = stage.graph.python_code(root_module="self")
     lines, pickled, constants = _init_lines(stage)
+    lines += [f"_tie(self, {alias!r}, {name!r})  # one tensor, shared in the model" for alias, name in _ties(stage)]
     recvs = sorted({f"{e.tag}" for e in split.comm if e.dst_stage == j})
     sends = sorted({f"{e.tag}" for e in split.comm if e.src_stage == j})
     inputs = ", ".join(split.input_names[i] for i in split.stage_inputs[j]) or "none"
@@ -191,8 +222,8 @@ def _jsonable(x: Any) -> bool:
 
 
 def _state(stage: torch.fx.GraphModule) -> Dict[str, torch.Tensor]:
-    named = list(stage.named_parameters(remove_duplicate=False)) + list(stage.named_buffers(remove_duplicate=False))
-    return {name: t.detach() for name, t in named}
+    """Each tensor once, under its first name: the stage file's ``_tie`` lines give it the others."""
+    return {name: t.detach() for name, t in _named_tensors(stage, remove_duplicate=True)}
 
 
 def save_split(split: "SplitModel", folder: Path) -> Path:
@@ -282,17 +313,26 @@ def _annotate(stages: List[torch.fx.GraphModule], edges: List[CommEdge]) -> None
 
 
 def _retie(stages: List[torch.fx.GraphModule], names: List[Dict[str, str]], tied: Dict[str, List[int]]) -> None:
-    """Make every stage holding a tied parameter hold the same object again."""
-    for canon, holders in tied.items():
-        shared = None
-        for j in holders:
-            for local in [k for k, v in names[j].items() if v == canon]:
-                *parents, leaf = local.split(".")
-                owner = _owner(stages[j], parents)
-                if shared is None:
-                    shared = getattr(owner, leaf)
-                else:
-                    setattr(owner, leaf, shared)
+    """One object per original tensor again, as in the split that was saved.
+
+    Inside a stage every name of one original tensor gets the same object
+    (the stage file ties them already; folders written before it did load
+    right too); across stages, every holder of a tied parameter shares it.
+    """
+    where: Dict[str, List[Tuple[int, str]]] = {}
+    for j, local_names in enumerate(names):
+        for local, canon in local_names.items():
+            where.setdefault(canon, []).append((j, local))
+    for canon, places in where.items():
+        shared: Dict[int, Any] = {}
+        for j, local in places:
+            key = -1 if canon in tied else j  # -1: one object for all the stages holding it
+            *parents, leaf = local.split(".")
+            owner = _owner(stages[j], parents)
+            if key not in shared:
+                shared[key] = getattr(owner, leaf)
+            elif getattr(owner, leaf) is not shared[key]:
+                setattr(owner, leaf, shared[key])
 
 
 def load_split(folder: Path) -> "SplitModel":

@@ -235,7 +235,10 @@ def _param_names(gm: torch.fx.GraphModule, stages: List[torch.fx.GraphModule]
 
     A tensor known under several names in the original (``lm_head.weight`` is
     ``tok.weight``) maps to its first name in ``named_parameters()`` order, the
-    canonical one; ``aliases`` lists the others.
+    canonical one; ``aliases`` lists the others. A stage holding both users
+    lists both local names, mapped to the one canonical name: whatever rebuilds
+    the stage (stage files) must make them one tensor again, or one user's
+    gradient is lost.
     """
     canon: Dict[int, str] = {}
     aliases: Dict[str, str] = {}

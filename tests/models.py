@@ -9,6 +9,8 @@
   (the batch size) used downstream.
 - ``ControlFlow``: data-dependent ``if`` inside a submodule; symbolic tracing
   needs that submodule declared a leaf.
+- ``TiedLM``: one embedding table under three module names (two lookups and
+  the tied output head); ``Reused``: one module called three times.
 """
 from __future__ import annotations
 
@@ -156,3 +158,44 @@ def example(name: str) -> Tuple[nn.Module, Tuple[torch.Tensor, ...]]:
 
 
 ALL = ("MLP", "SkipCNN", "TinyGPT", "MultiIO", "ControlFlow")
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose embedding table has three users under three names.
+
+    ``tok`` looks the tokens up, ``prev`` (the same table) looks up the previous
+    token mid-network, and the output projection ``head`` is tied to it as in
+    GPT. The split can put any two of the users in one stage and the third in
+    another: a tie inside a stage and across stages at once.
+    """
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.prev = nn.Embedding(vocab, dim)
+        self.prev.weight = self.tok.weight
+        self.l1 = nn.Linear(dim, dim)
+        self.l2 = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(self.tok(idx)))
+        h = torch.tanh(self.l2(h + self.prev(idx.roll(1, dims=1))))
+        return self.head(h)
+
+
+class Reused(nn.Module):
+    """One ``Linear`` called three times (a module used more than once), around two others."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, dim)
+        self.shared = nn.Linear(dim, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.mid(torch.tanh(self.shared(h))))
+        return self.out(torch.tanh(self.shared(h)))

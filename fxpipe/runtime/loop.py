@@ -129,7 +129,8 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
     stash = WeightStash(module, stash=stashing)
     optimizer = make_optimizer(cfg, module)
     groups = make_groups(layout, split.tied, rank)
-    local_of = {orig: local for local, orig in split.param_names[stage].items()}
+    # the name the stage's parameters() keep: a tensor the stage holds under two names is one parameter
+    local_of = {orig: local for local, orig in split.param_names[stage].items() if local in stash.master}
     reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if stashing else 1.0)
     tracer = Tracer(rank, enabled=bool(cfg.trace))
     p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)

@@ -16,7 +16,7 @@ import copy
 import os
 import signal
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -57,11 +57,15 @@ def train_case(rank: int, name: str, replicas: Sequence[int], cfg: Dict[str, Any
 
 def merged_state(name: str, results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
     """The original model's parameters from every rank's stage; tied copies and replicas must agree."""
-    _, split = fakes.MODELS[name]()
+    return merge_states(fakes.MODELS[name]()[1].param_names, results)
+
+
+def merge_states(param_names: List[Dict[str, str]], results: List[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """Every rank's ``{"stage", "state"}`` under the original names; tied copies and replicas must agree."""
     out: Dict[str, torch.Tensor] = {}
     for res in results:
         for local, value in res["state"].items():
-            orig = split.param_names[res["stage"]][local]
+            orig = param_names[res["stage"]][local]
             if orig in out:
                 assert torch.allclose(out[orig], value, rtol=1e-12, atol=1e-12), f"copies of {orig} differ"
             out[orig] = value
@@ -74,13 +78,18 @@ def optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
 
 def accumulate(name: str, steps: int, M: int, opt: str, lr: float) -> Dict[str, torch.Tensor]:
     model, _ = fakes.MODELS[name]()
-    data = fakes.Data(*fakes.DIMS[name])
+    return accumulate_model(model, fakes.Data(*fakes.DIMS[name]), fakes.mse, steps, M, opt, lr)
+
+
+def accumulate_model(model: nn.Module, data: Any, loss_fn: Any, steps: int, M: int, opt: str,
+                     lr: float) -> Dict[str, torch.Tensor]:
+    """``model`` trained in place: per step, the gradient of the mean loss over ``M`` microbatches."""
     o = optimizer(opt, model.parameters(), lr)
     for s in range(steps):
         o.zero_grad()
         for m in range(M):
             (x,), y = data(s * M + m)
-            (fakes.mse(model(x), y) / M).backward()
+            (loss_fn(model(x), y) / M).backward()
         o.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -113,14 +122,61 @@ def pipedream(cuts: Sequence[int], replicas: Sequence[int], orders: Dict[Tuple[i
     S = len(bounds) - 1
     chunks = [_Chunk([copy.deepcopy(model.layers[i]) for i in range(a, b)], j == S - 1)
               for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-    W = {jk: {n: p.detach().clone() for n, p in chunks[jk[0]].named_parameters()} for jk in orders}
     outs: Dict[Tuple[int, int], torch.Tensor] = {}
     saved: Dict[Tuple[int, int], Any] = {}
     grad_to: Dict[Tuple[int, int], torch.Tensor] = {}
+
+    def forward(j: int, m: int, Wv: Dict[str, torch.Tensor]) -> bool:
+        if j > 0 and (j - 1, m) not in outs:
+            return False
+        inp = data(m)[0][0] if j == 0 else outs[(j - 1, m)].detach().requires_grad_()
+        out = functional_call(chunks[j], Wv, (inp,))
+        saved[(j, m)] = (Wv, inp, out)
+        outs[(j, m)] = out
+        return True
+
+    def backward(j: int, m: int) -> Optional[Dict[str, torch.Tensor]]:
+        if j < S - 1 and (j, m) not in grad_to:
+            return None
+        Wv, inp, out = saved.pop((j, m))
+        root, g = (fakes.mse(out, data(m)[1]), None) if j == S - 1 else (out, grad_to.pop((j, m)))
+        grads = torch.autograd.grad(root, list(Wv.values()) + ([inp] if j > 0 else []), g)
+        if j > 0:
+            grad_to[(j - 1, m)] = grads[-1]
+        return dict(zip(Wv, grads))
+
+    start = [{n: p.detach().clone() for n, p in c.named_parameters()} for c in chunks]
+    final = pipedream_walk(orders, replicas, start, forward, backward, lr, [{} for _ in chunks])
+    out: Dict[str, torch.Tensor] = {}
+    for j, a in enumerate(bounds[:-1]):
+        for name, t in final[j].items():
+            _, i, p = name.split(".")
+            out[f"layers.{a + int(i)}.{p}"] = t
+    return out
+
+
+def pipedream_walk(orders: Dict[Tuple[int, int], list], replicas: Sequence[int],
+                   start: List[Dict[str, torch.Tensor]], forward: Callable[..., bool],
+                   backward: Callable[[int, int], Optional[Dict[str, torch.Tensor]]], lr: float,
+                   shared: List[Dict[str, str]]) -> List[Dict[str, torch.Tensor]]:
+    """PipeDream's weight stashing with SGD; returns replica 0's final weights per stage.
+
+    ``orders``: each (stage, replica)'s forwards and backwards in order.
+    ``forward(j, m, weights)`` runs stage ``j`` on microbatch ``m`` with that
+    weight version (False: its inputs have not arrived yet);
+    ``backward(j, m)`` returns the gradients of the version it ran on (None:
+    not ready). The ``n``-th backward of a stage updates its weights with the
+    average of its replicas' ``n``-th gradients. ``shared[j]`` (local name ->
+    key) marks parameters several stages hold (tied): those stages update
+    together, each copy by the sum over the stages of their replica averages.
+    """
+    tied = tuple(j for j in range(len(start)) if shared[j])
+    group_of = {j: tied if j in tied and len(tied) > 1 else (j,) for j in range(len(start))}
+    W = {jk: dict(start[jk[0]]) for jk in orders}
     pos = {jk: 0 for jk in orders}
     nb = {jk: 0 for jk in orders}
-    updates = [0] * S
-    pending: Dict[Tuple[int, int], Dict[int, Dict[str, torch.Tensor]]] = {}
+    updates = [0] * len(start)
+    pending: Dict[Tuple[Tuple[int, ...], int], Dict[Tuple[int, int], Dict[str, torch.Tensor]]] = {}
     blocked: Dict[Tuple[int, int], int] = {}
     while any(pos[jk] < len(orders[jk]) for jk in orders):
         progressed = False
@@ -133,41 +189,107 @@ def pipedream(cuts: Sequence[int], replicas: Sequence[int], orders: Dict[Tuple[i
                 continue
             kind, m = orders[jk][pos[jk]]
             if kind == "F":
-                if j > 0 and (j - 1, m) not in outs:
+                if not forward(j, m, {n: t.clone().requires_grad_() for n, t in W[jk].items()}):
                     continue
-                Wv = {n: t.clone().requires_grad_() for n, t in W[jk].items()}
-                inp = data(m)[0][0] if j == 0 else outs[(j - 1, m)].detach().requires_grad_()
-                out = functional_call(chunks[j], Wv, (inp,))
-                saved[(j, m)] = (Wv, inp, out)
-                outs[(j, m)] = out
             else:
-                if j < S - 1 and (j, m) not in grad_to:
+                grads = backward(j, m)
+                if grads is None:
                     continue
-                Wv, inp, out = saved.pop((j, m))
-                root, g = (fakes.mse(out, data(m)[1]), None) if j == S - 1 else (out, grad_to.pop((j, m)))
-                wrt = list(Wv.values()) + ([inp] if j > 0 else [])
-                grads = torch.autograd.grad(root, wrt, g)
-                if j > 0:
-                    grad_to[(j - 1, m)] = grads[-1]
-                n = nb[jk]
+                key = (group_of[j], nb[jk])
                 nb[jk] += 1
-                pending.setdefault((j, n), {})[k] = dict(zip(Wv, grads))
-                if len(pending[(j, n)]) == replicas[j]:
-                    got = pending.pop((j, n))
-                    for name in W[jk]:
-                        avg = sum(got[kk][name] for kk in got) / replicas[j]
-                        for kk in range(replicas[j]):
-                            W[(j, kk)][name] = W[(j, kk)][name] - lr * avg
-                    updates[j] += 1
+                pending.setdefault(key, {})[jk] = grads
+                if len(pending[key]) == sum(replicas[s] for s in key[0]):
+                    _update(W, pending.pop(key), key[0], replicas, shared, lr)
+                    for s in key[0]:
+                        updates[s] += 1
                 else:
-                    blocked[jk] = n
+                    blocked[jk] = key[1]
             pos[jk] += 1
             progressed = True
         if not progressed:
             raise RuntimeError(f"reference deadlocked at {pos}")
-    out: Dict[str, torch.Tensor] = {}
-    for j, (a, _) in enumerate(zip(bounds[:-1], bounds[1:])):
-        for name, t in W[(j, 0)].items():
-            _, i, p = name.split(".")
-            out[f"layers.{a + int(i)}.{p}"] = t
-    return out
+    return [W[(j, 0)] for j in range(len(start))]
+
+
+def _update(W: Dict[Tuple[int, int], Dict[str, torch.Tensor]], got: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
+            group: Tuple[int, ...], replicas: Sequence[int], shared: List[Dict[str, str]], lr: float) -> None:
+    """One SGD update of every replica of the stages in ``group`` from their gradients ``got``."""
+    mean = {s: {n: sum(got[(s, k)][n] for k in range(replicas[s])) / replicas[s] for n in W[(s, 0)]}
+            for s in group}
+    for s in group:
+        for name in list(W[(s, 0)]):
+            key = shared[s].get(name)
+            delta = mean[s][name] if key is None else sum(
+                mean[t][n] for t in group for n, kt in shared[t].items() if kt == key)
+            for k in range(replicas[s]):
+                W[(s, k)][name] = W[(s, k)][name] - lr * delta
+
+
+class _Messages:
+    """``passes.comm`` transport of the split reference: values and gradients by (tag, microbatch)."""
+
+    def __init__(self) -> None:
+        self.values: Dict[Tuple[str, int], Any] = {}
+        self.grads: Dict[Tuple[str, int], torch.Tensor] = {}
+        self.m = -1
+        self.got: List[Tuple[str, torch.Tensor]] = []
+        self.sent: List[Tuple[str, Any]] = []
+
+    def send(self, tag: str, value: Any, dst: int) -> None:
+        self.values[(tag, self.m)] = value
+        self.sent.append((tag, value))
+
+    def recv(self, tag: str, src: int, shape: Any, dtype: Any, requires_grad: bool) -> Any:
+        value = self.values[(tag, self.m)]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().requires_grad_(requires_grad)
+            self.got.append((tag, value))
+        return value
+
+
+def pipedream_split(split: Any, replicas: Sequence[int], orders: Dict[Tuple[int, int], list], lr: float,
+                    data: Callable[[int], Any], loss_fn: Callable[..., torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``pipedream_walk`` on a split's stage modules (in memory, as ``split_stages`` made them).
+
+    Each stage runs through ``functional_call`` on its weight version, its
+    received values stand in for the sender's (detached), and its backward
+    takes the gradients its receivers computed. Returns the final weights
+    under the original names.
+    """
+    from passes import comm
+
+    box = _Messages()
+    saved: Dict[Tuple[int, int], Any] = {}
+    needs = [[e.tag for e in split.comm if e.dst_stage == j] for j in range(split.num_stages)]
+    last = split.num_stages - 1
+
+    def forward(j: int, m: int, Wv: Dict[str, torch.Tensor]) -> bool:
+        if any((tag, m) not in box.values for tag in needs[j]):
+            return False
+        box.m, box.got, box.sent = m, [], []
+        inputs = split.flatten_inputs(data(m)[0])
+        with comm.bind(box):
+            out, _ = functional_call(split.stages[j], Wv, tuple(inputs[i] for i in split.stage_inputs[j]))
+        saved[(j, m)] = (Wv, box.got, [(t, v) for t, v in box.sent if isinstance(v, torch.Tensor)
+                                       and v.requires_grad], out)
+        return True
+
+    def backward(j: int, m: int) -> Optional[Dict[str, torch.Tensor]]:
+        Wv, got, sent, out = saved[(j, m)]
+        if any((tag, m) not in box.grads for tag, _ in sent):
+            return None
+        del saved[(j, m)]
+        roots = [v for _, v in sent] + ([loss_fn(out, data(m)[1])] if j == last else [])
+        outer = [box.grads.pop((tag, m)) for tag, _ in sent] + ([None] if j == last else [])
+        wrt = list(Wv.values()) + [x for _, x in got if x.requires_grad]
+        grads = torch.autograd.grad(roots, wrt, outer, allow_unused=True)
+        grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, grads)]
+        for (tag, _), g in zip([(t, x) for t, x in got if x.requires_grad], grads[len(Wv):]):
+            box.grads[(tag, m)] = g
+        return dict(zip(Wv, grads[:len(Wv)]))
+
+    start = [{n: p.detach().clone() for n, p in st.named_parameters()} for st in split.stages]
+    shared = [{n: split.param_names[j][n] for n in start[j] if split.param_names[j][n] in split.tied}
+              for j in range(split.num_stages)]
+    final = pipedream_walk(orders, replicas, start, forward, backward, lr, shared)
+    return {split.param_names[j][n]: t for j in range(split.num_stages) for n, t in final[j].items()}
