@@ -16,7 +16,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
 from passes.partition.downsets import downset_dp
-from passes.partition.costmodel import CostOptions, StageCost, evaluate
+from passes.partition.costmodel import CostOptions, StageCost, evaluate, optimistic
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
 
@@ -73,28 +73,46 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     start = time.monotonic()
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
+    flat = optimistic(opts)  # opts itself unless --gpus-per-node: see costmodel.optimistic
     exact = None
     if solver == "auto":
-        quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
-        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"))
+        quick = best_order_dp(fine, flat) if len(fine) <= coarsen_above else None
+        upper = quick[2] if quick else float("inf")
+        if quick and flat is not opts:
+            upper = evaluate(graph, _to_nodes(graph, fine, quick[0]), quick[1], opts).bottleneck_s
+        exact = downset_dp(fine, opts, downset_limit, upper=upper)
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
         return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
-    units = coarsen(graph, opts, target=coarsen_above)
-    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts)
-    model = PartitionModel(units, opts)
+    units = coarsen(graph, flat, target=coarsen_above)
+    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, flat)
+    model = PartitionModel(units, flat)
     heuristic_s = None
     if warm is not None:
         heuristic_s = evaluate(graph, _to_nodes(graph, units, warm[0]), warm[1], opts).bottleneck_s
         model.hint(warm[0], warm[1])
-        if opts.memory is None and not units.shared:
+        if opts.memory is None and not units.shared and flat is opts:
             model.upper_bound(warm[2])
     remaining = max(0.1, time_limit - (time.monotonic() - start))
     solved = model.solve(remaining, workers=workers, report=progress)
     if solved.stage_of is None:
         _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
+    elif warm is not None and flat is not opts and opts.memory is None:
+        solved = _better_placed(graph, units, opts, solved, warm, heuristic_s)
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
+
+
+def _better_placed(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, warm,
+                   warm_s: float) -> SolveResult:
+    """CP-SAT optimised the optimistic flat model; keep the warm start if it scores better placed.
+
+    The bound stays CP-SAT's (a lower bound of the flat model, hence of the two-level one).
+    """
+    found = evaluate(graph, _to_nodes(graph, units, solved.stage_of), solved.replicas, opts).bottleneck_s
+    stage_of, replicas, value = (warm[0], warm[1], warm_s) if warm_s < found else (solved.stage_of, solved.replicas, found)
+    status = solved.status if value <= solved.bound * (1 + 1e-3) else "FEASIBLE"  # optimal for the flat model only
+    return SolveResult(status, stage_of, replicas, value, solved.bound, solved.wall_s, solved.progress)
 
 
 def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,
