@@ -161,13 +161,22 @@ def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> f
 
 def group_bandwidth(first: int, r: int, opts: CostOptions) -> float:
     """Bandwidth of a ring over ranks ``[first, first + r)``: its slowest link (B1 inside one node, else B2)."""
+    return _ring_bandwidth(topology.span(first, r), opts)
+
+
+def _ring_bandwidth(ranks: Sequence[int], opts: CostOptions) -> float:
     if opts.gpus_per_node is None:
         return opts.ar_bandwidth
-    return opts.intra_bw if len(topology.node_counts(first, r, opts.gpus_per_node)) == 1 else opts.bandwidth
+    return opts.intra_bw if len(topology.node_counts(ranks, opts.gpus_per_node)) == 1 else opts.bandwidth
 
 
 def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> float:
-    """``allreduce_s`` for a stage whose replicas are ranks ``[first, first + r)``.
+    """``allreduce_s`` for a stage whose replicas are ranks ``[first, first + r)``."""
+    return allreduce_on(param_bytes, topology.span(first, r), opts)
+
+
+def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) -> float:
+    """``allreduce_s`` for a stage whose replicas sit on ``ranks``.
 
     fxpipe model: one ring at ``group_bandwidth``. PipeDream model, as its
     hierarchical optimizer charges a stage spread over whole nodes: a ring
@@ -176,13 +185,14 @@ def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> f
     (``4(n-1)P/(B2·n)``), or one flat ring at B2 when that is cheaper; the sum
     is divided by r like PipeDream's flat charge.
     """
+    r = len(ranks)
     if opts.gpus_per_node is None:
         return allreduce_s(param_bytes, r, opts)
     if r <= 1:
         return 0.0
     if opts.cost_model != "pipedream":
-        return 2.0 * (r - 1) / r * param_bytes / group_bandwidth(first, r, opts)
-    counts = topology.node_counts(first, r, opts.gpus_per_node)
+        return 2.0 * (r - 1) / r * param_bytes / _ring_bandwidth(ranks, opts)
+    counts = topology.node_counts(ranks, opts.gpus_per_node)
     n, c = len(counts), max(counts)
     if n == 1:
         return 4.0 * (r - 1) * param_bytes / (opts.intra_bw * r) / r
@@ -197,9 +207,15 @@ def allreduce_coeff_at(first: int, r: int, opts: CostOptions) -> float:
 
 def cut_at(cut_bytes: float, first_before: int, r_before: int, r_after: int, opts: CostOptions) -> float:
     """``cut_s`` with every replica pair charged the link it crosses (``topology.pair_load``)."""
+    return cut_on(cut_bytes, topology.span(first_before, r_before),
+                  topology.span(first_before + r_before, r_after), opts)
+
+
+def cut_on(cut_bytes: float, before: Sequence[int], after: Sequence[int], opts: CostOptions) -> float:
+    """``cut_at`` for stages on the given ranks (replica a of a stage on its a-th rank)."""
     if opts.gpus_per_node is None:
-        return cut_s(cut_bytes, r_before, r_after, opts)
-    load = topology.pair_load(first_before, r_before, r_after, opts.gpus_per_node, opts.intra_bw, opts.bandwidth)
+        return cut_s(cut_bytes, len(before), len(after), opts)
+    load = topology.pair_load(before, after, opts.gpus_per_node, opts.intra_bw, opts.bandwidth)
     return 2.0 * cut_bytes * load
 
 
@@ -303,8 +319,14 @@ def cut_bytes_of(graph: CostGraph, assignment: Mapping[str, int], num_stages: in
     return cuts
 
 
-def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions) -> Evaluation:
-    """Score an assignment (every node -> stage) with per-stage ``replicas``."""
+def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions,
+             ranks: Optional[Sequence[Sequence[int]]] = None) -> Evaluation:
+    """Score an assignment (every node -> stage) with per-stage ``replicas``.
+
+    ``ranks``: where each stage's replicas sit (replica a on ``ranks[j][a]``);
+    default the contiguous placement of ``topology.py``. Only a two-level
+    machine (``opts.gpus_per_node``) makes placement matter.
+    """
     num_stages = len(replicas)
     members: List[List[str]] = [[] for _ in range(num_stages)]
     for name in graph.nodes:
@@ -315,7 +337,7 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         if v > assignment[u] and counts_comm(graph.nodes[u], opts):
             send[assignment[u]] += graph.nodes[u].out_bytes
     stages = []
-    first = topology.offsets(replicas)
+    placed = [list(x) for x in ranks] if ranks is not None else topology.stage_ranks(replicas)
     for j, names in enumerate(members):
         r = replicas[j]
         fwd = sum(graph.nodes[n].fwd_s for n in names)
@@ -324,10 +346,10 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         acts = sum(graph.nodes[n].out_bytes for n in names if not graph.nodes[n].is_input)
         comm = 0.0
         if j > 0:
-            comm = max(comm, cut_at(cuts[j - 1], first[j - 1], replicas[j - 1], r, opts))
+            comm = max(comm, cut_on(cuts[j - 1], placed[j - 1], placed[j], opts))
         if j < num_stages - 1:
-            comm = max(comm, cut_at(cuts[j], first[j], r, replicas[j + 1], opts))
-        ar = allreduce_at(params, first[j], r, opts)
+            comm = max(comm, cut_on(cuts[j], placed[j], placed[j + 1], opts))
+        ar = allreduce_on(params, placed[j], opts)
         stages.append(StageCost(
             nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
             allreduce_s=ar, comm_s=comm, time_s=max((fwd + bwd) / r + ar, comm),

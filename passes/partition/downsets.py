@@ -19,8 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff, allreduce_coeff_at
-from passes.partition.topology import pair_load
+from passes.partition.costmodel import CostOptions, allreduce_coeff, allreduce_coeff_at, cut_at
 from passes.partition.heuristic import Solution
 
 
@@ -193,7 +192,7 @@ def _placement_tables(opts: CostOptions, R: List[int]):
             coeff[first, ri] = allreduce_coeff_at(first, r, opts)
         for pi, rp in enumerate(R):
             for first in range(K - r - rp + 1):
-                load[first, pi, ri] = pair_load(first, rp, r, opts.gpus_per_node, opts.intra_bw, opts.bandwidth)
+                load[first, pi, ri] = cut_at(0.5, first, rp, r, opts)  # seconds per byte, as the cut array counts both ways
     return coeff, load
 
 

@@ -165,10 +165,10 @@ def _flatten(graph: CostGraph, units, st: _States, stages, machines: Sequence[in
     ranks, offset = [], [0] * len(machines)
     for _, _, counts in stages:
         blocks = [0]
-        for level in range(len(machines) - 1, -1, -1):
+        for level in range(len(machines) - 1, -1, -1):  # replica order: the outermost level varies fastest
             c = counts[len(machines) - 1 - level]
-            blocks = [base + (offset[level] + i) * sizes[level] for base in blocks for i in range(c)]
-        ranks.append(sorted(blocks))
+            blocks = [base + (offset[level] + i) * sizes[level] for i in range(c) for base in blocks]
+        ranks.append(blocks)
         _advance(offset, counts, machines)
     stage_of = {}
     for s, (start, end, _) in enumerate(stages):

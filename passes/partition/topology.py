@@ -49,30 +49,36 @@ def node_of(rank: int, gpus_per_node: Optional[int]) -> int:
     return 0 if not gpus_per_node else rank // gpus_per_node
 
 
-def node_counts(first: int, r: int, gpus_per_node: Optional[int]) -> List[int]:
-    """How many of the ranks ``[first, first + r)`` each node they touch holds, in node order."""
+def node_counts(ranks: Sequence[int], gpus_per_node: Optional[int]) -> List[int]:
+    """How many of ``ranks`` each node they touch holds, in node order."""
     counts: Dict[int, int] = {}
-    for rank in range(first, first + r):
+    for rank in ranks:
         node = node_of(rank, gpus_per_node)
         counts[node] = counts.get(node, 0) + 1
     return [counts[n] for n in sorted(counts)]
 
 
-def pair_load(first_before: int, r_before: int, r_after: int, gpus_per_node: Optional[int],
+def span(first: int, r: int) -> range:
+    """The ranks of a stage of ``r`` replicas starting at ``first`` (contiguous placement)."""
+    return range(first, first + r)
+
+
+def pair_load(before: Sequence[int], after: Sequence[int], gpus_per_node: Optional[int],
               intra: float, inter: float) -> float:
     """Seconds per byte per microbatch on the most loaded rank of a cut (see the module docstring).
 
-    The stage after the cut starts at ``first_before + r_before``. Over one
-    period ``L = lcm(r_before, r_after)`` round robin pairs replica a with
+    ``before[a]`` is the rank of replica a of the stage before the cut. Over
+    one period ``L = lcm(r_before, r_after)`` round robin pairs replica a with
     replica b exactly once when ``a = b (mod gcd)`` and never otherwise (the
     Chinese remainder theorem), so each pair carries ``1/L`` of the microbatches.
     """
-    a = np.arange(r_before)[:, None]
-    b = np.arange(r_after)[None, :]
-    talks = (a - b) % math.gcd(r_before, r_after) == 0
-    nodes = gpus_per_node or (first_before + r_before + r_after)
-    same = (first_before + a) // nodes == (first_before + r_before + b) // nodes
-    per = np.where(talks, 1.0 / np.where(same, intra, inter), 0.0) / math.lcm(r_before, r_after)
+    rb, ra = len(before), len(after)
+    a = np.arange(rb)[:, None]
+    b = np.arange(ra)[None, :]
+    talks = (a - b) % math.gcd(rb, ra) == 0
+    src = np.asarray([node_of(x, gpus_per_node) for x in before])[:, None]
+    dst = np.asarray([node_of(x, gpus_per_node) for x in after])[None, :]
+    per = np.where(talks, 1.0 / np.where(src == dst, intra, inter), 0.0) / math.lcm(rb, ra)
     return float(max(per.sum(axis=1).max(), per.sum(axis=0).max()))
 
 
