@@ -219,18 +219,20 @@ def cut_on(cut_bytes: float, before: Sequence[int], after: Sequence[int], opts: 
     return 2.0 * cut_bytes * load
 
 
-def optimistic(opts: CostOptions) -> CostOptions:
-    """Flat options charging every link the FASTER bandwidth: no plan costs less under them.
+def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
+    """Flat options charging every link the faster (or the slower) of the two bandwidths.
 
-    Solvers that cannot see placement (CP-SAT, the warm start) search under
-    these, so their bound stays a proven lower bound of the two-level model;
-    their plans are then scored by ``evaluate`` under the real options.
+    No plan costs less under the fast ones, nor more under the slow ones, than
+    under the two-level model (``allreduce_at``, ``cut_at``). Solvers that
+    cannot see placement (CP-SAT, the warm start) search under these: the fast
+    model's bound is a proven lower bound, the slow model's plans are good
+    placed ones; every plan is then scored by ``evaluate`` under ``opts``.
     """
     if opts.gpus_per_node is None:
         return opts
-    fast = max(opts.bandwidth, opts.intra_bw)
-    return dataclasses.replace(opts, gpus_per_node=None, intra_bandwidth=None, bandwidth=fast,
-                               allreduce_bandwidth=None)
+    pick = max if fast else min
+    return dataclasses.replace(opts, gpus_per_node=None, intra_bandwidth=None, allreduce_bandwidth=None,
+                               bandwidth=pick(opts.bandwidth, opts.intra_bw))
 
 
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
