@@ -25,6 +25,14 @@ the r replicas on each side each have their own link.
 examples/pipedream/README.md): stage time ``(C + 4(r-1)·P/(B·r)) / r``,
 cut time as above, input nodes in stage 0 and their activations counted.
 
+Two-level machines (``gpus_per_node`` G, ``intra_bandwidth`` B1 inside a
+node, ``bandwidth`` B2 between nodes; K a multiple of G): stages sit on
+contiguous ranks (``topology.py``), an all-reduce ring runs at its slowest
+link (fxpipe) or as PipeDream's hierarchical optimizer charges whole nodes
+(``allreduce_at``), and a cut is charged on its busiest rank with every
+replica pair at the bandwidth it crosses (``cut_at``). Without G nothing
+changes; with one node (G = K) it is the flat model at B1.
+
 Memory per device of stage j (both models; PipeDream itself only checks
 memory on request): weights × versions + one gradient buffer + optimizer state
 (a multiple of the weights) + the stage's stashed activations × microbatches in

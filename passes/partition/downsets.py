@@ -10,7 +10,9 @@ under ``limit`` downsets, it is exact for the cost model (compute, weights,
 cuts are additive over a stage), so its answer is a proof of optimality that
 CP-SAT would need long to find on graphs with many stages; memory limits and
 shared (tied) weights are not modelled here, so callers use it as a warm
-start only in those cases.
+start only in those cases. On a two-level machine (``gpus_per_node``) the
+devices used so far are the next stage's first rank, and the state also
+keeps the last stage's replicas, so placed costs stay exact (``_topology_dp``).
 """
 from __future__ import annotations
 

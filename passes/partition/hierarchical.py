@@ -35,7 +35,9 @@ level, and so on. What it computes, restated here (fxpipe's own code):
   machines of the level below; each is split again by the level below's
   answer on its segment with all of that level's machines, and so on. A flat
   stage's GPU count is the product of its counts at every level; its ranks
-  are the same sub-block of every node of its top-level stage.
+  are the same sub-block of every node of its top-level stage, listed with
+  the node varying fastest, so that round robin (replica m mod r) keeps every
+  microbatch on one node, as PipeDream's per-node pipelines do.
 
 Because each level takes the levels below as already solved (and the flat
 stages of one top-level stage must be identical on every node), this is not
@@ -126,21 +128,26 @@ def _level(T, P, st: _States, n: int, B: float, within: int, starts, activations
     A[~st.sub] = np.inf
     choice = np.full((D, D, n, 2), -1, dtype=np.int64)
     last_bytes = np.where(np.arange(D) == D - 1, 0.0, st.out)
+    mp = np.arange(1, n)
     for a in starts:
-        for mm in range(2, n + 1):
-            for b in range(a + 1, D):
-                ks = np.nonzero(st.sub[a] & st.sub[:, b])[0][::-1]  # ties: the latest split first
-                if not st.sub[a, b] or not ks.size:
-                    continue
-                mp = np.arange(1, mm)
-                last = (T[ks, b][:, None] + 4 * (mp - 1) * P[ks, b][:, None] / (B * mp)) / mp
-                cand = np.maximum(A[a, ks][:, mm - mp - 1], last)
-                if activations:
-                    cand = np.maximum(cand, 2 * np.maximum(st.out[ks][:, None], last_bytes[b]) / (B * mp))
-                flat = int(np.argmin(cand))
-                if cand.flat[flat] < A[a, b, mm - 1]:
-                    A[a, b, mm - 1] = cand.flat[flat]
-                    choice[a, b, mm - 1] = (ks[flat // len(mp)], mp[flat % len(mp)])
+        after = np.nonzero(st.sub[a])[0]
+        ks, bs = after[::-1], after  # ties: the latest split first
+        if not ks.size or n < 2:
+            continue
+        inside = st.sub[np.ix_(ks, bs)]  # k strictly inside b
+        last = (T[np.ix_(ks, bs)][:, :, None] + 4 * (mp - 1) * P[np.ix_(ks, bs)][:, :, None] / (B * mp)) / mp
+        if activations:
+            sent = 2 * np.maximum(st.out[ks][:, None], last_bytes[bs][None, :])
+            last = np.maximum(last, sent[:, :, None] / (B * mp))
+        last[~inside] = np.inf
+        for mm in range(2, n + 1):  # A(a, ., mm) only needs fewer machines: all b at once
+            cand = np.maximum(A[a, ks][:, mm - mp[: mm - 1] - 1][:, None, :], last[:, :, : mm - 1])
+            per_b = cand.transpose(1, 0, 2).reshape(len(bs), -1)  # per b: (k latest first, m' ascending)
+            pick = np.argmin(per_b, axis=1)
+            val = per_b[np.arange(len(bs)), pick]
+            better = val < A[a, bs, mm - 1]
+            A[a, bs[better], mm - 1] = val[better]
+            choice[a, bs[better], mm - 1] = np.stack([ks[pick // (mm - 1)], mp[pick % (mm - 1)]], axis=1)[better]
     return A, choice
 
 
