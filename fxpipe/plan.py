@@ -17,6 +17,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import PartitionResult, data_parallel, evaluate
 from passes.partition.costmodel import CostOptions
+from passes.partition.topology import nodes_of_stages
 
 from fxpipe.layout import Layout
 
@@ -38,6 +39,7 @@ class StagePlan:
     param_bytes: int
     send_bytes: int  # bytes this stage sends to later stages per microbatch
     memory_bytes: int  # predicted peak per device
+    rank_nodes: List[int] = field(default_factory=list)  # the node of each rank in ``ranks`` (two-level machines)
 
 
 @dataclass
@@ -91,11 +93,13 @@ class Plan:
     def table(self) -> str:
         from tabulate import tabulate
 
-        rows = [[s.index, len(s.nodes), s.replicas, _ranks(s.ranks), f"{s.compute_s * 1e3:.3f}",
-                 f"{s.allreduce_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}", f"{s.time_s * 1e3:.3f}",
-                 _mib(s.param_bytes), _mib(s.send_bytes), _mib(s.memory_bytes)] for s in self.stages]
-        head = ["stage", "nodes", "replicas", "ranks", "compute ms", "allreduce ms", "comm ms",
-                "time ms", "params MiB", "sends MiB", "memory MiB"]
+        two_level = self.options.get("gpus_per_node") is not None
+        rows = [[s.index, len(s.nodes), s.replicas, _ranks(s.ranks)] + ([_on_nodes(s)] if two_level else []) +
+                [f"{s.compute_s * 1e3:.3f}", f"{s.allreduce_s * 1e3:.3f}", f"{s.comm_s * 1e3:.3f}",
+                 f"{s.time_s * 1e3:.3f}", _mib(s.param_bytes), _mib(s.send_bytes), _mib(s.memory_bytes)]
+                for s in self.stages]
+        head = ["stage", "nodes", "replicas", "ranks"] + (["machine node: ranks"] if two_level else []) + [
+            "compute ms", "allreduce ms", "comm ms", "time ms", "params MiB", "sends MiB", "memory MiB"]
         solver = self.solver
         lines = [
             tabulate(rows, head, tablefmt="simple"),
@@ -105,11 +109,31 @@ class Plan:
             f"solver {solver.get('status')} ({solver.get('method', 'CP-SAT')}): bound {float(solver.get('bound_s', 0)) * 1e3:.3f} ms, "
             f"gap {float(solver.get('gap', 0)) * 100:.2f}%, {float(solver.get('wall_s', 0)):.2f} s",
         ]
+        if two_level:
+            lines.insert(1, f"{self.devices} devices on {self.devices // int(self.options['gpus_per_node'])} nodes of "
+                            f"{self.options['gpus_per_node']}: {_rate(self.options.get('intra_bandwidth'))} inside a "
+                            f"node, {_rate(self.options.get('bandwidth'))} between nodes")
+        levels = solver.get("pipedream_hierarchical")
+        if levels:
+            lines.append(f"PipeDream's hierarchical optimizer (levels solved one after another): "
+                         f"{float(levels['time_s']):.4f} s, GPUs per stage {'-'.join(map(str, levels['replicas']))}")
         return "\n".join(lines)
 
 
 def _ranks(ranks: List[int]) -> str:
     return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def _on_nodes(stage: StagePlan) -> str:
+    """``n0: 0-3, n1: 4-5``: the ranks of the stage on each machine node."""
+    by_node: Dict[int, List[int]] = {}
+    for rank, node in zip(stage.ranks, stage.rank_nodes):
+        by_node.setdefault(node, []).append(rank)
+    return ", ".join(f"n{node}: {_ranks(sorted(ranks))}" for node, ranks in sorted(by_node.items()))
+
+
+def _rate(value: object) -> str:
+    return f"{float(value) / 1e9:.3g} GB/s" if value is not None else "?"
 
 
 def _mib(n: int) -> str:
@@ -120,11 +144,12 @@ def plan_from_result(result: PartitionResult, graph: CostGraph, batch_size: Opti
     """Build the Plan of a partition; ``batch_size`` defaults to the profile's ``info['batch_size']`` or 1."""
     opts: CostOptions = result.options
     layout = Layout.of(result.replicas)
+    nodes = nodes_of_stages(result.replicas, opts.gpus_per_node)  # the same contiguous ranks as the layout
     stages = [
         StagePlan(index=j, nodes=list(s.nodes), replicas=s.replicas, ranks=layout.ranks(j), fwd_s=s.fwd_s,
                   bwd_s=s.bwd_s, compute_s=s.compute_s, allreduce_s=s.allreduce_s, comm_s=s.comm_s,
                   time_s=s.time_s, param_bytes=s.param_bytes, send_bytes=s.send_bytes,
-                  memory_bytes=s.memory_bytes)
+                  memory_bytes=s.memory_bytes, rank_nodes=nodes[j])
         for j, s in enumerate(result.stages)
     ]
     batch = int(batch_size or graph.info.get("batch_size", 1) or 1)

@@ -35,9 +35,15 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The partitioner's options (``--devices`` and the cost model's), shared with ``fxpipe split``."""
     p.add_argument("--devices", "-k", type=int, required=True, help="number of devices K")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=1.25e9,
-                   help="bytes/s between stages (1.25e9, 10Gbit/s, 1.25GB/s; default 10 Gbit/s)")
+                   help="bytes/s between stages, or between nodes with --gpus-per-node "
+                        "(1.25e9, 10Gbit/s, 1.25GB/s; default 10 Gbit/s)")
     p.add_argument("--allreduce-bandwidth", type=parse_bandwidth, default=None,
-                   help="bytes/s inside a replica group (default: --bandwidth)")
+                   help="bytes/s inside a replica group (default: --bandwidth); not with --gpus-per-node")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="devices per node (K must be a multiple): links and all-reduce inside a node run at "
+                        "--intra-bandwidth, across nodes at --bandwidth")
+    p.add_argument("--intra-bandwidth", type=parse_bandwidth, default=None,
+                   help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
     p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
@@ -55,12 +61,20 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
 
 
 def partition_kwargs(args: argparse.Namespace) -> dict:
-    """``partition(graph, args.devices, **partition_kwargs(args))`` from the options above."""
+    """``partition(graph, args.devices, **partition_kwargs(args))`` from the options above.
+
+    A topology that cannot hold K devices fails here, before any profiling.
+    """
+    if args.gpus_per_node is not None or args.intra_bandwidth is not None:
+        from passes.partition.costmodel import CostOptions
+
+        CostOptions(devices=args.devices, bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth,
+                    gpus_per_node=args.gpus_per_node, intra_bandwidth=args.intra_bandwidth)
     return dict(bandwidth=args.bandwidth, allreduce_bandwidth=args.allreduce_bandwidth, memory=args.memory,
                 microbatches=args.microbatches, schedule=args.schedule, cost_model=args.cost_model,
                 replication=args.replication, fewer_devices=args.fewer_devices,
                 optimizer_state=args.optimizer_state, time_limit=args.time_limit, workers=args.workers,
-                solver=args.solver)
+                solver=args.solver, gpus_per_node=args.gpus_per_node, intra_bandwidth=args.intra_bandwidth)
 
 
 def load_source(source: str) -> "CostGraph":

@@ -8,7 +8,10 @@ with a warm start from a DP over topological orders (``heuristic.py``).
 ``partition(graph, devices, **options)`` returns a ``PartitionResult``;
 ``apply_assignment(gm, result.assignment)`` records the stages on an fx graph.
 The cost models live in ``costmodel`` as plain functions, so any assignment can
-be scored (``evaluate``) the same way the solver scores it.
+be scored (``evaluate``) the same way the solver scores it. On nodes of
+``gpus_per_node`` devices, ``topology`` places stages on ranks and the costs
+follow the links they use; ``hierarchical`` reproduces PipeDream's
+level-by-level optimizer for such machines, to compare with.
 """
 from passes.partition.costmodel import CostOptions, Evaluation, StageCost, data_parallel, evaluate
 from passes.partition.driver import (

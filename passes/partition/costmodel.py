@@ -25,6 +25,14 @@ the r replicas on each side each have their own link.
 examples/pipedream/README.md): stage time ``(C + 4(r-1)·P/(B·r)) / r``,
 cut time as above, input nodes in stage 0 and their activations counted.
 
+Two-level machines (``gpus_per_node`` G, ``intra_bandwidth`` B1 inside a
+node, ``bandwidth`` B2 between nodes; K a multiple of G): stages sit on
+contiguous ranks (``topology.py``), an all-reduce ring runs at its slowest
+link (fxpipe) or as PipeDream's hierarchical optimizer charges whole nodes
+(``allreduce_at``), and a cut is charged on its busiest rank with every
+replica pair at the bandwidth it crosses (``cut_at``). Without G nothing
+changes; with one node (G = K) it is the flat model at B1.
+
 Memory per device of stage j (both models; PipeDream itself only checks
 memory on request): weights × versions + one gradient buffer + optimizer state
 (a multiple of the weights) + the stage's stashed activations × microbatches in
@@ -34,12 +42,14 @@ flight. 1F1B-stash keeps one weight version per microbatch in flight,
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
+from passes.partition import topology
 
 COST_MODELS = ("fxpipe", "pipedream")
 SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
@@ -60,6 +70,8 @@ class CostOptions:
     optimizer_state: float = 1.0  # optimizer bytes per weight byte (SGD momentum: 1, Adam: 2)
     replication: str = "any"
     fewer_devices: bool = False
+    gpus_per_node: Optional[int] = None  # None: one flat network at ``bandwidth``
+    intra_bandwidth: Optional[float] = None  # inside a node; None: same as ``bandwidth``
 
     def __post_init__(self) -> None:
         checks = [
@@ -74,6 +86,32 @@ class CostOptions:
         for ok, message in checks:
             if not ok:
                 raise FxpipeError(f"partition: {message}")
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        """K a multiple of G, and no flat all-reduce bandwidth beside a two-level one."""
+        G, K = self.gpus_per_node, self.devices
+        if G is None:
+            if self.intra_bandwidth is not None:
+                raise FxpipeError("partition: --intra-bandwidth needs --gpus-per-node (how many devices share "
+                                  "a node); add it, or drop --intra-bandwidth")
+            return
+        if G < 1:
+            raise FxpipeError(f"partition: --gpus-per-node must be >= 1, got {G}")
+        if K % G:
+            lower, upper = K - K % G, K - K % G + G
+            raise FxpipeError(
+                f"partition: --devices {K} is not a multiple of --gpus-per-node {G}; use --devices "
+                f"{upper}" + (f" or {lower}" if lower else "") + f", or a --gpus-per-node that divides {K}")
+        if self.intra_bandwidth is not None and self.intra_bandwidth <= 0:
+            raise FxpipeError(f"partition: --intra-bandwidth must be > 0 bytes/s, got {self.intra_bandwidth}")
+        if self.allreduce_bandwidth is not None:
+            raise FxpipeError("partition: --allreduce-bandwidth is for a flat network; with --gpus-per-node "
+                              "all-reduce runs at --intra-bandwidth inside a node and --bandwidth across nodes")
+
+    @property
+    def intra_bw(self) -> float:
+        return self.intra_bandwidth if self.intra_bandwidth is not None else self.bandwidth
 
     @property
     def ar_bandwidth(self) -> float:
@@ -102,6 +140,8 @@ class CostOptions:
             "optimizer_state": self.optimizer_state,
             "replication": self.replication,
             "fewer_devices": self.fewer_devices,
+            "gpus_per_node": self.gpus_per_node,
+            "intra_bandwidth": self.intra_bw if self.gpus_per_node is not None else None,
         }
 
 
@@ -125,6 +165,82 @@ def allreduce_coeff(r: int, opts: CostOptions) -> float:
 def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> float:
     """Activations forward plus gradients backward over a boundary."""
     return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))
+
+
+def group_bandwidth(first: int, r: int, opts: CostOptions) -> float:
+    """Bandwidth of a ring over ranks ``[first, first + r)``: its slowest link (B1 inside one node, else B2)."""
+    return _ring_bandwidth(topology.span(first, r), opts)
+
+
+def _ring_bandwidth(ranks: Sequence[int], opts: CostOptions) -> float:
+    if opts.gpus_per_node is None:
+        return opts.ar_bandwidth
+    return opts.intra_bw if len(topology.node_counts(ranks, opts.gpus_per_node)) == 1 else opts.bandwidth
+
+
+def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> float:
+    """``allreduce_s`` for a stage whose replicas are ranks ``[first, first + r)``."""
+    return allreduce_on(param_bytes, topology.span(first, r), opts)
+
+
+def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) -> float:
+    """``allreduce_s`` for a stage whose replicas sit on ``ranks``.
+
+    fxpipe model: one ring at ``group_bandwidth``. PipeDream model, as its
+    hierarchical optimizer charges a stage spread over whole nodes: a ring
+    inside each node at B1 (``4(c-1)P/(B1·c)``, c ranks in the fullest node)
+    plus a ring of the full weights across the n nodes at B2
+    (``4(n-1)P/(B2·n)``), or one flat ring at B2 when that is cheaper; the sum
+    is divided by r like PipeDream's flat charge.
+    """
+    r = len(ranks)
+    if opts.gpus_per_node is None:
+        return allreduce_s(param_bytes, r, opts)
+    if r <= 1:
+        return 0.0
+    if opts.cost_model != "pipedream":
+        return 2.0 * (r - 1) / r * param_bytes / _ring_bandwidth(ranks, opts)
+    counts = topology.node_counts(ranks, opts.gpus_per_node)
+    n, c = len(counts), max(counts)
+    if n == 1:
+        return 4.0 * (r - 1) * param_bytes / (opts.intra_bw * r) / r
+    two_level = 4.0 * (c - 1) / (opts.intra_bw * c) + 4.0 * (n - 1) / (opts.bandwidth * n)
+    return min(two_level, 4.0 * (r - 1) / (opts.bandwidth * r)) * param_bytes / r
+
+
+def allreduce_coeff_at(first: int, r: int, opts: CostOptions) -> float:
+    """``allreduce_coeff`` for the replicas ``[first, first + r)``."""
+    return r * allreduce_at(1.0, first, r, opts)
+
+
+def cut_at(cut_bytes: float, first_before: int, r_before: int, r_after: int, opts: CostOptions) -> float:
+    """``cut_s`` with every replica pair charged the link it crosses (``topology.pair_load``)."""
+    return cut_on(cut_bytes, topology.span(first_before, r_before),
+                  topology.span(first_before + r_before, r_after), opts)
+
+
+def cut_on(cut_bytes: float, before: Sequence[int], after: Sequence[int], opts: CostOptions) -> float:
+    """``cut_at`` for stages on the given ranks (replica a of a stage on its a-th rank)."""
+    if opts.gpus_per_node is None:
+        return cut_s(cut_bytes, len(before), len(after), opts)
+    load = topology.pair_load(before, after, opts.gpus_per_node, opts.intra_bw, opts.bandwidth)
+    return 2.0 * cut_bytes * load
+
+
+def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
+    """Flat options charging every link the faster (or the slower) of the two bandwidths.
+
+    No plan costs less under the fast ones, nor more under the slow ones, than
+    under the two-level model (``allreduce_at``, ``cut_at``). Solvers that
+    cannot see placement (CP-SAT, the warm start) search under these: the fast
+    model's bound is a proven lower bound, the slow model's plans are good
+    placed ones; every plan is then scored by ``evaluate`` under ``opts``.
+    """
+    if opts.gpus_per_node is None:
+        return opts
+    pick = max if fast else min
+    return dataclasses.replace(opts, gpus_per_node=None, intra_bandwidth=None, allreduce_bandwidth=None,
+                               bandwidth=pick(opts.bandwidth, opts.intra_bw))
 
 
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
@@ -213,8 +329,14 @@ def cut_bytes_of(graph: CostGraph, assignment: Mapping[str, int], num_stages: in
     return cuts
 
 
-def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions) -> Evaluation:
-    """Score an assignment (every node -> stage) with per-stage ``replicas``."""
+def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions,
+             ranks: Optional[Sequence[Sequence[int]]] = None) -> Evaluation:
+    """Score an assignment (every node -> stage) with per-stage ``replicas``.
+
+    ``ranks``: where each stage's replicas sit (replica a on ``ranks[j][a]``);
+    default the contiguous placement of ``topology.py``. Only a two-level
+    machine (``opts.gpus_per_node``) makes placement matter.
+    """
     num_stages = len(replicas)
     members: List[List[str]] = [[] for _ in range(num_stages)]
     for name in graph.nodes:
@@ -225,6 +347,7 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         if v > assignment[u] and counts_comm(graph.nodes[u], opts):
             send[assignment[u]] += graph.nodes[u].out_bytes
     stages = []
+    placed = [list(x) for x in ranks] if ranks is not None else topology.stage_ranks(replicas)
     for j, names in enumerate(members):
         r = replicas[j]
         fwd = sum(graph.nodes[n].fwd_s for n in names)
@@ -233,10 +356,10 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         acts = sum(graph.nodes[n].out_bytes for n in names if not graph.nodes[n].is_input)
         comm = 0.0
         if j > 0:
-            comm = max(comm, cut_s(cuts[j - 1], replicas[j - 1], r, opts))
+            comm = max(comm, cut_on(cuts[j - 1], placed[j - 1], placed[j], opts))
         if j < num_stages - 1:
-            comm = max(comm, cut_s(cuts[j], r, replicas[j + 1], opts))
-        ar = allreduce_s(params, r, opts)
+            comm = max(comm, cut_on(cuts[j], placed[j], placed[j + 1], opts))
+        ar = allreduce_on(params, placed[j], opts)
         stages.append(StageCost(
             nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
             allreduce_s=ar, comm_s=comm, time_s=max((fwd + bwd) / r + ar, comm),

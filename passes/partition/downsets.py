@@ -10,7 +10,9 @@ under ``limit`` downsets, it is exact for the cost model (compute, weights,
 cuts are additive over a stage), so its answer is a proof of optimality that
 CP-SAT would need long to find on graphs with many stages; memory limits and
 shared (tied) weights are not modelled here, so callers use it as a warm
-start only in those cases.
+start only in those cases. On a two-level machine (``gpus_per_node``) the
+devices used so far are the next stage's first rank, and the state also
+keeps the last stage's replicas, so placed costs stay exact (``_topology_dp``).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import List, Optional
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.costmodel import CostOptions, allreduce_coeff, allreduce_coeff_at, cut_at
 from passes.partition.heuristic import Solution
 
 
@@ -77,12 +79,15 @@ def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
     comp = member @ np.asarray(units.compute, dtype=float)
     par = member @ np.asarray(units.param_bytes, dtype=float)
     work = member @ np.asarray(units.has_compute, dtype=float)
-    cut = np.zeros(D)
+    cut = np.zeros(D)  # bytes both ways over the boundary after each downset
     for unit, nbytes, consumers in units.producers:
         cmask = sum(1 << c for c in consumers)
-        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * (2.0 * nbytes / opts.bandwidth)
+        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * (2.0 * nbytes)
     cut[0] = 0.0
     packed = np.packbits(member, axis=1)
+    if opts.gpus_per_node is not None:
+        return _topology_dp(masks, n, comp, par, work, cut, packed, opts, upper)
+    cut /= opts.bandwidth
     best = np.full((D, K + 1), np.inf)
     best[0, 0] = 0.0
     choice = np.zeros((D, K + 1, 2), dtype=np.int64)
@@ -132,3 +137,85 @@ def _walk_back(choice, masks, n, i, m, value) -> Solution:
             if (mask >> u) & 1:
                 stage_of[u] = s
     return stage_of, replicas, value
+
+
+# ------------------------------------------------------------ two-level machine
+
+def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, upper: float) -> Optional[Solution]:
+    """The same search when costs depend on where a stage sits (``opts.gpus_per_node``).
+
+    A stage's all-reduce depends on its first rank, which is the devices used
+    before it (the state's count); a cut depends on both stages' replicas and
+    the first rank of the one before it, so the state also keeps the last
+    stage's replica count: ``best[downset, devices used, last r]``. Each cut is
+    charged when the stage after it is added, so the answer is exact for
+    ``costmodel.evaluate`` under the contiguous placement (``topology.py``).
+    """
+    D, K, R = len(masks), opts.devices, opts.allowed_replicas()
+    coeff, load = _placement_tables(opts, R)
+    best = np.full((D, K + 1, len(R)), np.inf)
+    choice = np.zeros((D, K + 1, len(R), 2), dtype=np.int64)
+    bound = upper * (1 + 1e-9)
+    for i in range(1, D):
+        js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
+        for ri, r in enumerate(R):
+            keep = js[(comp[i] - comp[js]) / r <= bound]
+            if keep.size:
+                _relax_placed(i, ri, r, keep, comp, par, cut, coeff, load, best, choice, R, K)
+    last = D - 1
+    devices = range(1, K + 1) if opts.fewer_devices else [K]
+    m, ri = min(((d, q) for d in devices for q in range(len(R))), key=lambda x: best[last, x[0], x[1]])
+    if not np.isfinite(best[last, m, ri]):
+        return None
+    value = float(best[last, m, ri])
+    stages, replicas, i = [], [], last
+    while i > 0:
+        j, prev = (int(x) for x in choice[i, m, ri])
+        stages.append(masks[i] & ~masks[j])
+        replicas.append(R[ri])
+        i, m, ri = j, m - R[ri], prev
+    stage_of = [0] * n
+    for s, mask in enumerate(reversed(stages)):
+        for u in range(n):
+            if (mask >> u) & 1:
+                stage_of[u] = s
+    return stage_of, list(reversed(replicas)), value
+
+
+def _placement_tables(opts: CostOptions, R: List[int]):
+    """coeff[first, r]: all-reduce weight of a stage at ``first``; load[first, r_prev, r]: a cut's
+    seconds per byte when the stage before it starts at ``first`` (0 where the stages do not fit:
+    the states that would use them are unreachable, so they stay infinite)."""
+    K = opts.devices
+    coeff = np.zeros((K + 1, len(R)))
+    load = np.zeros((K + 1, len(R), len(R)))
+    for ri, r in enumerate(R):
+        for first in range(K - r + 1):
+            coeff[first, ri] = allreduce_coeff_at(first, r, opts)
+        for pi, rp in enumerate(R):
+            for first in range(K - r - rp + 1):
+                load[first, pi, ri] = cut_at(0.5, first, rp, r, opts)  # seconds per byte, as the cut array counts both ways
+    return coeff, load
+
+
+def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K) -> None:
+    """Best ways to end a stage with r replicas at downset i, for every device total d (first rank d - r)."""
+    d = np.arange(r, K + 1)
+    first = d - r
+    stage = ((comp[i] - comp[js])[:, None] + coeff[first, ri][None, :] * (par[i] - par[js])[:, None]) / r
+    prev_first = first[:, None] - np.asarray(R)[None, :]
+    ld = load[np.clip(prev_first, 0, None), np.arange(len(R))[None, :], ri]  # prev_first < 0: best is inf there
+    cand = np.maximum(best[js][:, first, :], np.maximum(stage[:, :, None], cut[js][:, None, None] * ld[None]))
+    start = js == 0  # the first stage: no cut before it, and it starts at rank 0
+    if start.any():
+        cand[start, :, :] = np.inf
+        cand[start, 0, 0] = stage[start, 0]
+    flat = cand.reshape(len(js), -1)
+    arg = np.argmin(flat, axis=0)
+    val = flat[arg, np.arange(flat.shape[1])].reshape(len(d), len(R))
+    j_best = js[arg].reshape(len(d), len(R))
+    p_best = np.argmin(val, axis=1)
+    v = val[np.arange(len(d)), p_best]
+    better = v < best[i, r:, ri]
+    best[i, r:, ri][better] = v[better]
+    choice[i, r:, ri][better] = np.stack([j_best[np.arange(len(d)), p_best], p_best], axis=1)[better]

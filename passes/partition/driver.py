@@ -16,7 +16,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
 from passes.partition.downsets import downset_dp
-from passes.partition.costmodel import CostOptions, StageCost, evaluate
+from passes.partition.costmodel import CostOptions, StageCost, evaluate, flat_bound
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
 
@@ -40,6 +40,7 @@ class PartitionResult:
     heuristic_s: Optional[float] = None  # the warm start's bottleneck
     trace: List[tuple] = field(default_factory=list)
     method: str = "CP-SAT"  # or "downset DP" (exact, see passes/partition/downsets.py)
+    hierarchical: Optional[Dict[str, object]] = None  # PipeDream's level-by-level answer (pipedream model, G set)
 
     @property
     def gap(self) -> float:
@@ -52,7 +53,7 @@ class PartitionResult:
     def solver_stats(self) -> Dict[str, object]:
         return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
                 "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s,
-                "method": self.method}
+                "method": self.method, **({"pipedream_hierarchical": self.hierarchical} if self.hierarchical else {})}
 
 
 def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, workers: int = 2,
@@ -73,13 +74,19 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     start = time.monotonic()
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
+    slow = flat_bound(opts, fast=False)  # opts itself unless --gpus-per-node
     exact = None
     if solver == "auto":
-        quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
-        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"))
+        quick = best_order_dp(fine, slow) if len(fine) <= coarsen_above else None
+        upper = quick[2] if quick else float("inf")
+        if quick and slow is not opts:
+            upper = evaluate(graph, _to_nodes(graph, fine, quick[0]), quick[1], opts).bottleneck_s
+        exact = downset_dp(fine, opts, downset_limit, upper=upper)
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
         return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
+    if slow is not opts:
+        return _placed_cpsat(graph, opts, start, time_limit, workers, coarsen_above, progress)
     units = coarsen(graph, opts, target=coarsen_above)
     warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts)
     model = PartitionModel(units, opts)
@@ -97,6 +104,47 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
 
 
+def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, time_limit: float, workers: int,
+                  coarsen_above: int, progress) -> PartitionResult:
+    """CP-SAT on a two-level machine, which its model cannot see (``costmodel.flat_bound``).
+
+    Two thirds of the time go to the flat model at the SLOWER bandwidth (its
+    plans are good once placed), one third to the FASTER one, whose bound is
+    the reported lower bound. Of both answers and both warm starts, the plan
+    ``evaluate`` scores best under ``opts`` is kept; it is OPTIMAL only if it
+    meets that bound.
+    """
+    units = coarsen(graph, opts, target=coarsen_above)
+    plans, wall, trace, heuristic = [], 0.0, [], None
+    bound = sum(units.compute) / opts.devices  # every plan is at least this slow, whatever its placement
+    for fast, share in ((False, 2 / 3), (True, 1.0)):
+        flat = flat_bound(opts, fast)
+        model, warm = PartitionModel(units, flat), best_order_dp(units, flat)
+        if warm is not None:
+            model.hint(warm[0], warm[1])
+            if opts.memory is None:  # the warm start does not check memory
+                plans.append(warm)
+                heuristic = heuristic if heuristic is not None else len(plans) - 1
+            if opts.memory is None and not units.shared:
+                model.upper_bound(warm[2])
+        remaining = max(0.1, (time_limit - (time.monotonic() - start)) * share)
+        solved = model.solve(remaining, workers=workers, report=progress)
+        wall, trace = wall + solved.wall_s, trace + solved.progress
+        if solved.stage_of is not None:
+            plans.append((solved.stage_of, solved.replicas, solved.objective))
+        if fast and solved.stage_of is not None:
+            bound = max(bound, solved.bound)
+        elif not fast and solved.stage_of is None and not plans:
+            _raise_infeasible(graph, units, opts, solved, None, time_limit, workers)
+    if not plans:
+        raise InfeasibleError(f"partition: no plan found in {time_limit:.0f}s; raise --time-limit")
+    scored = [(evaluate(graph, _to_nodes(graph, units, p[0]), p[1], opts).bottleneck_s, p) for p in plans]
+    value, best = min(scored, key=lambda x: x[0])
+    status = "OPTIMAL" if value <= bound * (1 + 1e-3) else "FEASIBLE"
+    solved = SolveResult(status, best[0], best[1], value, bound, wall, trace)
+    return _result(graph, units, opts, solved, start, None if heuristic is None else scored[heuristic][0], "CP-SAT")
+
+
 def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,
             heuristic_s: Optional[float], method: str) -> PartitionResult:
     assignment = _to_nodes(graph, units, solved.stage_of)
@@ -106,8 +154,28 @@ def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResu
         bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
         objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
-        method=method,
+        method=method, hierarchical=_pipedream_levels(graph, opts),
     )
+
+
+def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str, object]]:
+    """What PipeDream's hierarchical optimizer answers for the same two-level machine, to compare with.
+
+    Only under its own cost model and options (a two-level machine, no memory
+    limit, any replication, all devices); None where it does not apply or the
+    graph has too many downsets for the reproduction.
+    """
+    G = opts.gpus_per_node
+    if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
+            or opts.replication != "any"):
+        return None
+    from passes.partition.hierarchical import pipedream_hierarchical
+
+    try:
+        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=1000)
+    except FxpipeError:
+        return None
+    return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}
 
 
 def stderr_progress(line: str) -> None:

@@ -1,0 +1,152 @@
+"""Two-level machines: placement, link and all-reduce charges on hand-checked cases, the flat case
+unchanged, the exact DP against brute force, and the CP-SAT path's bound."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from passes.costgraph import CostGraph
+from passes.errors import FxpipeError
+from passes.partition import CostOptions, evaluate, partition
+from passes.partition.costmodel import allreduce_at, cut_at
+from passes.partition.topology import node_counts, nodes_of_stages, offsets, pair_load, stage_ranks
+from tests.passes.test_partition import make_graph, random_dag
+from tests.profiles import PROFILES
+
+B1, B2 = 1.0e10, 1.0e9
+
+
+def _opts(K, G, model="fxpipe", **kw):
+    return CostOptions(devices=K, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=G, cost_model=model, **kw)
+
+
+def test_contiguous_placement_and_nodes():
+    assert offsets([12, 1, 1, 1, 1]) == [0, 12, 13, 14, 15]
+    assert stage_ranks([2, 3]) == [[0, 1], [2, 3, 4]]
+    assert nodes_of_stages([6, 2], 4) == [[0, 0, 0, 0, 1, 1], [1, 1]]
+    assert node_counts(range(2, 8), 4) == [2, 4]
+    assert nodes_of_stages([3, 1], None) == [[0, 0, 0], [0]]
+
+
+@pytest.mark.parametrize("rb,ra", [(1, 1), (2, 3), (4, 6), (5, 1), (3, 9)])
+def test_one_bandwidth_gives_the_flat_cut_charge(rb, ra):
+    load = pair_load(range(rb), range(rb, rb + ra), None, B2, B2)
+    assert load == pytest.approx(1 / (B2 * min(rb, ra)))
+
+
+def test_cut_charges_by_hand():
+    # ranks 2,3 (node 0) -> 4,5 (node 1): both pairs cross nodes, one microbatch in two per link
+    assert pair_load([2, 3], [4, 5], 4, B1, B2) == pytest.approx(1 / (2 * B2))
+    # ranks 0,1 -> 2,3,4,5 on nodes of 4: replica 0 (rank 0) feeds ranks 2 (node 0) and 4 (node 1),
+    # one microbatch in four each; the senders are the busiest ranks
+    assert pair_load([0, 1], [2, 3, 4, 5], 4, B1, B2) == pytest.approx((1 / B1 + 1 / B2) / 4)
+    # the same through the cost model: 1 MB forward and backward
+    assert cut_at(1e6, 0, 2, 4, _opts(8, 4)) == pytest.approx(2e6 * (1 / B1 + 1 / B2) / 4)
+    # inside one node at B1
+    assert cut_at(1e6, 0, 2, 2, _opts(8, 4)) == pytest.approx(2e6 / (2 * B1))
+
+
+def test_allreduce_charges_by_hand():
+    P = 1e8
+    fx = _opts(8, 4)
+    assert allreduce_at(P, 0, 4, fx) == pytest.approx(2 * 3 / 4 * P / B1)  # one node: ring at B1
+    assert allreduce_at(P, 2, 4, fx) == pytest.approx(2 * 3 / 4 * P / B2)  # spans nodes: slowest link
+    pd = _opts(8, 4, "pipedream")
+    assert allreduce_at(P, 4, 4, pd) == pytest.approx(4 * 3 * P / (B1 * 4) / 4)
+    two_level = 4 * 3 / (B1 * 4) + 4 * 1 / (B2 * 2)  # ring in each node, then across the two nodes
+    assert two_level < 4 * 7 / (B2 * 8)
+    assert allreduce_at(P, 0, 8, pd) == pytest.approx(two_level * P / 8)
+    assert allreduce_at(P, 0, 1, pd) == 0.0
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+def test_one_node_is_the_flat_model_at_the_intra_bandwidth(model):
+    g = random_dag(9, 4)
+    flat = partition(g, 4, bandwidth=B1, cost_model=model)
+    one = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=4, cost_model=model)
+    assert one.bottleneck_s == pytest.approx(flat.bottleneck_s, rel=1e-12)
+    assert one.replicas == flat.replicas
+    same = partition(g, 4, bandwidth=B2, gpus_per_node=2, cost_model=model)  # B1 defaults to B2
+    assert same.bottleneck_s == pytest.approx(partition(g, 4, bandwidth=B2, cost_model=model).bottleneck_s, rel=1e-12)
+
+
+def test_flat_options_unchanged():
+    opts = CostOptions(devices=4)
+    assert opts.gpus_per_node is None and opts.as_dict()["gpus_per_node"] is None
+    g = random_dag(8, 2)
+    ev = evaluate(g, {n: 0 for n in g.nodes}, [4], opts)
+    assert ev.stages[0].allreduce_s == pytest.approx(2 * 3 / 4 * sum(n.param_bytes for n in g.nodes.values()) / 1.25e9)
+
+
+def _chain(n: int, seed: int) -> CostGraph:
+    import random
+
+    return make_graph(n, [(i, i + 1) for i in range(n - 1)], random.Random(seed), output=True)
+
+
+def _brute_force(g: CostGraph, opts: CostOptions) -> float:
+    """Every split of the chain's compute nodes and every replica count, scored by evaluate."""
+    names = list(g.nodes)
+    work = names[1:-1]
+    best = math.inf
+    for stages in range(1, opts.devices + 1):
+        for cuts in itertools.combinations(range(1, len(work)), stages - 1):
+            bounds = [0, *cuts, len(work)]
+            stage = {x: j for j in range(stages) for x in work[bounds[j]:bounds[j + 1]]}
+            stage[names[0]], stage[names[-1]] = 0, stages - 1
+            for reps in itertools.product(range(1, opts.devices + 1), repeat=stages):
+                if sum(reps) == opts.devices:
+                    best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
+    return best
+
+
+@pytest.mark.parametrize("model,seed", [("fxpipe", 1), ("fxpipe", 2), ("pipedream", 3)])
+def test_exact_dp_matches_brute_force(model, seed):
+    g = _chain(7, seed)
+    opts = _opts(6, 2, model)
+    res = partition(g, 6, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, cost_model=model)
+    assert res.method == "downset DP" and res.status == "OPTIMAL"
+    assert res.bottleneck_s == pytest.approx(_brute_force(g, opts), rel=1e-9)
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
+
+
+def test_cpsat_bound_uses_the_faster_bandwidth():
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    kw = dict(bandwidth=1.25e9, intra_bandwidth=1e10, gpus_per_node=4, cost_model="pipedream")
+    exact = partition(g, 16, **kw)
+    cp = partition(g, 16, solver="cpsat", time_limit=20, **kw)
+    opts = exact.options
+    assert cp.bound_s <= exact.bottleneck_s * (1 + 1e-9) <= cp.bottleneck_s * (1 + 1e-9)
+    assert cp.bottleneck_s == pytest.approx(evaluate(g, cp.assignment, cp.replicas, opts).bottleneck_s, rel=1e-12)
+
+
+def test_devices_not_a_multiple_of_gpus_per_node():
+    with pytest.raises(FxpipeError, match=r"--devices 18 is not a multiple of --gpus-per-node 4; use --devices 20 or 16"):
+        CostOptions(devices=18, gpus_per_node=4)
+    with pytest.raises(FxpipeError, match="--intra-bandwidth needs --gpus-per-node"):
+        CostOptions(devices=4, intra_bandwidth=1e10)
+    with pytest.raises(FxpipeError, match="--allreduce-bandwidth is for a flat network"):
+        CostOptions(devices=4, gpus_per_node=2, allreduce_bandwidth=1e9)
+
+
+def test_cpsat_plan_no_worse_than_the_flat_plan_at_the_slower_bandwidth():
+    """CP-SAT solves the flat model at B2 for its plan: placed, that plan only gets cheaper."""
+    g = random_dag(12, 5)
+    kw = dict(solver="cpsat", time_limit=10, cost_model="fxpipe")
+    placed = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, **kw)
+    flat = partition(g, 4, bandwidth=B2, **kw)
+    assert placed.bottleneck_s <= flat.bottleneck_s * 1.001
+    assert placed.bound_s <= placed.bottleneck_s
+    exact = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, cost_model="fxpipe")
+    assert placed.bound_s <= exact.bottleneck_s * (1 + 1e-9)
+
+
+def test_memory_limit_with_a_topology():
+    g = random_dag(9, 7)
+    free = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, time_limit=10)
+    limit = int(max(s.memory_bytes for s in free.stages) * 1.2)
+    res = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, memory=limit, time_limit=10)
+    assert max(s.memory_bytes for s in res.stages) <= limit
+    assert res.bottleneck_s >= free.bottleneck_s * (1 - 1e-9)
