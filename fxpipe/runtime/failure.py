@@ -19,7 +19,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from passes.errors import FxpipeError
 
@@ -105,8 +105,8 @@ def clear(run_dir: str) -> None:
         os.remove(os.path.join(folder, name))
 
 
-def root_cause(run_dir: str) -> Optional[Tuple[str, bool]]:
-    """The line of the failure that started it all and whether it only lost a peer; None if no rank wrote one."""
+def read(run_dir: str) -> List[Dict[str, Any]]:
+    """Every failure the ranks recorded (``rank``, ``time``, ``line``, ``lost_peer``)."""
     folder = os.path.join(run_dir, ERRORS_DIR)
     records: List[Dict[str, Any]] = []
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
@@ -116,7 +116,11 @@ def root_cause(run_dir: str) -> Optional[Tuple[str, bool]]:
                     records.append(json.load(f))
             except (OSError, ValueError):
                 continue
+    return records
+
+
+def root_cause(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The failure that started it all: the first that is not a lost peer, else the first; None if none."""
     if not records:
         return None
-    first = min(records, key=lambda r: (bool(r.get("lost_peer")), float(r.get("time", 0.0))))
-    return str(first.get("line", "")), bool(first.get("lost_peer"))
+    return min(records, key=lambda r: (bool(r.get("lost_peer")), float(r.get("time", 0.0))))

@@ -229,14 +229,12 @@ _EXITED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> LaunchError:
     """The error for a failed run: the root cause's line, the checkpoint left, and where the rest is."""
     log = os.path.join(run_dir, WORKERS_LOG)
-    found = failure.root_cause(run_dir)
-    cause, lost_peer = found if found else ("", True)
-    if lost_peer:  # the rank that started it died without a word: torchrun's log has its exit code
-        text = open(log, errors="replace").read() if os.path.exists(log) else ""
-        m = _EXITED.search(text)
-        silent = (f"local rank {m.group(2)} exited with code {m.group(1)} without an error line (killed? out of "
-                  "memory?)" if m else f"the workers exited with code {code} without an error line")
-        cause = f"{silent}; {cause}" if cause else silent
+    records = failure.read(run_dir)
+    first = failure.root_cause(records)
+    cause = str(first["line"]) if first else ""
+    if first is None or first.get("lost_peer"):  # maybe a rank died without a word: torchrun logged its exit
+        silent = _silent_exit(log, {int(r.get("rank", -1)) for r in records})
+        cause = "; ".join(c for c in (silent, cause) if c) or f"the workers exited with code {code}"
     record = None
     if checkpoint_dir:
         try:
@@ -245,6 +243,18 @@ def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> Lau
             record = None
     kept = f"; the last complete checkpoint is step {record['step']} in {checkpoint_dir} (--resume)" if record else ""
     return LaunchError(f"{cause}{kept} (all worker output: {log})")
+
+
+def _silent_exit(log: str, reported: set) -> str:
+    """The first worker torchrun saw fail that wrote no error line (single node: local rank = rank)."""
+    if not os.path.exists(log):
+        return ""
+    with open(log, errors="replace") as f:
+        for m in _EXITED.finditer(f.read()):
+            if int(m.group(2)) not in reported:
+                return (f"rank {m.group(2)} exited with code {m.group(1)} without an error line "
+                        "(killed? out of memory?)")
+    return ""
 
 
 def finish(prep: Prepared, cfg: TrainConfig, save: Optional[str]) -> None:

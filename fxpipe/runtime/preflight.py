@@ -63,7 +63,7 @@ def check_split_matches(split: Any, model: torch.nn.Module, where: str, source: 
     first = (f"{differ[0]} is {list(have[differ[0]][0])} there but {list(want[differ[0]][0])} in the model"
              if differ else f"the model has {missing[0]}, the split does not" if missing
              else f"the split has {extra[0]}, the model does not")
-    raise PreflightError(f"--split {where} was not made from {source} ({len(missing) + len(extra) + len(differ)} "
+    raise PreflightError(f"the split in {where} was not made from {source} ({len(missing) + len(extra) + len(differ)} "
                          f"tensors differ; {first}); split this model with `fxpipe split {source} -o DIR` "
                          "or drop --split")
 

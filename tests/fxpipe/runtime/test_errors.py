@@ -161,7 +161,7 @@ PARENT_SIDE = {
     "resume-checkpoint-of-other-split": (_checkpoint_of_other_split, [r"stage\d\.pt", r"does not belong",
                                                                       r"tensor \d\.\w+: (\[[\d, ]*\]|missing) there, (\[[\d, ]*\]|missing) here",
                                                                       r"new --checkpoint"]),
-    "split-of-other-model": (_split_of_other_model, [r"--split .*split_other", r"good\.py", r"4\.weight",
+    "split-of-other-model": (_split_of_other_model, [r"split in .*split_other", r"good\.py", r"4\.weight",
                                                      r"fxpipe split"]),
     "microbatches-0": (_count("--microbatches", "0"), [r"--microbatches", r"at least 1", r"--help"]),
     "steps-0": (_count("--steps", "0"), [r"--steps", r"at least 1"]),
@@ -195,7 +195,7 @@ WORKER_SIDE = {
     "loss-fn-raises": (dict(fail='raise ValueError("my loss broke")'),
                        [r"rank 1 \(stage 1\), step 2, forward of microbatch 3: ValueError: my loss broke",
                         r"workers\.log"]),
-    "worker-killed": (dict(fail="os._exit(9)"), [r"local rank 1 exited with code 9", r"lost rank 1"]),
+    "worker-killed": (dict(fail="os._exit(9)"), [r"rank 1 exited with code 9 without an error line", r"lost rank 1"]),
 }
 
 

@@ -7,6 +7,7 @@ Both nodes here are processes on 127.0.0.1 with the static rendezvous.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,15 +18,9 @@ from pathlib import Path
 import torch
 
 from tests.fxpipe.runtime.harness import free_port
+from tests.fxpipe.runtime.test_train_cli import MODEL as TINY
 
-MODEL = textwrap.dedent('''
-    import torch, torch.nn as nn, torch.nn.functional as F
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
-    example_inputs = (torch.randn(4, 16),)
-    example_targets = torch.randn(4, 4)
-    def loss_fn(out, y):
-        return F.mse_loss(out, y)
+MODEL = TINY + textwrap.dedent('''
     def batches():
         g = torch.Generator().manual_seed(1)
         for _ in range(6):
@@ -55,7 +50,10 @@ def test_two_nodes_train_like_one(tmp_path: Path) -> None:
     printed = _fxpipe(*train, "--save", str(tmp_path / "two_nodes.pt"), "--launcher", "none", "--run-dir", str(run),
                       env=env)
     assert "-m fxpipe.runtime.worker" in printed.stderr and "--nnodes" in printed.stderr
-    shutil.copytree(run, tmp_path / "run_copy")  # the second machine's copy
+    shutil.copytree(run, tmp_path / "run_copy")  # the second machine's copy; it has no tiny.py at that path:
+    job = json.loads((tmp_path / "run_copy" / "run.json").read_text())
+    job["model"] = str(tmp_path / "elsewhere" / "tiny.py")  # the worker falls back to the copy in the run folder
+    (tmp_path / "run_copy" / "run.json").write_text(json.dumps(job))
     port = free_port()
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
                                 "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
