@@ -9,6 +9,17 @@ gradient accumulation over the step's microbatches: the gradient of the mean
 microbatch loss), ``gpipe`` (same result, all forwards then all backwards),
 ``1f1b-stash`` (PipeDream: an update after every minibatch, each backward on
 the weights its forward used; a "step" is M minibatches).
+
+Mistakes the parent can see (counts below 1, a first batch unlike
+example_inputs, a --split of another model, a missing or damaged checkpoint)
+stop it before any worker starts; a worker's failure (a NaN loss, an error in
+the model or loss) ends the run with that rank's one line. Either way the exit
+code is 2; ``fxpipe --debug train ...`` shows the tracebacks.
+
+Multi-node: ``--launcher none --run-dir RUN`` writes RUN (the split,
+``run.json``, a copy of the model file) and prints the command; copy RUN to
+every node and start ``torchrun --nnodes ... -m fxpipe.runtime.worker RUN``
+there. Rank 0 writes ``--save``.
 """
 from __future__ import annotations
 

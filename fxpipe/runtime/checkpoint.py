@@ -101,10 +101,11 @@ def check(folder: str, layout: Layout, info: Dict[str, Any], stages: List[nn.Mod
         have = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
         if want != have:
             key = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))[0]
-            shape = lambda d: list(d[key]) if key in d else "missing"  # noqa: E731
+            there, here = (list(d[key]) if key in d else "missing" for d in (have, want))
             raise CheckpointError(f"--resume: {path} does not belong to this split (stage {j} tensor {key}: "
-                                  f"{shape(have)} there, {shape(want)} here); resume with the split the checkpoint was taken "
-                                  f"with (it is kept in {os.path.join(folder, 'split')}), or use a new --checkpoint")
+                                  f"{there} there, {here} here); resume with the split the checkpoint was "
+                                  f"taken with (it is kept in {os.path.join(folder, 'split')}), "
+                                  "or use a new --checkpoint")
     return int(record["step"])
 
 

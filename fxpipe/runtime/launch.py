@@ -288,7 +288,8 @@ def train(model: str, cfg: TrainConfig, devices: Optional[int], save: Optional[s
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     if launcher == "none":
-        _log(f"wrote {run_dir}; copy it to every node and run there:\n  {worker_command(run_dir, prep.layout.world_size)}")
+        command = worker_command(run_dir, prep.layout.world_size)
+        _log(f"wrote {run_dir}; copy it to every node and run there:\n  {command}")
         return 0
     code = launch(prep, threads, debug)
     if code != 0:

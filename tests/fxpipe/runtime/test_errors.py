@@ -150,6 +150,7 @@ def _split_output_is_a_file(w: Path) -> List[str]:
     return ["split", str(w / "good.py"), "--devices", "2", "-o", str(w / "a_file")]
 
 
+_SHAPE = r"(\[[\d, ]*\]|missing)"
 PARENT_SIDE = {
     "batches-wrong-feature-size": (_bad_features, [r"wide\.py", r"batches\(\)", r"\(4, 17\)", r"\(4, 16\)",
                                                    "example_inputs"]),
@@ -158,9 +159,8 @@ PARENT_SIDE = {
     "resume-no-latest-json": (_empty_checkpoint_folder, [r"--resume", r"empty_ck", r"no latest\.json",
                                                          r"drop --resume"]),
     "resume-corrupt-latest-json": (_corrupt_latest, [r"latest\.json", r"damaged", r"without --resume"]),
-    "resume-checkpoint-of-other-split": (_checkpoint_of_other_split, [r"stage\d\.pt", r"does not belong",
-                                                                      r"tensor \d\.\w+: (\[[\d, ]*\]|missing) there, (\[[\d, ]*\]|missing) here",
-                                                                      r"new --checkpoint"]),
+    "resume-checkpoint-of-other-split": (_checkpoint_of_other_split, [
+        r"stage\d\.pt", r"does not belong", rf"tensor \d\.\w+: {_SHAPE} there, {_SHAPE} here", r"new --checkpoint"]),
     "split-of-other-model": (_split_of_other_model, [r"split in .*split_other", r"good\.py", r"4\.weight",
                                                      r"fxpipe split"]),
     "microbatches-0": (_count("--microbatches", "0"), [r"--microbatches", r"at least 1", r"--help"]),
