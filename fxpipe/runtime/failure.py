@@ -32,8 +32,8 @@ class NonFiniteLoss(FxpipeError):
     """The loss of a microbatch is NaN or infinite: training stops before the update."""
 
 
-def check_loss(g: int, value: float) -> None:
-    """Raise ``NonFiniteLoss`` for microbatch ``g``'s loss ``value`` unless it is finite."""
+def check_loss(value: float) -> None:
+    """Raise ``NonFiniteLoss`` unless a microbatch's loss ``value`` is finite (``where`` adds which one)."""
     if not math.isfinite(value):
         raise NonFiniteLoss(f"the loss is {value} (not finite); nothing was updated with it. Lower --lr, "
                             "check the data and the loss function, or resume from the last checkpoint")

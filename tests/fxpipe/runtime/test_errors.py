@@ -210,3 +210,15 @@ def test_worker_failure_is_one_line_and_stops_every_rank(work: Path, tmp_path: P
     assert "step 1/4" in out and "step 2/4" not in out  # stopped in step 2: no rank waits for the timeout
     assert json.loads((ck / "latest.json").read_text())["step"] == 1  # the last complete checkpoint stays
     assert os.path.exists(ck / "step-00000001" / "stage1.pt")
+
+
+def test_root_cause_is_the_first_failure_that_did_not_just_lose_a_peer(tmp_path: Path) -> None:
+    from fxpipe.runtime import failure
+
+    failure.record(str(tmp_path), 0, "rank 0 (stage 0), step 1, backward of microbatch 1: RECV_B1: lost rank 1 (...)")
+    failure.record(str(tmp_path), 1, "rank 1 (stage 1), step 1, forward of microbatch 1: ValueError: bad")
+    records = failure.read(str(tmp_path))
+    records[1]["time"] = records[0]["time"] + 1.0  # reported later than its peer's loss, still the cause
+    assert failure.root_cause(records)["rank"] == 1
+    failure.clear(str(tmp_path))
+    assert failure.root_cause(failure.read(str(tmp_path))) is None
