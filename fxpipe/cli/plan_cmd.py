@@ -82,11 +82,9 @@ def load_source(source: str) -> "CostGraph":
 
     A profile file loads without torch: only a model source imports it.
     """
-    from passes.costgraph import CostGraph
-
     path = Path(source)
     if path.suffix != ".py" and (path.exists() or ":" not in source):
-        return CostGraph.load(path)
+        return load_profile(path)
     try:
         from fxpipe.loader import load_model
     except ImportError as exc:
@@ -100,6 +98,20 @@ def load_source(source: str) -> "CostGraph":
                  concrete_args=getattr(spec, "concrete_args", None))
     print(f"plan: profiling {source} ...", file=sys.stderr)
     return to_cost_graph(profile(gm, spec.example_inputs))
+
+
+def load_profile(path: Path) -> "CostGraph":
+    """``CostGraph.load``, with a damaged file (truncated, hand-edited, not a profile) as one clear error."""
+    from passes.costgraph import CostGraph
+
+    try:
+        return CostGraph.load(path)
+    except FxpipeError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        what = "is not valid JSON" if isinstance(exc, json.JSONDecodeError) else "is not a profile fxpipe can read"
+        raise FxpipeError(f"{path} {what} ({type(exc).__name__}: {exc}); write it again with "
+                          "`fxpipe profile MODEL -o FILE` or pass the model itself") from exc
 
 
 def run(args: argparse.Namespace) -> int:

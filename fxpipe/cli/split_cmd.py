@@ -82,12 +82,25 @@ def report(split: Any, model: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_outdir(outdir: Path) -> None:
+    """The output folder can be created (or is a folder already)."""
+    from passes.errors import FxpipeError
+
+    for parent in [outdir, *outdir.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise FxpipeError(f"-o {outdir}: {parent} exists and is a file, not a folder; "
+                              "name a new or existing folder for the split")
+        if parent.exists():
+            break
+
+
 def run(args: argparse.Namespace) -> int:
     from fxpipe.api import split
     from fxpipe.loader import load_model
 
-    spec = load_model(args.model)
     outdir = Path(args.output) if args.output else default_outdir(args.model)
+    check_outdir(outdir)  # before the minutes of profiling and planning, not after
+    spec = load_model(args.model)
     kwargs = partition_kwargs(args)
     result = split(spec.model, spec.example_inputs, args.devices, capture_method=args.method,
                    leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args, device=args.device,

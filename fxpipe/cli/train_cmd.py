@@ -9,42 +9,56 @@ gradient accumulation over the step's microbatches: the gradient of the mean
 microbatch loss), ``gpipe`` (same result, all forwards then all backwards),
 ``1f1b-stash`` (PipeDream: an update after every minibatch, each backward on
 the weights its forward used; a "step" is M minibatches).
+
+Mistakes the parent can see (counts below 1, a first batch unlike
+example_inputs, a --split of another model, a missing or damaged checkpoint)
+stop it before any worker starts; a worker's failure (a NaN loss, an error in
+the model or loss) ends the run with that rank's one line. Either way the exit
+code is 2; ``fxpipe --debug train ...`` shows the tracebacks.
+
+Multi-node: ``--launcher none --run-dir RUN`` writes RUN (the split,
+``run.json``, a copy of the model file) and prints the command; copy RUN to
+every node and start ``torchrun --nnodes ... -m fxpipe.runtime.worker RUN``
+there. Rank 0 writes ``--save``.
 """
 from __future__ import annotations
 
 import argparse
 
 from fxpipe.schedule import KINDS as SCHEDULES
-from fxpipe.units import parse_bandwidth, parse_memory
+from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="pipeline-parallel training on local workers (torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model .py file or package.module:factory")
-    p.add_argument("--devices", "-k", type=int, default=None, help="number of workers (ranks)")
+    p.add_argument("--devices", "-k", type=at_least(1), default=None, help="number of workers (ranks)")
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b-flush")
-    p.add_argument("--microbatches", "-m", type=int, default=None,
+    p.add_argument("--microbatches", "-m", type=at_least(1), default=None,
                    help="microbatches per step (default: the number of devices)")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 sgd, 0.001 adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=None, help="default: the optimizer's (sgd 0, adamw 0.01)")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint folder (written at the end too)")
-    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N", help="checkpoint every N steps")
+    p.add_argument("--checkpoint-every", type=at_least(0), default=0, metavar="N", help="checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint")
     p.add_argument("--save", default=None, metavar="FILE.pt",
                    help="write the trained weights as the original model's state_dict")
     p.add_argument("--split", default=None, metavar="DIR", help="reuse a split folder from `fxpipe split`")
-    p.add_argument("--timeout", type=float, default=300.0,
+    p.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds a worker waits for a peer before the run fails (default 300)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores / N)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads per worker (default cores / N)")
     p.add_argument("--run-dir", default=None, help="keep the split and run.json here (default: a temp folder)")
+    p.add_argument("--launcher", choices=("torchrun", "none"), default="torchrun",
+                   help="torchrun: start the workers here (default); none: only write --run-dir and print the "
+                        "torchrun command to run on every node (multi-node)")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=None, help="for the planner, bytes/s between stages")
     p.add_argument("--memory", type=parse_memory, default=None, help="for the planner, bytes per device")
-    p.add_argument("--time-limit", type=float, default=20.0, help="planner time limit in seconds")
+    p.add_argument("--time-limit", type=positive_float, default=20.0, help="planner time limit in seconds")
     p.set_defaults(func=run)
 
 
@@ -52,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.launch import train  # torch: imported only when training
     from fxpipe.runtime.loop import TrainConfig
 
-    if args.resume and not args.checkpoint:
-        raise SystemExit("fxpipe train: --resume needs --checkpoint DIR")
     lr = args.lr if args.lr is not None else (0.001 if args.optimizer == "adamw" else 0.01)
     cfg = TrainConfig(schedule=args.schedule, microbatches=args.microbatches or args.devices or 4,
                       steps=args.steps, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
@@ -65,4 +77,5 @@ def run(args: argparse.Namespace) -> int:
     if args.memory is not None:
         plan_options["memory"] = args.memory
     return train(args.model, cfg, args.devices, save=args.save, split_dir=args.split, run_dir=args.run_dir,
-                 threads=args.threads, plan_options=plan_options)
+                 threads=args.threads, plan_options=plan_options, launcher=args.launcher,
+                 debug=bool(getattr(args, "debug", False)))

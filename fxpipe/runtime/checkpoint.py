@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,17 +67,53 @@ def latest(folder: str) -> Optional[Dict[str, Any]]:
     path = os.path.join(folder, "latest.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--resume: cannot read {path} ({type(exc).__name__}: {exc}); it is damaged: "
+                              "restore it, or train again without --resume") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] < 0:
+        raise CheckpointError(f"--resume: {path} has no step number (is it fxpipe's?); restore it, "
+                              "or train again without --resume")
+    return record
 
 
-def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer: torch.optim.Optimizer,
-            info: Dict[str, Any]) -> int:
-    """Load this rank's stage from the newest checkpoint; returns the step to start at."""
+def check(folder: str, layout: Layout, info: Dict[str, Any], stages: List[nn.Module]) -> int:
+    """What ``restore`` will find, checked once in the parent: returns the step to resume at.
+
+    The newest checkpoint must be readable, for these stage replicas and
+    settings, and hold, for every stage, the tensors of that stage under the
+    same names and shapes (so a checkpoint of another split or model fails here,
+    not as a ``load_state_dict`` traceback in every worker).
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"--resume: checkpoint folder {folder} does not exist; "
+                              "train with --checkpoint DIR first, or drop --resume")
+    record = _record(folder, layout, info)
+    for j, module in enumerate(stages):
+        path = os.path.join(_step_dir(folder, record["step"]), f"stage{j}.pt")
+        state = _load(path, mmap=True)
+        saved = state.get("module") if isinstance(state, dict) else None
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"--resume: {path} holds no stage weights; it is not an fxpipe checkpoint")
+        want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        have = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+        if want != have:
+            key = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))[0]
+            there, here = (list(d[key]) if key in d else "missing" for d in (have, want))
+            raise CheckpointError(f"--resume: {path} does not belong to this split (stage {j} tensor {key}: "
+                                  f"{there} there, {here} here); resume with the split the checkpoint was "
+                                  f"taken with (it is kept in {os.path.join(folder, 'split')}), "
+                                  "or use a new --checkpoint")
+    return int(record["step"])
+
+
+def _record(folder: str, layout: Layout, info: Dict[str, Any]) -> Dict[str, Any]:
     record = latest(folder)
     if record is None:
         raise CheckpointError(f"--resume: no checkpoint in {folder} (no latest.json); "
-                              "train with --checkpoint DIR --checkpoint-every N first")
+                              "train with --checkpoint DIR --checkpoint-every N first, or drop --resume")
     if record.get("replicas") != list(layout.replicas):
         raise CheckpointError(f"checkpoint in {folder} is for stage replicas {record.get('replicas')}, "
                               f"this run has {list(layout.replicas)}; resume with the same plan and --devices")
@@ -85,11 +121,28 @@ def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer
         if key in record and record[key] != value:
             raise CheckpointError(f"checkpoint in {folder} was taken with {key}={record[key]!r}, "
                                   f"this run has {value!r}; resume with the same settings")
+    return record
+
+
+def _load(path: str, mmap: bool = False) -> Any:
+    """The file's contents; ``mmap`` for a look at names and shapes without reading every byte."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"--resume: the checkpoint lacks {path}; it is incomplete: "
+                              "restore it, or train again without --resume")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same advice
+        raise CheckpointError(f"--resume: cannot read {path} ({type(exc).__name__}); it is damaged: "
+                              "restore it, or train again without --resume") from exc
+
+
+def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer: torch.optim.Optimizer,
+            info: Dict[str, Any]) -> int:
+    """Load this rank's stage from the newest checkpoint; returns the step to start at."""
+    record = _record(folder, layout, info)
     stage = layout.stage_of(rank)
     path = os.path.join(_step_dir(folder, record["step"]), f"stage{stage}.pt")
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint step {record['step']} lacks {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = _load(path)
     with torch.no_grad():
         module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])

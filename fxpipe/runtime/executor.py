@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
+from fxpipe.runtime.failure import check_loss
 from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer
@@ -159,6 +160,7 @@ class Executor:
         if self.is_last:
             loss = self._loss(self.unflatten(outputs), targets)
             self.losses.append((g, float(loss.detach())))
+            check_loss(self.losses[-1][1])  # stop before a NaN reaches the gradients (fxpipe.runtime.failure)
             state.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
         if state.loss is None and not state.tokens:
             self.stash.forget(g)

@@ -1,18 +1,22 @@
 """``fxpipe train`` on one machine: plan and split once, then ``torch.distributed.run``.
 
 The parent process does the work that needs the whole model exactly once:
-load the model file, capture, profile, partition (or reuse a saved split),
-split, and save the split into a run folder with ``run.json`` (the training
-settings and the stage replicas). It then starts ``torchrun --standalone``
-with one worker per rank (``python -m fxpipe.runtime.worker RUN_DIR``); each
-worker loads only the split and the model file's data and loss.
+load the model file, check it (``fxpipe.runtime.preflight``), capture,
+profile, partition (or reuse a saved split), split, and save the split into a
+run folder with ``run.json`` (the training settings and the stage replicas).
+It then starts ``torchrun --standalone`` with one worker per rank
+(``python -m fxpipe.runtime.worker RUN_DIR``); each worker loads only the
+split and the model file's data and loss.
 
+Workers' stderr, torchrun's included, goes to ``RUN_DIR/workers.log`` (shown
+after a successful run; with ``--debug`` shown live). A failed run ends with
+the one line of the rank whose failure started it (``fxpipe.runtime.failure``).
 After the workers exit the parent merges the per-rank trace files into one
-Chrome trace and, for ``--save``, turns the per-stage final weights back into
-a ``state_dict`` under the original model's parameter names.
+Chrome trace; ``--save`` is written by rank 0 (``fxpipe.runtime.worker``).
 
-Multi-node: run ``torchrun ... -m fxpipe.runtime.worker RUN_DIR`` yourself on
-every node with a shared RUN_DIR written by ``prepare``.
+Multi-node: ``launcher="none"`` (``fxpipe train ... --launcher none
+--run-dir RUN``) stops after writing RUN and prints the ``torchrun`` command
+to run on every node with a copy of RUN.
 """
 from __future__ import annotations
 
@@ -30,10 +34,15 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from fxpipe.layout import Layout
+from fxpipe.runtime import checkpoint, failure
 from fxpipe.runtime.loop import TrainConfig
+from fxpipe.runtime.preflight import PreflightError, check_config, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
 from fxpipe.runtime.worker import RUN_FILE, SPLIT_DIR
 from passes.errors import FxpipeError
+
+
+WORKERS_LOG = "workers.log"
 
 
 class LaunchError(FxpipeError):
@@ -70,38 +79,71 @@ def plan_and_split(spec: Any, devices: int, schedule: str, microbatches: int,
 
 
 def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, split_dir: Optional[str] = None,
-            plan_options: Optional[Dict[str, Any]] = None) -> Prepared:
-    """Write RUN_DIR (split + run.json) for ``model``; ``split_dir`` reuses a saved split."""
-    from fxpipe.loader import load_model
-    from fxpipe.split_model import SplitModel
+            plan_options: Optional[Dict[str, Any]] = None, save: Optional[str] = None) -> Prepared:
+    """Write RUN_DIR (split + run.json) for ``model``; ``split_dir`` reuses a saved split.
 
+    Everything the parent can check alone is checked here, before any worker
+    starts: the settings, the first batch, the split against the model, and
+    the checkpoint to resume from.
+    """
+    from fxpipe.loader import load_model
+
+    check_config(cfg)
+    if devices is not None and devices < 1:
+        raise PreflightError(f"--devices must be at least 1, got {devices}")
     spec = load_model(model)
+    check_first_batch(spec, cfg.microbatches)
     kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)
         _log(f"resuming with the split saved in {kept}")
-    if split_dir:
-        split = SplitModel.load(split_dir)
-    else:
-        if not devices:
-            raise FxpipeError("fxpipe train: give --devices N (or --split DIR from `fxpipe split`)")
-        split = plan_and_split(spec, devices, cfg.schedule, cfg.microbatches, plan_options)
+    split = _split(spec, model, cfg, devices, split_dir, plan_options)
     replicas = [s.replicas for s in split.plan.stages] if split.plan is not None else [1] * split.num_stages
     layout = Layout.of(replicas)
     if devices and devices != layout.world_size:
         raise FxpipeError(f"the split uses {layout.world_size} devices ({replicas} replicas per stage), "
                           f"not --devices {devices}; drop --devices or split again")
-    os.makedirs(run_dir, exist_ok=True)
-    split.save(os.path.join(run_dir, SPLIT_DIR))
+    if cfg.resume:
+        info = {"schedule": cfg.schedule, "microbatches": cfg.microbatches}  # as fxpipe.runtime.loop records them
+        step = checkpoint.check(cfg.checkpoint, layout, info, split.stages)
+        _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")
+    _write_run_dir(run_dir, model, split, replicas, cfg, save)
     if kept and split_dir != kept:
         split.save(kept)
-    job = {"model": os.path.abspath(model) if os.path.exists(model) else model,
-           "replicas": replicas, "config": cfg.to_json()}
-    with open(os.path.join(run_dir, RUN_FILE), "w") as f:
-        json.dump(job, f, indent=1)
     if spec.batches is None:
         _log(f"{model} defines no batches(): every microbatch is the example minibatch, repeated")
     return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size))
+
+
+def _split(spec: Any, model: str, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
+           plan_options: Optional[Dict[str, Any]]) -> Any:
+    """The saved split (checked against the model) or a new one."""
+    from fxpipe.split_model import SplitModel
+
+    if split_dir:
+        split = SplitModel.load(split_dir)
+        check_split_matches(split, spec.model, split_dir, model)
+        return split
+    if not devices:
+        raise FxpipeError("give --devices N (or --split DIR from `fxpipe split`)")
+    return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches, plan_options)
+
+
+def _write_run_dir(run_dir: str, model: str, split: Any, replicas: List[int], cfg: TrainConfig,
+                   save: Optional[str]) -> None:
+    """The split, ``run.json`` and a copy of the model file (for nodes that lack it)."""
+    os.makedirs(run_dir, exist_ok=True)
+    split.save(os.path.join(run_dir, SPLIT_DIR))
+    job: Dict[str, Any] = {"model": os.path.abspath(model) if os.path.exists(model) else model,
+                           "replicas": replicas, "config": cfg.to_json()}
+    if os.path.isfile(model):
+        job["model_copy"] = os.path.basename(model)
+        if os.path.abspath(os.path.join(run_dir, job["model_copy"])) != os.path.abspath(model):
+            shutil.copyfile(model, os.path.join(run_dir, job["model_copy"]))
+    if save:
+        job["save"] = os.path.abspath(save)
+    with open(os.path.join(run_dir, RUN_FILE), "w") as f:
+        json.dump(job, f, indent=1)
 
 
 def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
@@ -148,17 +190,26 @@ def _compare(predicted: Optional[float], rates: List[float]) -> None:
     _log(line)
 
 
-def launch(prep: Prepared, threads: Optional[int] = None) -> int:
-    """Run the workers under torchrun; returns their exit code."""
+def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -> int:
+    """Run the workers under torchrun; returns their exit code.
+
+    Their stderr goes to ``workers.log`` (torchrun's report of a failure is a
+    page of tracebacks; the parent prints the failing rank's one line instead).
+    """
     world = prep.layout.world_size
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(threads or max(1, (os.cpu_count() or 1) // world))
     env["PYTHONUNBUFFERED"] = "1"
+    if debug:
+        env["FXPIPE_DEBUG"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "--max-restarts=0", "-m", "fxpipe.runtime.worker", prep.run_dir]
     _log(f"starting {world} workers: {' '.join(cmd[2:])}")
+    failure.clear(prep.run_dir)
     rates: List[float] = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
+    log_path = os.path.join(prep.run_dir, WORKERS_LOG)
+    with open(log_path, "w") as log, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                                      stderr=None if debug else log) as proc:
         for line in proc.stdout or ():  # echo the workers' output, keep the step rates
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -166,36 +217,83 @@ def launch(prep: Prepared, threads: Optional[int] = None) -> int:
             if m:
                 rates.append(float(m.group(2)))
     if proc.returncode == 0:
+        with open(log_path) as log:
+            sys.stderr.write(log.read())  # warnings the workers printed
         _compare(prep.predicted_samples_per_s, rates)
     return proc.returncode
 
 
+_EXITED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> LaunchError:
+    """The error for a failed run: the root cause's line, the checkpoint left, and where the rest is."""
+    log = os.path.join(run_dir, WORKERS_LOG)
+    records = failure.read(run_dir)
+    first = failure.root_cause(records)
+    cause = str(first["line"]) if first else ""
+    if first is None or first.get("lost_peer"):  # maybe a rank died without a word: torchrun logged its exit
+        silent = _silent_exit(log, {int(r.get("rank", -1)) for r in records})
+        cause = "; ".join(c for c in (silent, cause) if c) or f"the workers exited with code {code}"
+    record = None
+    if checkpoint_dir:
+        try:
+            record = checkpoint.latest(checkpoint_dir)
+        except FxpipeError:
+            record = None
+    kept = f"; the last complete checkpoint is step {record['step']} in {checkpoint_dir} (--resume)" if record else ""
+    return LaunchError(f"{cause}{kept} (all worker output: {log})")
+
+
+def _silent_exit(log: str, reported: set) -> str:
+    """The first worker torchrun saw fail that wrote no error line (single node: local rank = rank)."""
+    if not os.path.exists(log):
+        return ""
+    with open(log, errors="replace") as f:
+        for m in _EXITED.finditer(f.read()):
+            if int(m.group(2)) not in reported:
+                return (f"rank {m.group(2)} exited with code {m.group(1)} without an error line "
+                        "(killed? out of memory?)")
+    return ""
+
+
 def finish(prep: Prepared, cfg: TrainConfig, save: Optional[str]) -> None:
-    """Merge traces; write the trained weights under the original parameter names."""
+    """Merge traces; say where the trained weights are."""
     if cfg.trace:
         n = merge([rank_path(cfg.trace, r) for r in range(prep.layout.world_size)], cfg.trace)
         _log(f"wrote {cfg.trace} ({n} events; open in chrome://tracing or ui.perfetto.dev)")
-    if save and cfg.save_dir:
-        states = [torch.load(os.path.join(cfg.save_dir, f"stage{j}.pt"), weights_only=False)
-                  for j in range(prep.split.num_stages)]
-        state = prep.split.original_state_dict(states)
-        torch.save(state, save)
-        _log(f"wrote {save} ({len(state)} tensors; load with model.load_state_dict(torch.load(...)))")
+    if save:
+        _log(f"wrote {save} (the original model's state_dict: model.load_state_dict(torch.load(...)))")
+
+
+def worker_command(run_dir: str, world: int) -> str:
+    """The ``torchrun`` line a user runs on every node for ``run_dir``."""
+    return (f"torchrun --nnodes NODES --node-rank I --nproc-per-node PER_NODE --master-addr HOST "
+            f"--master-port PORT -m fxpipe.runtime.worker {run_dir}   (NODES x PER_NODE = {world}; "
+            "I = 0 on HOST, 1..NODES-1 elsewhere)")
 
 
 def train(model: str, cfg: TrainConfig, devices: Optional[int], save: Optional[str] = None,
           split_dir: Optional[str] = None, run_dir: Optional[str] = None, threads: Optional[int] = None,
-          plan_options: Optional[Dict[str, Any]] = None) -> int:
+          plan_options: Optional[Dict[str, Any]] = None, launcher: str = "torchrun", debug: bool = False) -> int:
     """The whole of ``fxpipe train``; returns the process exit code."""
+    if launcher == "none" and not run_dir:
+        raise PreflightError("--launcher none writes the run folder for your own torchrun: give --run-dir DIR")
     own = run_dir is None
     run_dir = run_dir or tempfile.mkdtemp(prefix="fxpipe-train-")
-    if save:
-        cfg.save_dir = os.path.join(run_dir, "final")
-    prep = prepare(model, cfg, devices, run_dir, split_dir, plan_options)
-    code = launch(prep, threads)
+    try:
+        prep = prepare(model, cfg, devices, run_dir, split_dir, plan_options, save)
+    except BaseException:
+        if own:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    if launcher == "none":
+        command = worker_command(run_dir, prep.layout.world_size)
+        _log(f"wrote {run_dir}; copy it to every node and run there:\n  {command}")
+        return 0
+    code = launch(prep, threads, debug)
     if code != 0:
-        raise LaunchError(f"training failed (workers exited with code {code}); the first worker error is "
-                          f"printed above. Run folder kept: {run_dir}")
+        raise failed(run_dir, code, cfg.checkpoint)
     finish(prep, cfg, save)
     if own:
         shutil.rmtree(run_dir, ignore_errors=True)

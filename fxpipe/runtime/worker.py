@@ -4,14 +4,22 @@
 into RUN_DIR, then starts one of these per device. A worker reads its rank
 from the environment torchrun sets, joins the process group, loads the split
 and the model file (for ``batches()``, ``loss_fn`` and the example targets;
-the model's weights come from the split) and trains its stage.
+the model's weights come from the split) and trains its stage. With
+``--save`` in ``run.json``, rank 0 gathers every stage's final weights and
+writes them as the original model's ``state_dict``, so a multi-node run needs
+no shared folder for it.
+
+Multi-node: ``fxpipe train MODEL --devices N --launcher none --run-dir RUN``
+writes RUN and exits; copy RUN to every node and start this module there
+under your own ``torchrun --nnodes ...``. If the model file is not at the
+same path on a node, the copy in RUN is used.
 
 Faults. The process group is created with a timeout, and every receive waits
 with it, so a peer that hangs ends the run with a ``TransportError`` naming
 the action and the peer; a peer that dies closes its sockets and the others
-fail at once. torchrun then stops the remaining workers and ``fxpipe train``
-reports the first failure. A worker that raises exits non-zero with one
-readable line (the traceback only with FXPIPE_DEBUG=1).
+fail at once. torchrun then stops the remaining workers. A worker that fails
+prints one line (rank, stage, action, message) and records it for the parent
+(``fxpipe.runtime.failure``); the traceback only with FXPIPE_DEBUG=1.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import torch.distributed as dist
 
 from fxpipe.layout import Layout
 from fxpipe.runtime.data import FromBatches, RepeatExample, as_tuple, batch_dim
+from fxpipe.runtime.failure import describe, record
 from fxpipe.runtime.loop import TrainConfig, train
 from passes.errors import FxpipeError
 
@@ -56,27 +65,57 @@ def make_data(spec: Any, microbatches: int) -> Any:
     return FromBatches(batches, batch_dim(inputs), microbatches)
 
 
-def run(run_dir: str, rank: int, world: int) -> int:
-    with open(os.path.join(run_dir, RUN_FILE)) as f:
-        job: Dict[str, Any] = json.load(f)
+def _model_path(run_dir: str, job: Dict[str, Any]) -> str:
+    """The model file as the parent saw it, or the copy in the run folder on a node that lacks it."""
+    model, copy = job["model"], job.get("model_copy")
+    if copy and not os.path.exists(model):
+        return os.path.join(run_dir, copy)
+    return model
+
+
+def run(run_dir: str, rank: int, world: int, seen: Dict[str, Any]) -> int:
+    """Train this rank's stage as ``run_dir/run.json`` says; ``seen`` gets the stage and M for error lines."""
+    path = os.path.join(run_dir, RUN_FILE)
+    try:
+        with open(path) as f:
+            job: Dict[str, Any] = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise FxpipeError(f"cannot read {path} ({exc}); write the run folder with "
+                          "`fxpipe train MODEL --launcher none --run-dir DIR`") from exc
     cfg = TrainConfig.from_json(job["config"])
     layout = Layout.of(job["replicas"])
     if layout.world_size != world:
         raise FxpipeError(f"the split needs {layout.world_size} processes, torchrun started {world}; "
-                          f"use --nproc-per-node {layout.world_size}")
+                          f"start {layout.world_size} in all (--nnodes x --nproc-per-node)")
+    seen.update(stage=layout.stage_of(rank), microbatches=cfg.microbatches)
     device = init(rank, world, cfg.timeout_s)
     try:
         from fxpipe.loader import load_model
         from fxpipe.split_model import SplitModel
 
         torch.manual_seed(int(job.get("seed", 0)))
-        spec = load_model(job["model"], check=False)
+        spec = load_model(_model_path(run_dir, job), check=False)
         split = SplitModel.load(os.path.join(run_dir, SPLIT_DIR))
-        train(rank=rank, layout=layout, split=split, cfg=cfg, data=make_data(spec, cfg.microbatches),
-              loss_fn=spec.loss_fn, device=device)
+        result = train(rank=rank, layout=layout, split=split, cfg=cfg, data=make_data(spec, cfg.microbatches),
+                       loss_fn=spec.loss_fn, device=device)
+        if job.get("save"):
+            save_weights(job["save"], split, layout, rank, result.state)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def save_weights(path: str, split: Any, layout: Layout, rank: int, state: Dict[str, torch.Tensor]) -> None:
+    """Collective: rank 0 writes every stage's final weights under the original model's names."""
+    mine = {k: v.cpu() for k, v in state.items()} if layout.replica_of(rank) == 0 else None
+    gathered: Optional[List[Any]] = [None] * layout.world_size if rank == 0 else None
+    dist.gather_object((layout.stage_of(rank), mine), gathered, dst=0)
+    if rank != 0:
+        return
+    by_stage = {stage: sd for stage, sd in gathered or () if sd is not None}
+    merged = split.original_state_dict([by_stage[j] for j in range(split.num_stages)])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(merged, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -85,12 +124,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: torchrun --nproc-per-node N -m fxpipe.runtime.worker RUN_DIR", file=sys.stderr)
         return 2
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    seen: Dict[str, Any] = {}
     try:
-        return run(argv[0], rank, world)
-    except FxpipeError as exc:
+        return run(argv[0], rank, world, seen)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the parent
         if os.environ.get("FXPIPE_DEBUG"):
             traceback.print_exc()
-        print(f"fxpipe worker rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        line = describe(exc, rank, seen.get("stage"), seen.get("microbatches", 1))
+        record(argv[0], rank, line)
+        print(f"fxpipe worker {line}", file=sys.stderr, flush=True)
         return 1
 
 
