@@ -143,7 +143,8 @@ def main(argv: Sequence[str] = ()) -> int:
             rows.append([os.path.basename(model), schedule, "x".join(map(str, r["replicas"])), args.steps,
                          *[f"{v:.0f}" for v in s[:3]], *[f"{v:.1f}" for v in s[3:6]], f"{s[6]:.2f}", f"{s[7]:.2f}"])
     print(tabulate(rows, headers=["model", "schedule", "replicas", "steps", "RSS start", "RSS mid", "RSS end",
-                                  "sps start", "sps mid", "sps end", "RSS end/start", "sps end/start"]))
+                                  "sps start", "sps mid", "sps end", "RSS end/start", "sps end/start"],
+                   disable_numparse=True))
     load1 = os.getloadavg()
     spans = ", ".join(f"{a}-{b}" for a, b in windows(args.steps))
     print(f"CPU gloo, 1 thread per rank, {os.cpu_count()} cores; load average {load0[0]:.1f} before, "

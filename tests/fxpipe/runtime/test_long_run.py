@@ -6,13 +6,15 @@ live autograd graph, mailboxes, posted sends and receives) and, at each step's
 end, the number of tensors the garbage collector can see in the process. Over
 many steps on a tiny model every count must stay within the schedule's
 in-flight bound, and the last third of the run (before the final drain) may
-hold no more than the first third did: a per-microbatch leak (a send kept until the end of a
+hold no more than the first third did (for the tensor count, which wobbles
+by a few with timing: its median): a per-microbatch leak (a send kept until the end of a
 1f1b-stash run, which is one action list) shows up as a count that climbs.
 """
 from __future__ import annotations
 
 import gc
-from typing import Any, Dict, List, Sequence
+import statistics
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ STEPS, M = 36, 4
 
 
 def _tensors() -> int:
+    gc.collect()  # count what is held, not cyclic garbage the collector has not reached yet
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
@@ -63,9 +66,12 @@ def _check_bounded(res: Dict[str, Any], layout: Layout, schedule: str) -> None:
         early = [s[key] for s in samples[:third] if key in s]
         late = [s[key] for s in samples[-third - drain:-drain] if key in s]
         assert early and late, key
-        assert max(late) <= max(early), (f"stage {stage} {schedule}: {key} grows with the step number: "
-                                          f"at most {max(early)} in the first third of {STEPS} steps, "
-                                          f"{max(late)} in the last ({late[-5:]})")
+        # the executor's counts repeat exactly from step to step; the process's tensor count wobbles by a
+        # few (timing), so there the typical late count is compared: a leak adds one per microbatch or more
+        worst = statistics.median(late) if key == "tensors" else max(late)
+        assert worst <= max(early), (f"stage {stage} {schedule}: {key} grows with the step number: "
+                                     f"at most {max(early)} in the first third of {STEPS} steps, "
+                                     f"{worst} in the last ({late[-5:]})")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-stash", "1f1b-flush", "gpipe"])
@@ -75,8 +81,8 @@ def test_live_state_stays_bounded_over_many_steps(schedule: str) -> None:
         _check_bounded(res, Layout.of(replicas), schedule)
 
 
-def test_stash_bounded_with_skip_link_and_non_tensor_value() -> None:
-    """Three stages, a link that skips one, a pickled int: every kind of message is released."""
-    replicas = (1, 1, 1)
-    for res in spawn(watch, 3, ("skip", replicas, "1f1b-stash"), deadline=120.0).ok():
+@pytest.mark.parametrize("name,replicas", [("skip", (1, 1, 1)), ("chain2", (2, 1))])
+def test_stash_bounded_with_skip_link_or_replicas(name: str, replicas: Tuple[int, ...]) -> None:
+    """A link that skips a stage and a pickled int; or a replicated stage that all-reduces after every backward."""
+    for res in spawn(watch, sum(replicas), (name, replicas, "1f1b-stash"), deadline=120.0).ok():
         _check_bounded(res, Layout.of(replicas), "1f1b-stash")
