@@ -13,6 +13,9 @@ One small handler per action kind (as a flat instruction interpreter):
   graph, loss and outputs are dropped: activations live from ``F m`` to
   ``B m`` only; the mailbox stays until its gradients are sent.
 - ``SEND_F m`` / ``SEND_B m`` ship the mailbox contents (asynchronously).
+  A send holds its tensor until it is waited; ``B g`` first waits the sends
+  of microbatches ``<= g - lag`` (see ``send_lag``), so a long run (one
+  1f1b-stash action list) keeps a few microbatches' sends, not all of them.
 - ``ALLREDUCE`` combines gradients over replicas and tied copies.
 - ``STEP`` steps the optimizer, clears gradients and, with stashing, starts a
   new weight version.
@@ -36,6 +39,7 @@ from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer
 from fxpipe.runtime.transport import P2P
+from fxpipe.schedule import in_flight
 from passes import comm
 from passes.errors import FxpipeError
 
@@ -71,12 +75,14 @@ class Executor:
         self.inflight: Dict[int, _InFlight] = {}
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
         self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
+        self.on_step: Optional[Callable[[], None]] = None  # called after every optimizer step
         self._versioned: set = set()  # microbatches with an optimizer step between their F and B
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step}
         self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
+        self._lag = send_lag(layout)
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
@@ -95,6 +101,19 @@ class Executor:
             raise ExecutorError(f"rank {self.rank}: the action list ended with microbatches {left} "
                                 "forwarded but never backwarded")
         self.inflight.clear()
+
+    def live_counts(self) -> Dict[str, int]:
+        """What this rank holds now; a long run must keep every count bounded by the schedule's in-flight count.
+
+        ``graphs``: microbatches whose autograd graph (activations) is alive;
+        ``mailboxes``: microbatches with any state (a graph, or gradients not
+        yet sent); ``weight_versions``: stashed weight copies; ``sends`` /
+        ``recvs``: messages posted and not yet waited.
+        """
+        return {"weight_versions": self.stash.versions_kept,
+                "graphs": sum(1 for f in self.inflight.values() if f.loss is not None or f.tokens),
+                "mailboxes": len(self.inflight), "sends": self.p2p.pending_sends,
+                "recvs": self.p2p.pending_recvs}
 
     def _program(self, actions: Sequence[Action]) -> List[Tuple[Callable[[Action, int], None], Action]]:
         """``actions`` in execution order (early receives moved), each with its handler.
@@ -178,6 +197,7 @@ class Executor:
         state = self.inflight.get(g)
         if state is None or not state.forwarded:
             raise ExecutorError(f"rank {self.rank}: {a} before its forward (global microbatch {g})")
+        self.p2p.release_sends(g - self._lag)
         self.p2p.complete(g, "B")
         roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)
         if roots:
@@ -198,6 +218,8 @@ class Executor:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()
+        if self.on_step is not None:
+            self.on_step()
 
     # ------------------------------------------------------------ communication
     def _send_f(self, a: Action, g: int) -> None:
@@ -221,6 +243,23 @@ class Executor:
 
     def _recv_b(self, a: Action, g: int) -> None:
         self.p2p.recv_backward(self._box(g), g, self.stage, self._peer_stage(a), a.peer)
+
+
+def send_lag(layout: Layout) -> int:
+    """How many microbatches back a send is certainly received: at ``B g``, sends of ``<= g - lag`` are.
+
+    A send completes once its receiver posted the matching receive (gloo
+    waits for that). A peer posts the receive of microbatch ``m`` after its
+    earlier actions, which wait only for messages of microbatches up to
+    ``m`` plus its forwards in flight (1F1B; GPipe's forwards wait on the
+    stage before, which posts all of them before any backward) and for its
+    replicas' all-reduce (up to ``m + r - 1``). At ``B g`` this rank has
+    posted every send of the microbatches before ``g``, so once ``g - m``
+    exceeds both bounds the peer needs nothing more from this rank and the
+    wait returns at once: no new ordering, no deadlock.
+    """
+    ahead = max(in_flight(layout, j, "1f1b-flush") for j in range(layout.num_stages))
+    return ahead + max(layout.replicas) + 1
 
 
 def _updated_in_flight(actions: Sequence[Action]) -> List[int]:

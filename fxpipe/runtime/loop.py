@@ -145,11 +145,18 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
 
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
           loss_fn: Optional[LossFn], build: Optional[Callable[..., Dict[int, list]]] = None,
-          device: torch.device = torch.device("cpu")) -> TrainResult:
-    """Run ``cfg.steps`` steps on this rank; collective over all ranks of ``layout``."""
+          device: torch.device = torch.device("cpu"),
+          observe: Optional[Callable[[Executor], None]] = None) -> TrainResult:
+    """Run ``cfg.steps`` steps on this rank; collective over all ranks of ``layout``.
+
+    ``observe`` is called with the executor after every optimizer step (tests
+    watch its ``live_counts`` over a long run).
+    """
     if build is None:
         from fxpipe.schedule import build_schedule as build
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
+    if observe is not None:
+        r.ex.on_step = lambda: observe(r.ex)
     M, stashing = cfg.microbatches, cfg.schedule == "1f1b-stash"
     info = {"schedule": cfg.schedule, "microbatches": M}
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0

@@ -21,7 +21,11 @@ are posted in the same order on both sides.
 Message tags are derived from (edge index, microbatch, direction), so gloo
 matches every message exactly even when several microbatches are in flight.
 Sends are asynchronous (as the schedule validator assumes: sends are
-buffered); their handles are kept with the tensor until they complete.
+buffered); each handle is kept, with its tensor, until it is waited. Gloo
+never reports a send complete before ``wait()`` (``is_completed()`` stays
+False), so polling cannot free them: the executor calls ``release_sends``
+with a microbatch old enough that every peer has certainly posted the
+matching receive (see ``Executor``), and the wait returns at once.
 Receives are waited lazily, right before the forward or backward that needs
 them, so a receive posted early overlaps with compute.
 """
@@ -118,7 +122,7 @@ class P2P:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.on_wait = on_wait
-        self._sends: List[Tuple[Any, Any]] = []
+        self._sends: List[Tuple[int, Any, torch.Tensor]] = []  # (microbatch, work, tensor), posting order
         self._recvs: Dict[Tuple[int, str], List[_Pending]] = {}
         self._pairs: Dict[Tuple[int, int], List[Wire]] = {}  # per-microbatch lookups, computed once
         self._dtypes: Dict[int, torch.dtype] = {w.index: torch_dtype(w.tensor.dtype) for w in self.wires
@@ -137,14 +141,24 @@ class P2P:
     def _empty(self, w: Wire) -> torch.Tensor:
         return torch.empty(w.tensor.shape, dtype=self._dtypes[w.index], device=self.device)
 
+    @property
+    def pending_sends(self) -> int:
+        """Sends posted and not yet waited (each holds its tensor)."""
+        return len(self._sends)
+
+    @property
+    def pending_recvs(self) -> int:
+        """Receives posted and not yet filed in their mailbox."""
+        return sum(len(p) for p in self._recvs.values())
+
     def tensors_only(self, src: int, dst: int) -> bool:
         """Whether every value from stage ``src`` to ``dst`` is a tensor (its receive never blocks)."""
         return all(w.tensor is not None for w in self._between(src, dst))
 
     # ------------------------------------------------------------ sends
-    def _isend(self, t: torch.Tensor, peer: int, tag: int) -> None:
+    def _isend(self, t: torch.Tensor, peer: int, tag: int, mb: int) -> None:
         t = t.detach().to(self.device).contiguous()
-        self._sends.append((self._post(dist.isend, t, peer, tag), t))
+        self._sends.append((mb, self._post(dist.isend, t, peer, tag), t))
 
     def _post(self, op: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int) -> Any:
         """Post an ``isend``/``irecv``: gloo raises at once when the peer's connection is already gone."""
@@ -164,12 +178,11 @@ class P2P:
                 objects.append((w, value))
                 continue
             _check(value, w, mb, self._dtypes[w.index])
-            self._isend(value, peer, self._tag(w, mb, _FWD))
+            self._isend(value, peer, self._tag(w, mb, _FWD), mb)
         for w, value in objects:  # headers first, payloads after: one order on both sides
             payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), peer, self._tag(w, mb, _HDR))
-            self._isend(payload, peer, self._tag(w, mb, _PAY))
-        self._prune()
+            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), peer, self._tag(w, mb, _HDR), mb)
+            self._isend(payload, peer, self._tag(w, mb, _PAY), mb)
 
     def send_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         """Gradients of the values ``peer_stage`` sent here, back to it."""
@@ -179,18 +192,25 @@ class P2P:
             grad = box.grad_out.pop(w.tag, None)
             if grad is None:
                 grad = torch.zeros(w.tensor.shape, dtype=self._dtypes[w.index])
-            self._isend(grad, peer, self._tag(w, mb, _BWD))
-        self._prune()
+            self._isend(grad, peer, self._tag(w, mb, _BWD), mb)
 
-    def _prune(self) -> None:
-        if len(self._sends) > 64:
-            try:
-                self._sends = [(wk, t) for wk, t in self._sends if not wk.is_completed()]
-            except RuntimeError as exc:  # a send that failed reports it here
-                raise self._lost("a send", -1, exc) from exc
+    def release_sends(self, upto: int) -> None:
+        """Wait for, and drop, every send of a microbatch ``<= upto``: their tensors are freed.
+
+        Only safe for microbatches whose receives every peer has certainly
+        posted (a send completes once its receiver is ready); the caller picks
+        ``upto`` so. The list holds a few microbatches' sends, so the scan is short.
+        """
+        keep = []
+        for mb, work, t in self._sends:
+            if mb <= upto:
+                self._wait(work, f"a send of microbatch {mb}", -1)
+            else:
+                keep.append((mb, work, t))
+        self._sends = keep
 
     def wait_sends(self) -> None:
-        for work, _ in self._sends:
+        for _, work, _ in self._sends:
             self._wait(work, "a send", -1)
         self._sends.clear()
 
