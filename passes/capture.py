@@ -38,7 +38,7 @@ import torch.nn as nn
 from passes import meta
 from passes.capture_check import CaptureMismatchError, check_capture
 from passes.errors import FxpipeError
-from passes.trace_nn import TRACED_INTO, ShapeAnsweringTracer
+from passes.trace_nn import ShapeAnsweringTracer
 
 __all__ = ["capture", "CaptureError", "CaptureMismatchError", "check_capture", "LeafTracer"]
 
@@ -70,12 +70,16 @@ class LeafTracer(ShapeAnsweringTracer):
         self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
         self.path_stack: list = []
 
+    def is_declared_leaf(self, m: nn.Module, path: str) -> bool:
+        return path in self.leaf_paths or bool(self.leaf_types) and isinstance(m, self.leaf_types)
+
+    def traces_into(self, m: nn.Module, path: str = "") -> bool:
+        return not self.is_declared_leaf(m, path) and super().traces_into(m, path)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_paths:
+        if self.is_declared_leaf(m, module_qualified_name):
             return True
-        if self.leaf_types and isinstance(m, self.leaf_types):
-            return True
-        if self.traces_into(m):
+        if self.traces_into(m, module_qualified_name):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -139,7 +143,9 @@ def capture(
 def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Optional[Dict[str, Any]],
               inputs: Sequence[Any] = ()) -> torch.fx.GraphModule:
     tracer = LeafTracer(leaves, inputs)
-    if isinstance(model, TRACED_INTO):  # torch.nn's own optional arguments: their defaults
+    if tracer.traces_into_any(model):
+        # forward's optional arguments the example leaves out are fixed to their defaults (as export
+        # does): a ``mask=None`` passed on into torch.nn's modules must be None there, not a Proxy
         concrete_args = {**_unsupplied_defaults(model, len(inputs)), **(concrete_args or {})}
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
@@ -157,7 +163,8 @@ def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Opt
 
 def _unsupplied_defaults(model: nn.Module, supplied: int) -> Dict[str, Any]:
     params = list(inspect.signature(model.forward).parameters.values())[supplied:]
-    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    simple = (type(None), bool, int, float, str)
+    return {p.name: p.default for p in params if p.kind == p.POSITIONAL_OR_KEYWORD and isinstance(p.default, simple)}
 
 
 def _drop_concrete_placeholders(gm: torch.fx.GraphModule, concrete_args: Dict[str, Any]) -> None:

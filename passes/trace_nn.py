@@ -113,8 +113,11 @@ class ShapeAnsweringTracer(torch.fx.Tracer):
 
     # ------------------------------------------------------------ which modules, which values
 
-    def traces_into(self, m: nn.Module) -> bool:
+    def traces_into(self, m: nn.Module, path: str = "") -> bool:
         return self.example_inputs is not None and isinstance(m, TRACED_INTO)
+
+    def traces_into_any(self, root: nn.Module) -> bool:
+        return any(self.traces_into(m, path) for path, m in root.named_modules())
 
     def _in_scope(self) -> bool:
         inner = self.module_stack_objs[-1] if self.module_stack_objs else getattr(self, "root", None)
@@ -163,9 +166,7 @@ class ShapeAnsweringTracer(torch.fx.Tracer):
         return convert(value)
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> torch.fx.Graph:
-        if self.example_inputs is None or not isinstance(root, nn.Module) or not any(
-            self.traces_into(m) for m in root.modules()
-        ):
+        if not isinstance(root, nn.Module) or not self.traces_into_any(root):
             return super().trace(root, concrete_args)
         self._placeholders = _bind_inputs(root, self.example_inputs)
         with _keep_state(root), torch_nn_patches():

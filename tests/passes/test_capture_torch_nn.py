@@ -140,3 +140,24 @@ def test_data_dependent_branch_in_user_code_is_still_refused():
     gm = capture(Gate(), (torch.randn(2, 5, D),))
     info = meta.get(gm, meta.CaptureInfo)
     assert info.method == "export" and info.fx_error.startswith("TraceError")
+
+
+def test_optional_argument_left_out_is_fixed_to_its_default():
+    """``forward(x, mask=None)`` passes ``mask`` into the encoder: a Proxy there could not be
+    checked against None, so the argument the example leaves out is fixed to None (as export does)."""
+
+    class Optional_(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True), 2,
+                                             enable_nested_tensor=False)
+
+        def forward(self, x, mask=None):
+            return self.enc(x, mask=mask)
+
+    torch.manual_seed(0)
+    model, x = Optional_(), torch.randn(2, 5, D)
+    gm = capture(model, (x,))
+    assert meta.get(gm, meta.CaptureInfo).method == "fx"
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
+    _same_on_fresh_inputs(model, gm, (x,))
