@@ -159,11 +159,11 @@ class ShapeAnsweringTracer(torch.fx.Tracer):
 
     def concrete(self, obj: torch.fx.Proxy, convert: Any) -> Any:
         value = self._answer(obj)
-        if value is _UNKNOWN:
-            raise torch.fx.proxy.TraceError(
-                f"'{convert.__name__}' of a traced value: symbolic tracing cannot answer it here"
-            )
-        return convert(value)
+        if value is not _UNKNOWN:
+            return convert(value)
+        if convert is len:
+            return torch.fx.Proxy.__len__(obj)  # raises fx's own error
+        raise TypeError(f"{convert.__name__}() of a traced value: symbolic tracing cannot answer it here")
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> torch.fx.Graph:
         if not isinstance(root, nn.Module) or not self.traces_into_any(root):

@@ -161,3 +161,24 @@ def test_optional_argument_left_out_is_fixed_to_its_default():
     assert meta.get(gm, meta.CaptureInfo).method == "fx"
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     _same_on_fresh_inputs(model, gm, (x,))
+
+
+def test_containers_are_traced_through_and_their_leaves_kept():
+    """Sequential (nested too), ModuleList and ModuleDict hold leaves; the leaves stay whole."""
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Sequential(nn.LayerNorm(D), nn.Dropout(0.0)))
+            self.blocks = nn.ModuleList([nn.Linear(D, D), nn.GELU()])
+            self.heads = nn.ModuleDict({"a": nn.Linear(D, 3), "b": nn.Linear(D, 2)})
+
+        def forward(self, x):
+            x = self.seq(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.heads["a"](x), self.heads["b"](x)
+
+    gm = capture(Holder(), (torch.randn(4, D),))
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_module"] == [
+        "seq.0", "seq.1", "seq.2.0", "seq.2.1", "blocks.0", "blocks.1", "heads.a", "heads.b"]
