@@ -2,7 +2,7 @@
 
 ``torch.fx.symbolic_trace`` is fast and keeps ``nn.Module`` calls as single
 nodes, but cannot see through data-dependent control flow and fails on current
-HF transformers models. ``torch.export`` (non-strict) captures those; its
+HF transformers models; ``torch.export`` (non-strict) captures those. Its
 ``.module()`` is a GraphModule of ATen-level calls whose parameters appear as
 ``get_attr`` nodes. Both kinds of graph are first-class: every later pass must
 accept either, so this pass normalises what they share:
@@ -13,6 +13,11 @@ accept either, so this pass normalises what they share:
 - export graphs get names tied to module paths (``blocks_0_qkv_linear``
   instead of ``linear_4``), as symbolic tracing already gives;
 - the graph carries ``meta.CaptureInfo`` (which method, and why fx failed).
+
+torch.nn's transformer modules and ``MultiheadAttention`` are traced into
+(``passes.trace_nn``) so that their layers can go to different stages; every
+other torch.nn module stays one ``call_module`` leaf. When fx cannot go in,
+export takes over and ``CaptureInfo.fx_error`` names the module.
 
 Export fixes the input shapes and the train/eval mode it saw, so capture at
 the microbatch shape, in training mode. Captures can be silently wrong, so each
@@ -77,11 +82,7 @@ class LeafTracer(ShapeAnsweringTracer):
         return not self.is_declared_leaf(m, path) and super().traces_into(m, path)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if self.is_declared_leaf(m, module_qualified_name):
-            return True
-        if self.traces_into(m, module_qualified_name):
-            return False
-        return super().is_leaf_module(m, module_qualified_name)
+        return self.is_declared_leaf(m, module_qualified_name) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         self.path_stack.append(self.path_of_module(m))
@@ -233,7 +234,8 @@ def _one_line(exc: BaseException) -> str:
 def _fx_error_line(exc: BaseException) -> str:
     """Why symbolic tracing failed, naming the module it was in (shown when export takes over)."""
     path = getattr(exc, "_fxpipe_module_path", "")
-    return (f"in module '{path}' ({exc._fxpipe_module_type}): " if path else "") + _one_line(exc)  # type: ignore[attr-defined]
+    kind = getattr(exc, "_fxpipe_module_type", "")
+    return (f"in module '{path}' ({kind}): " if path else "") + _one_line(exc)
 
 
 def _user_frame(exc: BaseException) -> Optional[str]:

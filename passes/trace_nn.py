@@ -117,7 +117,19 @@ class ShapeAnsweringTracer(torch.fx.Tracer):
         return self.example_inputs is not None and isinstance(m, TRACED_INTO)
 
     def traces_into_any(self, root: nn.Module) -> bool:
-        return any(self.traces_into(m, path) for path, m in root.named_modules())
+        """Will tracing ``root`` go into one of ``TRACED_INTO`` (not hidden inside a leaf)?"""
+        leaves: tuple = ()
+        for path, m in root.named_modules():
+            if path.startswith(leaves):
+                continue
+            if self.traces_into(m, path):
+                return True
+            if path and self.is_leaf_module(m, path):
+                leaves += (path + ".",)
+        return False
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return not self.traces_into(m, module_qualified_name) and super().is_leaf_module(m, module_qualified_name)
 
     def _in_scope(self) -> bool:
         inner = self.module_stack_objs[-1] if self.module_stack_objs else getattr(self, "root", None)

@@ -49,17 +49,21 @@ def _cases():
     pad = torch.zeros(3, 6, dtype=torch.bool)
     pad[:, -2:] = True
     layer = dict(dim_feedforward=32, batch_first=True)
+    decoder_layer = nn.TransformerDecoderLayer(D, 2, dropout=0.1, **layer)
+    kv8, kv12 = torch.randn(4, 6, 8), torch.randn(4, 6, 12)
     return {
         # MultiheadAttention alone, as the root: returns (output, averaged weights)
         "mha": (nn.MultiheadAttention(D, 2, batch_first=True, dropout=0.2), (x, x, x)),
-        "mha_cross_kdim": (nn.MultiheadAttention(D, 2, kdim=8, vdim=12), (x, torch.randn(4, 6, 8), torch.randn(4, 6, 12))),
+        "mha_cross_kdim": (nn.MultiheadAttention(D, 2, kdim=8, vdim=12), (x, kv8, kv12)),
         "mha_bias_kv": (nn.MultiheadAttention(D, 2, add_bias_kv=True, add_zero_attn=True), (x, x[:2], x[:2])),
         "mha_unbatched": (nn.MultiheadAttention(D, 2), (x[0], x[0], x[0])),
         "mha_padding": (_Masked(), (x, pad)),
         "encoder_layer_dropout": (nn.TransformerEncoderLayer(D, 2, dropout=0.3, **layer), (x,)),
-        "encoder_layer_prenorm_gelu": (nn.TransformerEncoderLayer(D, 2, norm_first=True, activation="gelu", **layer), (x,)),
-        "decoder": (nn.TransformerDecoder(nn.TransformerDecoderLayer(D, 2, dropout=0.1, **layer), 2, norm=nn.LayerNorm(D)), (x, y)),
-        "transformer_seq_first": (nn.Transformer(D, 2, 1, 1, 32, dropout=0.0), (torch.randn(5, 3, D), torch.randn(6, 3, D))),
+        "encoder_layer_prenorm_gelu": (nn.TransformerEncoderLayer(D, 2, norm_first=True, activation="gelu", **layer),
+                                       (x,)),
+        "decoder": (nn.TransformerDecoder(decoder_layer, 2, norm=nn.LayerNorm(D)), (x, y)),
+        "transformer_seq_first": (nn.Transformer(D, 2, 1, 1, 32, dropout=0.0),
+                                  (torch.randn(5, 3, D), torch.randn(6, 3, D))),
         "seq2seq": (Seq2Seq(), (torch.tensor([[3, 4, 5, 0, 0]] * 3), torch.randint(1, 32, (3, 6)))),
     }
 
