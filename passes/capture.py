@@ -2,7 +2,7 @@
 
 ``torch.fx.symbolic_trace`` is fast and keeps ``nn.Module`` calls as single
 nodes, but cannot see through data-dependent control flow and fails on current
-HF transformers models. ``torch.export`` (non-strict) captures those; its
+HF transformers models; ``torch.export`` (non-strict) captures those. Its
 ``.module()`` is a GraphModule of ATen-level calls whose parameters appear as
 ``get_attr`` nodes. Both kinds of graph are first-class: every later pass must
 accept either, so this pass normalises what they share:
@@ -14,6 +14,11 @@ accept either, so this pass normalises what they share:
   instead of ``linear_4``), as symbolic tracing already gives;
 - the graph carries ``meta.CaptureInfo`` (which method, and why fx failed).
 
+torch.nn's transformer modules and ``MultiheadAttention`` are traced into
+(``passes.trace_nn``) so that their layers can go to different stages; every
+other torch.nn module stays one ``call_module`` leaf. When fx cannot go in,
+export takes over and ``CaptureInfo.fx_error`` names the module.
+
 Export fixes the input shapes and the train/eval mode it saw, so capture at
 the microbatch shape, in training mode. Captures can be silently wrong, so each
 one is checked once against the original model (forward output and every
@@ -22,6 +27,7 @@ parameter gradient, same RNG state); see ``check_capture``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import logging
 import operator
@@ -37,6 +43,7 @@ import torch.nn as nn
 from passes import meta
 from passes.capture_check import CaptureMismatchError, check_capture
 from passes.errors import FxpipeError
+from passes.trace_nn import ShapeAnsweringTracer
 
 __all__ = ["capture", "CaptureError", "CaptureMismatchError", "check_capture", "LeafTracer"]
 
@@ -49,27 +56,33 @@ class CaptureError(FxpipeError):
     """Neither symbolic tracing nor export could capture the model."""
 
 
-class LeafTracer(torch.fx.Tracer):
+class LeafTracer(ShapeAnsweringTracer):
     """A tracer that keeps user-declared modules as opaque ``call_module`` leaves.
 
     Leaves are given as classes (every instance is a leaf) or dotted module
-    paths (``"blocks.0.gate"``). It also remembers which module it was inside
-    when tracing failed, so the error can name it.
+    paths (``"blocks.0.gate"``). Given the example inputs, it traces into
+    torch.nn's transformer modules and ``MultiheadAttention`` (see
+    ``passes.trace_nn``) unless they are declared leaves; every other torch.nn
+    module stays a leaf. It also remembers which module it was inside when
+    tracing failed, so the error can name it.
     """
 
-    def __init__(self, leaf_modules: Iterable[LeafSpec] = ()) -> None:
-        super().__init__()
+    def __init__(self, leaf_modules: Iterable[LeafSpec] = (),
+                 example_inputs: Optional[Sequence[Any]] = None) -> None:
+        super().__init__(example_inputs)
         leaves = tuple(leaf_modules)
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
         self.path_stack: list = []
 
+    def is_declared_leaf(self, m: nn.Module, path: str) -> bool:
+        return path in self.leaf_paths or bool(self.leaf_types) and isinstance(m, self.leaf_types)
+
+    def traces_into(self, m: nn.Module, path: str = "") -> bool:
+        return not self.is_declared_leaf(m, path) and super().traces_into(m, path)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_paths:
-            return True
-        if self.leaf_types and isinstance(m, self.leaf_types):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return self.is_declared_leaf(m, module_qualified_name) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         self.path_stack.append(self.path_of_module(m))
@@ -105,7 +118,7 @@ def capture(
     fx_failure: Optional[BaseException] = None
     if method in ("auto", "fx"):
         try:
-            gm = _trace_fx(model, leaves, concrete_args)
+            gm = _trace_fx(model, leaves, concrete_args, inputs)
             if check:
                 check_capture(model, gm, inputs, method="fx")
             return _finish(gm, "fx", None, model)
@@ -113,7 +126,7 @@ def capture(
             if method == "fx" or isinstance(exc, CaptureError):
                 raise _as_capture_error(exc, None) from exc
             fx_failure = exc
-            fx_error = _one_line(exc)
+            fx_error = _fx_error_line(exc)
     try:
         with _quiet_torch_logs():
             gm = torch.export.export(model, inputs, strict=False).module()
@@ -128,18 +141,31 @@ def capture(
 # ------------------------------------------------------------ fx
 
 
-def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Optional[Dict[str, Any]]) -> torch.fx.GraphModule:
-    tracer = LeafTracer(leaves)
+def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Optional[Dict[str, Any]],
+              inputs: Sequence[Any] = ()) -> torch.fx.GraphModule:
+    tracer = LeafTracer(leaves, inputs)
+    if tracer.traces_into_any(model):
+        # forward's optional arguments the example leaves out are fixed to their defaults (as export
+        # does): a ``mask=None`` passed on into torch.nn's modules must be None there, not a Proxy
+        concrete_args = {**_unsupplied_defaults(model, len(inputs)), **(concrete_args or {})}
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         exc._fxpipe_module_path = tracer.path_stack[-1] if tracer.path_stack else ""  # type: ignore[attr-defined]
+        inner = tracer.module_stack_objs[-1] if tracer.module_stack_objs else model
+        exc._fxpipe_module_type = type(inner).__name__  # type: ignore[attr-defined]
         raise
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     if concrete_args:
         _drop_concrete_placeholders(gm, concrete_args)
     return gm
+
+
+def _unsupplied_defaults(model: nn.Module, supplied: int) -> Dict[str, Any]:
+    params = list(inspect.signature(model.forward).parameters.values())[supplied:]
+    simple = (type(None), bool, int, float, str)
+    return {p.name: p.default for p in params if p.kind == p.POSITIONAL_OR_KEYWORD and isinstance(p.default, simple)}
 
 
 def _drop_concrete_placeholders(gm: torch.fx.GraphModule, concrete_args: Dict[str, Any]) -> None:
@@ -205,13 +231,24 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:200] + ' …' if len(first) > 200 else first}"
 
 
+def _fx_error_line(exc: BaseException) -> str:
+    """Why symbolic tracing failed, naming the module it was in (shown when export takes over)."""
+    path = getattr(exc, "_fxpipe_module_path", "")
+    kind = getattr(exc, "_fxpipe_module_type", "")
+    return (f"in module '{path}' ({kind}): " if path else "") + _one_line(exc)
+
+
 def _user_frame(exc: BaseException) -> Optional[str]:
     """``file:line`` of the deepest frame outside torch: the code that failed."""
     found = None
     for frame in traceback.extract_tb(exc.__traceback__):
-        if not frame.filename.startswith((_TORCH_DIR, "<")) and "/passes/capture" not in frame.filename:
+        if not frame.filename.startswith((_TORCH_DIR, "<")) and not _is_ours(frame.filename):
             found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return found
+
+
+def _is_ours(filename: str) -> bool:
+    return any(f"/passes/{name}" in filename for name in ("capture", "trace_nn"))
 
 
 def _as_capture_error(fx_exc: Optional[BaseException], export_exc: Optional[BaseException]) -> FxpipeError:

@@ -199,3 +199,39 @@ class Reused(nn.Module):
         h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
         h = torch.tanh(self.mid(torch.tanh(self.shared(h))))
         return self.out(torch.tanh(self.shared(h)))
+
+
+class EncoderLM(nn.Module):
+    """A language model on ``nn.TransformerEncoder``: fx keeps torch.nn modules whole, so the
+    capture must trace into the encoder (and its layers and attention) for the layers to be
+    split across stages. Causal mask built in forward, passed with the ``is_causal`` hint."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.size(1), device=idx.device)
+        return self.head(self.enc(self.tok(idx), mask=mask, is_causal=True))
+
+
+class Seq2Seq(nn.Module):
+    """``nn.Transformer`` (encoder and decoder, pre-norm) with padding and causal masks."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.src_tok = nn.Embedding(vocab, dim)
+        self.tgt_tok = nn.Embedding(vocab, dim)
+        self.core = nn.Transformer(dim, heads, layers, layers, 2 * dim, dropout=0.0, batch_first=True,
+                                   norm_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        pad = src == 0  # token 0 is padding
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device)
+        h = self.core(self.src_tok(src), self.tgt_tok(tgt), tgt_mask=causal, src_key_padding_mask=pad,
+                      memory_key_padding_mask=pad)
+        return self.head(h)
