@@ -38,6 +38,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
+import numpy as np
+
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 
@@ -110,11 +112,15 @@ class CostOptions:
 
 def allreduce_s(param_bytes: float, r: int, opts: CostOptions) -> float:
     """Weight synchronisation time per microbatch of a stage with ``r`` replicas."""
-    if r <= 1:
-        return 0.0
+    return float(_allreduce(param_bytes, r, opts))
+
+
+def _allreduce(param_bytes, r, opts: CostOptions):
+    """The all-reduce term of both models (0 at r = 1), elementwise on arrays."""
+    r = np.asarray(r, dtype=float)
     if opts.cost_model == "pipedream":
-        return 4.0 * (r - 1) * param_bytes / (opts.bandwidth * r) / r
-    return 2.0 * (r - 1) / r * param_bytes / opts.ar_bandwidth
+        return 4.0 * (r - 1) * np.asarray(param_bytes, dtype=float) / (opts.bandwidth * r) / r
+    return 2.0 * (r - 1) / r * np.asarray(param_bytes, dtype=float) / opts.ar_bandwidth
 
 
 def allreduce_coeff(r: int, opts: CostOptions) -> float:
@@ -125,6 +131,68 @@ def allreduce_coeff(r: int, opts: CostOptions) -> float:
 def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> float:
     """Activations forward plus gradients backward over a boundary."""
     return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))
+
+
+def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, first_rank: int = 0,
+                 r_in=None, r_out=None):
+    """THE stage time of both cost models; every solver derives its numbers from it.
+
+    ``compute`` (s, fwd+bwd, summed over the stage), ``params`` (weight bytes
+    the stage holds, shared weights once), ``cut_in``/``cut_out`` (bytes
+    crossing the boundary before/after it), ``r`` replicas, and ``r_in`` /
+    ``r_out`` the neighbours' replicas (default ``r``: then the stage is charged
+    ``2A/(B·r)`` for each of its cuts, and the maximum over stages equals the
+    bottleneck with ``min(r_b, r_b+1)``). ``first_rank``: the stage's first
+    device; the flat models ignore it, a topology-aware model (node boundaries)
+    uses it. Works on numpy arrays elementwise (the chain DP calls it on
+    thousands of stages at once).
+    """
+    r_arr = np.asarray(r, dtype=float)
+    own = np.asarray(compute, dtype=float) / r_arr + _allreduce(params, r_arr, opts)
+    before = 2.0 * np.asarray(cut_in, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_in is None else r_in))
+    after = 2.0 * np.asarray(cut_out, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_out is None else r_out))
+    out = np.maximum(own, np.maximum(before, after))
+    return float(out) if out.ndim == 0 else out
+
+
+def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, first_rank: int = 0) -> np.ndarray:
+    """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
+
+    Both models' stage time is ``C`` at r = 1 and monotone in r from r = 2 on
+    (fxpipe: ``(C - a)/r + a`` with ``a = 2P/B``; PipeDream: ``(C + 4P/B)/r -
+    4P/(B r^2)``, decreasing for r >= 2), and each cut term falls with r. So
+    the answer is the smallest allowed r meeting the cuts, else a binary
+    search over the allowed r above it, where the time can only fall (if it
+    rises, the largest r fails too and the answer is "none").
+    """
+    allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    C, P, c_in, c_out = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out)))
+    A = np.maximum(c_in, c_out)
+    need = np.maximum(1.0, np.ceil(2.0 * A / (opts.bandwidth * T) * (1 - 1e-12)))
+    lo = np.searchsorted(allowed, need)  # first allowed r meeting the cuts
+    none = opts.devices + 1
+    ok_lo = lo < len(allowed)
+    r0 = allowed[np.minimum(lo, len(allowed) - 1)]
+    fits = ok_lo & (stage_time_s(C, P, c_in, c_out, r0, opts, first_rank) <= T)
+    out = np.where(fits, r0, none)
+    todo = ok_lo & ~fits
+    if not todo.any():
+        return out
+    lo2 = np.maximum(lo, np.searchsorted(allowed, 2))[todo]
+    Ct, Pt, It, Ot = C[todo], P[todo], c_in[todo], c_out[todo]
+    hi = np.full(lo2.shape, len(allowed) - 1)
+    last_ok = stage_time_s(Ct, Pt, It, Ot, allowed[hi], opts, first_rank) <= T
+    lo2 = np.minimum(lo2, hi)
+    while True:
+        active = lo2 < hi
+        if not active.any():
+            break
+        mid = (lo2 + hi) // 2
+        good = stage_time_s(Ct, Pt, It, Ot, allowed[mid], opts, first_rank) <= T
+        hi = np.where(active & good, mid, hi)
+        lo2 = np.where(active & ~good, mid + 1, lo2)
+    out[todo] = np.where(last_ok, allowed[hi], none)
+    return out
 
 
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
@@ -237,9 +305,12 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         if j < num_stages - 1:
             comm = max(comm, cut_s(cuts[j], r, replicas[j + 1], opts))
         ar = allreduce_s(params, r, opts)
+        time_s = stage_time_s(fwd + bwd, params, cuts[j - 1] if j > 0 else 0, cuts[j] if j < num_stages - 1 else 0,
+                              r, opts, sum(replicas[:j]), replicas[j - 1] if j > 0 else r,
+                              replicas[j + 1] if j < num_stages - 1 else r)
         stages.append(StageCost(
             nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
-            allreduce_s=ar, comm_s=comm, time_s=max((fwd + bwd) / r + ar, comm),
+            allreduce_s=ar, comm_s=comm, time_s=time_s,
             param_bytes=params, act_bytes=acts, send_bytes=send[j],
             memory_bytes=memory_bytes(params, acts, j, replicas, opts),
         ))

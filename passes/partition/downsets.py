@@ -19,7 +19,7 @@ from typing import List, Optional
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.costmodel import CostOptions, stage_time_s
 from passes.partition.heuristic import Solution
 
 
@@ -80,7 +80,7 @@ def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
     cut = np.zeros(D)
     for unit, nbytes, consumers in units.producers:
         cmask = sum(1 << c for c in consumers)
-        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * (2.0 * nbytes / opts.bandwidth)
+        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * float(nbytes)
     cut[0] = 0.0
     packed = np.packbits(member, axis=1)
     best = np.full((D, K + 1), np.inf)
@@ -102,13 +102,12 @@ def _relax(i, js_all, comp, par, cut, best, choice, opts: CostOptions, upper: fl
     """Best ways to end a stage at downset i, for every replica count r and device total."""
     K = opts.devices
     for r in opts.allowed_replicas():
-        if cut[i] / r > upper:
+        if stage_time_s(0.0, 0.0, 0.0, cut[i], r, opts) > upper:
             continue
-        js = js_all[((comp[i] - comp[js_all]) / r <= upper) & (cut[js_all] / r <= upper)]
+        js = js_all[stage_time_s(comp[i] - comp[js_all], 0.0, cut[js_all], 0.0, r, opts) <= upper]
         if not js.size:
             continue
-        stage = (comp[i] - comp[js] + allreduce_coeff(r, opts) * (par[i] - par[js])) / r
-        g = np.maximum(stage, np.maximum(cut[js], cut[i]) / r)
+        g = stage_time_s(comp[i] - comp[js], par[i] - par[js], cut[js], cut[i], r, opts)
         cand = np.maximum(best[js, : K + 1 - r], g[:, None])
         arg = np.argmin(cand, axis=0)
         val = cand[arg, np.arange(K + 1 - r)]

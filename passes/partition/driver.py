@@ -15,10 +15,15 @@ from typing import Callable, Dict, List, Optional
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
+from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.downsets import downset_dp
+from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StageCost, evaluate
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
+
+
+OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
 class InfeasibleError(FxpipeError):
@@ -71,8 +76,13 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solver not in ("auto", "cpsat"):
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
+    deadline = start + time_limit
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
+    if solver == "auto":
+        exact = _chain(graph, opts, start, deadline)
+        if exact is not None:
+            return exact
     exact = None
     if solver == "auto":
         quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
@@ -95,6 +105,32 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
+
+
+def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
+
+    Not used with a memory limit (not modelled there) or with replication
+    ``none`` on exactly K devices (the DP minimises devices; padding needs
+    replicas). Nearly free nodes fold into their producers first
+    (``segments.folded_units``); the bound is lowered by what that can cost.
+    """
+    if opts.memory is not None or (opts.replication == "none" and not opts.fewer_devices):
+        return None
+    ideal = graph.total_compute_s() / opts.devices
+    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal)
+    segs = build_segments(units, deadline=deadline)
+    if segs is None:
+        return None
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    found = chain_solve(units, segs, opts, deadline, score)
+    if found is None:
+        return None
+    bound = max(found.bound - fold_margin(segs, folded), 0.0)
+    solved = SolveResult("FEASIBLE", found.stage_of, found.replicas, found.objective, bound, time.monotonic() - start)
+    result = _result(graph, units, opts, solved, start, None, "segment DP")
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return result
 
 
 def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,

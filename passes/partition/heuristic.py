@@ -18,7 +18,7 @@ import networkx as nx
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.costmodel import CostOptions, stage_time_s
 
 Solution = Tuple[List[int], List[int], float]  # stage per unit, replicas per stage, bottleneck
 
@@ -58,7 +58,7 @@ def order_dp(units: Units, opts: CostOptions, order: Sequence[int]) -> Optional[
     comp = np.concatenate([[0.0], np.cumsum([units.compute[u] for u in order])])
     par = np.concatenate([[0.0], np.cumsum([units.param_bytes[u] for u in order])])
     work = np.concatenate([[0], np.cumsum([int(units.has_compute[u]) for u in order])])
-    cut = _cut_bytes(units, order) * 2.0 / opts.bandwidth
+    cut = _cut_bytes(units, order)
     first_cut = 1 + max([i for i, u in enumerate(order) if units.is_input[u]], default=-1)
     best = np.full((n + 1, K + 1), np.inf)
     best[0, 0] = 0.0
@@ -69,8 +69,7 @@ def order_dp(units: Units, opts: CostOptions, order: Sequence[int]) -> Optional[
         if not ok.any():
             continue
         for r in opts.allowed_replicas():
-            stage = (comp[i] - comp[:i] + allreduce_coeff(r, opts) * (par[i] - par[:i])) / r
-            g = np.maximum(stage, np.maximum(cut[:i], cut[i]) / r)
+            g = stage_time_s(comp[i] - comp[:i], par[i] - par[:i], cut[:i], cut[i], r, opts)
             g[~ok] = np.inf
             cand = np.maximum(best[:i, : K + 1 - r], g[:, None])
             arg = np.argmin(cand, axis=0)

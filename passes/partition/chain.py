@@ -1,0 +1,252 @@
+"""Exact partitioning over ALL convex plans by parametric search on the bottleneck T.
+
+For a given T, ``_devices_needed`` is a DP over the points of the downset
+lattice (``segments.py``: the concatenation of small per-segment lattices):
+``dev[i] = min over downsets j ⊂ i of dev[j] + r(j, i, T)``, where
+``r(j, i, T)`` is the fewest replicas that bring stage ``i \\ j`` under T
+(``costmodel.min_replicas``: compute, weights, and both cuts, the cut
+``2A/(B·min(r_b, r_b+1)) <= T`` being the same as each side having
+``r >= 2A/(B·T)``). T is feasible iff ``dev[full] <= K``; that is necessary
+for any plan on exactly K devices too, so an infeasible T is a proven lower
+bound. The bottleneck is then bisected (geometrically, between ``sum C / K``
+and the best plan found) until the two meet within 0.01 % or the deadline
+comes, and the plan found at the lowest feasible T is padded to exactly K
+devices where the options ask for that.
+
+Candidates ``j`` for the points of a segment are the segment's own smaller
+points (a small matrix per segment) plus a *pool* of earlier points. A pool
+point that cannot start a stage ending at the current segment's last point
+within the devices left is dropped (the stage only grows later), and one is
+dropped when a later point contains it with no more devices used and no more
+bytes cut (it is then at least as good a start for every later stage).
+Shared (tied) weights count once per stage: a stage holds weight p iff one of
+p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
+from passes.partition.segments import Segment
+
+
+class DeadlineExceeded(Exception):
+    """Raised inside a DP pass when the wall-clock deadline passes."""
+
+
+@dataclass
+class ChainSolution:
+    stage_of: List[int]  # per unit
+    replicas: List[int]
+    objective: float  # the plan's bottleneck on the units
+    bound: float  # proven: no plan on these units is faster
+    complete: bool  # the bisection closed (bound within 0.01 % of the plan)
+
+
+class ChainSolver:
+    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
+        self.units, self.segs, self.opts = units, segments, opts
+        self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
+        self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
+
+    # ------------------------------------------------------------ one T
+    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
+        params = pi - pj
+        if self.shared_bytes.size:
+            params = params + ((si - sj) > 0.5) @ self.shared_bytes
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts)
+
+    def devices_needed(self, T: float, deadline: float = math.inf):
+        """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
+        K = self.opts.devices
+        pool = None  # arrays: global id, dev, compute, params, shared counts, cut
+        back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
+        dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
+        for a, seg in enumerate(self.segs):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded()
+            d, off = len(seg.compute), self.offsets[a]
+            dev = np.full(d, K + 1, dtype=np.int64)
+            src = np.zeros((d, 2), dtype=np.int64)
+            if a == 0:
+                dev[0] = 0
+            if pool is not None and pool[0].size:
+                gid, pdev, pc, pp, ps, pcut = pool
+                R = self._r(pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None],
+                            seg.compute[None, :], seg.params[None, :], seg.shared[None, :, :], seg.cut[None, :], T)
+                tot = pdev[:, None] + R
+                k = tot.argmin(axis=0)
+                dev = tot[k, np.arange(d)]
+                src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
+            if seg.sub_j.size:
+                j, i = seg.sub_j, seg.sub_i
+                R2 = self._r(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                             seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i], T)
+                bounds = np.searchsorted(i, np.arange(d + 1))
+                for x in range(d):
+                    lo, hi = bounds[x], bounds[x + 1]
+                    if lo == hi:
+                        continue
+                    cand = dev[j[lo:hi]] + R2[lo:hi]
+                    k = int(cand.argmin())
+                    if cand[k] < dev[x]:
+                        dev[x] = cand[k]
+                        src[x] = (off + j[lo + k], R2[lo + k])
+            dev_all[off:off + d] = dev
+            back[off:off + d] = src
+            pool = self._next_pool(pool, seg, off, dev, T)
+        return int(dev_all[-1]), back
+
+    def _next_pool(self, pool, seg: Segment, off: int, dev: np.ndarray, T: float):
+        """Earlier points that may still start a stage (see the module docstring)."""
+        K = self.opts.devices
+        keep = dev <= K
+        if seg.sub_j.size:  # a point of this segment containing j with dev and cut no larger replaces j
+            j, i = seg.sub_j, seg.sub_i
+            beaten = (dev[i] <= dev[j]) & (seg.cut[i] <= seg.cut[j])
+            keep[j[beaten]] = False
+        keep[-1] = dev[-1] <= K
+        new = (off + np.nonzero(keep)[0], dev[keep], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
+        if pool is None or not pool[0].size:
+            return new
+        gid, pdev, pc, pp, ps, pcut = pool
+        # beaten by a point of this segment (it contains every earlier point)
+        ndev, ncut = new[1], new[5]
+        if ndev.size:
+            beaten = ((ndev[None, :] <= pdev[:, None]) & (ncut[None, :] <= pcut[:, None])).any(axis=1)
+        else:
+            beaten = np.zeros(pdev.size, dtype=bool)
+        # cannot reach past this segment's last point within the devices left
+        last = len(seg.compute) - 1
+        R = self._r(pc, pp, ps, pcut, seg.compute[last], seg.params[last], seg.shared[last], 0.0, T)
+        alive = ~beaten & (pdev + R <= K)
+        return tuple(np.concatenate([old[alive], fresh]) for old, fresh in zip(pool, new))
+
+    # ------------------------------------------------------------ the plan
+    def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
+        """Stage per unit and replicas, walking back from the full set."""
+        point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
+        chain, reps, x = [], [], self.offsets[-1] - 1
+        while True:
+            j, r = (int(v) for v in back[x])
+            chain.append(x)
+            if x == 0:
+                break
+            reps.append(r)
+            x = j
+        chain.reverse()
+        reps.reverse()
+        stage_of = [0] * len(self.units)
+        for s in range(len(reps)):
+            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
+            for u in np.nonzero(inside)[0]:
+                stage_of[u] = s
+        return stage_of, reps
+
+    def _members(self, point: int, point_seg) -> np.ndarray:
+        a = int(point_seg[point])
+        seg = self.segs[a]
+        out = np.zeros(len(self.units), dtype=bool)
+        first = seg.units[0] if seg.units else 0
+        out[:first] = True
+        out[seg.units] = seg.member[point - self.offsets[a]]
+        return out
+
+
+def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions, T: float) -> Optional[List[int]]:
+    """Replicas using exactly K devices with no stage slower than T (None if the greedy fails)."""
+    reps = list(replicas)
+    left = opts.devices - sum(reps)
+    if left == 0 or opts.fewer_devices:
+        return reps
+    allowed = opts.allowed_replicas()
+    comp, par = np.zeros(len(reps)), np.zeros(len(reps))
+    for u, s in enumerate(stage_of):
+        comp[s] += units.compute[u]
+        par[s] += units.param_bytes[u]
+    for _, (nb, users) in units.shared.items():
+        for s in {stage_of[u] for u in users}:
+            par[s] += nb
+    while left > 0:
+        best = None
+        for s, r in enumerate(reps):
+            nxt = [x for x in allowed if x > r and x - r <= left]
+            if not nxt:
+                continue
+            t = stage_time_s(comp[s], par[s], 0.0, 0.0, nxt[0], opts)
+            if t <= T * (1 + 1e-12) and (best is None or t < best[0]):
+                best = (t, s, nxt[0])
+        if best is None:
+            return None
+        left -= best[2] - reps[best[1]]
+        reps[best[1]] = best[2]
+    return reps
+
+
+def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
+          score) -> Optional[ChainSolution]:
+    """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck."""
+    solver = ChainSolver(units, segments, opts)
+    lo = sum(units.compute) / opts.devices * (1 - 1e-9)
+    hi, best = max(lo, 1e-12), None
+    try:
+        while best is None:
+            best = _attempt(solver, units, opts, hi, score, deadline)
+            if best is None:
+                lo, hi = hi, hi * 2
+                if hi > 1e6:
+                    return None
+        hi = best[2]
+        while hi > lo * (1 + 1e-4):
+            T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
+            found = _attempt(solver, units, opts, T, score, deadline)
+            if found is None:
+                lo = T
+            else:
+                best, hi = found, min(found[2], T)
+    except DeadlineExceeded:
+        if best is None:
+            return None
+    except PadFailed:
+        return None
+    return ChainSolution(best[0], best[1], best[2], min(lo, best[2]), hi <= lo * (1 + 1e-4))
+
+
+def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
+    """A plan at most T (stage per unit, replicas, its bottleneck), or None if T is infeasible."""
+    need, back = solver.devices_needed(T, deadline)
+    if need > opts.devices:
+        return None
+    stage_of, reps = solver.plan(back)
+    reps = pad(units, stage_of, reps, opts, T)
+    if reps is None:
+        raise PadFailed()
+    return stage_of, reps, score(stage_of, reps)
+
+
+class PadFailed(Exception):
+    """T is feasible on at most K devices, but the greedy could not use exactly K."""
+
+
+def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
+    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
+    S = len(replicas)
+    comp, par = np.zeros(S), np.zeros(S)
+    for u, s in enumerate(stage_of):
+        comp[s] += units.compute[u]
+        par[s] += units.param_bytes[u]
+    for _, (nb, users) in units.shared.items():
+        for s in {stage_of[u] for u in users}:
+            par[s] += nb
+    cut = np.zeros(S + 1)
+    for unit, nbytes, consumers in units.producers:
+        cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
+    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, sum(replicas[:s]))
+               for s in range(S))
