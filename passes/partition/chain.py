@@ -54,6 +54,7 @@ class ChainSolver:
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
+        self._pairs = None
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
@@ -66,6 +67,7 @@ class ChainSolver:
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
         K = self.opts.devices
+        near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
         dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
@@ -77,19 +79,22 @@ class ChainSolver:
             src = np.zeros((d, 2), dtype=np.int64)
             if a == 0:
                 dev[0] = 0
+            reach = None
             if pool is not None and pool[0].size:
                 gid, pdev, pc, pp, ps, pcut = pool
+                # one extra column: the segment's last point with no cut after it, to prune the pool
+                cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+                cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
                 R = self._r(pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None],
-                            seg.compute[None, :], seg.params[None, :], seg.shared[None, :, :], seg.cut[None, :], T)
-                tot = pdev[:, None] + R
+                            cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :], T)
+                reach = pdev + R[:, d] <= K
+                tot = pdev[:, None] + R[:, :d]
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
             if seg.sub_j.size:
-                j, i = seg.sub_j, seg.sub_i
-                R2 = self._r(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-                             seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i], T)
-                bounds = np.searchsorted(i, np.arange(d + 1))
+                j, R2 = seg.sub_j, near[a]
+                bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
                 for x in range(d):
                     lo, hi = bounds[x], bounds[x + 1]
                     if lo == hi:
@@ -101,10 +106,25 @@ class ChainSolver:
                         src[x] = (off + j[lo + k], R2[lo + k])
             dev_all[off:off + d] = dev
             back[off:off + d] = src
-            pool = self._next_pool(pool, seg, off, dev, T)
+            pool = self._next_pool(pool, reach, seg, off, dev)
+            if not pool[0].size:
+                return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
 
-    def _next_pool(self, pool, seg: Segment, off: int, dev: np.ndarray, T: float):
+    def _near(self, T: float) -> List[np.ndarray]:
+        """Replicas of every stage (j, i) with both ends in the same segment, per segment."""
+        if self._pairs is None:
+            parts = {}
+            for key, field in (("c", "compute"), ("p", "params"), ("s", "shared"), ("t", "cut")):
+                for end, attr in (("j", "sub_j"), ("i", "sub_i")):
+                    parts[key + end] = np.concatenate([getattr(s, field)[getattr(s, attr)] for s in self.segs])
+            self._pairs = parts
+            self._splits = np.cumsum([s.sub_j.size for s in self.segs])[:-1]
+        p = self._pairs
+        R = self._r(p["cj"], p["pj"], p["sj"], p["tj"], p["ci"], p["pi"], p["si"], p["ti"], T)
+        return np.split(R, self._splits)
+
+    def _next_pool(self, pool, reach, seg: Segment, off: int, dev: np.ndarray):
         """Earlier points that may still start a stage (see the module docstring)."""
         K = self.opts.devices
         keep = dev <= K
@@ -112,21 +132,12 @@ class ChainSolver:
             j, i = seg.sub_j, seg.sub_i
             beaten = (dev[i] <= dev[j]) & (seg.cut[i] <= seg.cut[j])
             keep[j[beaten]] = False
-        keep[-1] = dev[-1] <= K
         new = (off + np.nonzero(keep)[0], dev[keep], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
         if pool is None or not pool[0].size:
             return new
-        gid, pdev, pc, pp, ps, pcut = pool
-        # beaten by a point of this segment (it contains every earlier point)
         ndev, ncut = new[1], new[5]
-        if ndev.size:
-            beaten = ((ndev[None, :] <= pdev[:, None]) & (ncut[None, :] <= pcut[:, None])).any(axis=1)
-        else:
-            beaten = np.zeros(pdev.size, dtype=bool)
-        # cannot reach past this segment's last point within the devices left
-        last = len(seg.compute) - 1
-        R = self._r(pc, pp, ps, pcut, seg.compute[last], seg.params[last], seg.shared[last], 0.0, T)
-        alive = ~beaten & (pdev + R <= K)
+        beaten = ((ndev[None, :] <= pool[1][:, None]) & (ncut[None, :] <= pool[5][:, None])).any(axis=1)
+        alive = ~beaten & reach  # reach: can still end a stage past this segment within K devices
         return tuple(np.concatenate([old[alive], fresh]) for old, fresh in zip(pool, new))
 
     # ------------------------------------------------------------ the plan

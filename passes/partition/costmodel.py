@@ -158,40 +158,63 @@ def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, first_r
 def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, first_rank: int = 0) -> np.ndarray:
     """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
 
-    Both models' stage time is ``C`` at r = 1 and monotone in r from r = 2 on
-    (fxpipe: ``(C - a)/r + a`` with ``a = 2P/B``; PipeDream: ``(C + 4P/B)/r -
-    4P/(B r^2)``, decreasing for r >= 2), and each cut term falls with r. So
-    the answer is the smallest allowed r meeting the cuts, else a binary
-    search over the allowed r above it, where the time can only fall (if it
-    rises, the largest r fails too and the answer is "none").
+    Relies on two properties of ``stage_time_s`` (both models have them; a
+    topology-aware model must keep them): it is at least ``compute / r`` and
+    each cut term falls with r, so no r below ``max(C/T, 2A/(B·T))`` can do;
+    and from r = 2 on it is monotone in r (fxpipe: ``(C - a)/r + a`` with
+    ``a = 2P/B``; PipeDream: ``(C + b)/r - b/r^2`` with ``b = 4P/B``, falling
+    for r >= 2). So: try the smallest allowed r above that floor; else the
+    time at that r (at least 2) and at the largest r give the answer's place
+    by fitting ``alpha/r + beta`` (exact for fxpipe), which is checked, and
+    bisection settles what the fit missed. If the largest r does not fit
+    either, none does.
     """
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    top = len(allowed) - 1
     C, P, c_in, c_out = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out)))
-    A = np.maximum(c_in, c_out)
-    need = np.maximum(1.0, np.ceil(2.0 * A / (opts.bandwidth * T) * (1 - 1e-12)))
-    lo = np.searchsorted(allowed, need)  # first allowed r meeting the cuts
-    none = opts.devices + 1
-    ok_lo = lo < len(allowed)
-    r0 = allowed[np.minimum(lo, len(allowed) - 1)]
-    fits = ok_lo & (stage_time_s(C, P, c_in, c_out, r0, opts, first_rank) <= T)
-    out = np.where(fits, r0, none)
-    todo = ok_lo & ~fits
-    if not todo.any():
+    floor = np.maximum(C, 2.0 * np.maximum(c_in, c_out) / opts.bandwidth) / T
+    lo = np.searchsorted(allowed, np.maximum(1.0, np.ceil(floor * (1 - 1e-12))))
+    out = np.full(C.shape, opts.devices + 1, dtype=np.int64)
+    ok = lo <= top
+    where = np.nonzero(ok.ravel())[0]
+    sel = np.unravel_index(where, C.shape)
+
+    def time_at(s, index):
+        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, first_rank)
+
+    first = time_at(sel, lo[sel]) <= T
+    out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]
+    sel = tuple(w[~first] for w in sel)
+    if not sel[0].size:
         return out
-    lo2 = np.maximum(lo, np.searchsorted(allowed, 2))[todo]
-    Ct, Pt, It, Ot = C[todo], P[todo], c_in[todo], c_out[todo]
-    hi = np.full(lo2.shape, len(allowed) - 1)
-    last_ok = stage_time_s(Ct, Pt, It, Ot, allowed[hi], opts, first_rank) <= T
-    lo2 = np.minimum(lo2, hi)
-    while True:
-        active = lo2 < hi
-        if not active.any():
-            break
-        mid = (lo2 + hi) // 2
-        good = stage_time_s(Ct, Pt, It, Ot, allowed[mid], opts, first_rank) <= T
-        hi = np.where(active & good, mid, hi)
-        lo2 = np.where(active & ~good, mid + 1, lo2)
-    out[todo] = np.where(last_ok, allowed[hi], none)
+    ia = np.maximum(lo[sel], min(int(np.searchsorted(allowed, 2)), top))
+    fa, ft = time_at(sel, ia), time_at(sel, np.full(ia.shape, top))
+    good_a = fa <= T
+    out[tuple(w[good_a] for w in sel)] = allowed[ia[good_a]]
+    keep = ~good_a & (ft <= T) & (ia < top)  # the answer lies in (ia, top]
+    sel, ia, fa, ft = tuple(w[keep] for w in sel), ia[keep], fa[keep], ft[keep]
+    if not sel[0].size:
+        return out
+    ra, rt = allowed[ia].astype(float), float(allowed[top])
+    alpha = (fa - ft) / (1.0 / ra - 1.0 / rt)
+    beta = ft - alpha / rt
+    with np.errstate(divide="ignore", invalid="ignore"):
+        est = np.where(T > beta, alpha / (T - beta), rt)
+    e = np.clip(np.searchsorted(allowed, np.nan_to_num(est, nan=rt) * (1 - 1e-9)), ia + 1, top)
+    fe = time_at(sel, e) <= T
+    fp = np.where(e - 1 > ia, time_at(sel, e - 1) <= T, False)
+    exact = fe & ~fp
+    out[tuple(w[exact] for w in sel)] = allowed[e[exact]]
+    rest = ~exact  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
+    lo2 = np.where(fe, ia + 1, e + 1)[rest]
+    hi2 = np.where(fe, e - 1, top)[rest]
+    sel = tuple(w[rest] for w in sel)
+    while (lo2 < hi2).any():
+        mid = (lo2 + hi2) // 2
+        good = time_at(sel, mid) <= T
+        hi2 = np.where((lo2 < hi2) & good, mid, hi2)
+        lo2 = np.where((lo2 < hi2) & ~good, mid + 1, lo2)
+    out[sel] = allowed[hi2]
     return out
 
 
