@@ -36,6 +36,9 @@ from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
 from passes.partition.segments import Segment
 
 
+TOLERANCE = 1e-4  # the bisection stops when plan and bound are this close (relative)
+
+
 class DeadlineExceeded(Exception):
     """Raised inside a DP pass when the wall-clock deadline passes."""
 
@@ -172,33 +175,43 @@ class ChainSolver:
 
 
 def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions, T: float) -> Optional[List[int]]:
-    """Replicas using exactly K devices with no stage slower than T (None if the greedy fails)."""
-    reps = list(replicas)
-    left = opts.devices - sum(reps)
+    """Replicas using exactly K devices with no stage slower than T (None if the greedy fails).
+
+    Each step gives the next allowed replica count to the slowest stage that
+    it speeds up, else to the stage it slows least, never past T.
+    """
+    reps = np.array(replicas, dtype=np.int64)
+    left = opts.devices - int(reps.sum())
     if left == 0 or opts.fewer_devices:
-        return reps
-    allowed = opts.allowed_replicas()
-    comp, par = np.zeros(len(reps)), np.zeros(len(reps))
-    for u, s in enumerate(stage_of):
-        comp[s] += units.compute[u]
-        par[s] += units.param_bytes[u]
+        return [int(r) for r in reps]
+    allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    comp, par = _stage_sums(units, stage_of, len(reps))
+    while left > 0:
+        pos = np.searchsorted(allowed, reps, side="right")
+        nxt = allowed[np.minimum(pos, len(allowed) - 1)]
+        usable = (pos < len(allowed)) & (nxt - reps <= left)
+        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts)
+        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts)
+        usable &= then <= T * (1 + 1e-12)
+        if not usable.any():
+            return None
+        faster = usable & (then < now)
+        s = int(np.argmax(np.where(faster, now, -np.inf))) if faster.any() else \
+            int(np.argmin(np.where(usable, then - now, np.inf)))
+        left -= int(nxt[s] - reps[s])
+        reps[s] = nxt[s]
+    return [int(r) for r in reps]
+
+
+def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Compute and weight bytes per stage (a shared weight once per stage that uses it)."""
+    comp, par = np.zeros(S), np.zeros(S)
+    np.add.at(comp, stage_of, units.compute)
+    np.add.at(par, stage_of, units.param_bytes)
     for _, (nb, users) in units.shared.items():
         for s in {stage_of[u] for u in users}:
             par[s] += nb
-    while left > 0:
-        best = None
-        for s, r in enumerate(reps):
-            nxt = [x for x in allowed if x > r and x - r <= left]
-            if not nxt:
-                continue
-            t = stage_time_s(comp[s], par[s], 0.0, 0.0, nxt[0], opts)
-            if t <= T * (1 + 1e-12) and (best is None or t < best[0]):
-                best = (t, s, nxt[0])
-        if best is None:
-            return None
-        left -= best[2] - reps[best[1]]
-        reps[best[1]] = best[2]
-    return reps
+    return comp, par
 
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
@@ -214,10 +227,14 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 lo, hi = hi, hi * 2
                 if hi > 1e6:
                     return None
-        hi = best[2]
-        while hi > lo * (1 + 1e-4):
-            T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
+        hi, probe = best[2], True
+        while hi > lo * (1 + TOLERANCE):
+            if probe:  # the plan's own time is often the optimum: check just below it first
+                T = max(hi / (1 + TOLERANCE), lo)
+            else:
+                T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
+            probe = not probe and found is not None and found[2] < T * (1 - TOLERANCE)
             if found is None:
                 lo = T
             else:
@@ -227,7 +244,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             return None
     except PadFailed:
         return None
-    return ChainSolution(best[0], best[1], best[2], min(lo, best[2]), hi <= lo * (1 + 1e-4))
+    return ChainSolution(best[0], best[1], best[2], min(lo, best[2]), hi <= lo * (1 + TOLERANCE))
 
 
 def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
@@ -249,13 +266,7 @@ class PadFailed(Exception):
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
     """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
     S = len(replicas)
-    comp, par = np.zeros(S), np.zeros(S)
-    for u, s in enumerate(stage_of):
-        comp[s] += units.compute[u]
-        par[s] += units.param_bytes[u]
-    for _, (nb, users) in units.shared.items():
-        for s in {stage_of[u] for u in users}:
-            par[s] += nb
+    comp, par = _stage_sums(units, stage_of, S)
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
