@@ -216,51 +216,61 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
           score) -> Optional[ChainSolution]:
-    """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck."""
+    """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
+
+    A T that is feasible on at most K devices but whose plan the greedy cannot
+    spread over exactly K (``pad``) lowers the search's upper end without
+    giving a plan; the answer's bound stays the highest proven-infeasible T.
+    """
     solver = ChainSolver(units, segments, opts)
     lo = sum(units.compute) / opts.devices * (1 - 1e-9)
-    hi, best = max(lo, 1e-12), None
+    T, best, hi = max(lo, 1e-12), None, math.inf
     try:
-        while best is None:
-            best = _attempt(solver, units, opts, hi, score, deadline)
-            if best is None:
-                lo, hi = hi, hi * 2
-                if hi > 1e6:
-                    return None
-        hi, probe = best[2], True
+        for _ in range(64):  # find a plan: double T from sum C / K
+            found = _attempt(solver, units, opts, T, score, deadline)
+            if found is _INFEASIBLE:
+                lo = T
+            elif found is not _UNPADDED:
+                best, hi = found, found[2]
+                break
+            T *= 2
+        if best is None:
+            return None
+        probe = True
         while hi > lo * (1 + TOLERANCE):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + TOLERANCE), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
-            probe = not probe and found is not None and found[2] < T * (1 - TOLERANCE)
-            if found is None:
+            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - TOLERANCE)
+            if found is _INFEASIBLE:
                 lo = T
+            elif found is _UNPADDED:
+                hi = T
             else:
                 best, hi = found, min(found[2], T)
     except DeadlineExceeded:
         if best is None:
             return None
-    except PadFailed:
-        return None
-    return ChainSolution(best[0], best[1], best[2], min(lo, best[2]), hi <= lo * (1 + TOLERANCE))
+    bound = min(lo, best[2])
+    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + TOLERANCE))
+
+
+_INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
 
 
 def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
-    """A plan at most T (stage per unit, replicas, its bottleneck), or None if T is infeasible."""
+    """A plan at most T (stage per unit, replicas, its bottleneck), ``_INFEASIBLE`` (more than K
+    devices needed: a proof), or ``_UNPADDED`` (fits on fewer, but not spread over exactly K)."""
     need, back = solver.devices_needed(T, deadline)
     if need > opts.devices:
-        return None
+        return _INFEASIBLE
     stage_of, reps = solver.plan(back)
     reps = pad(units, stage_of, reps, opts, T)
     if reps is None:
-        raise PadFailed()
+        return _UNPADDED
     return stage_of, reps, score(stage_of, reps)
-
-
-class PadFailed(Exception):
-    """T is feasible on at most K devices, but the greedy could not use exactly K."""
 
 
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:

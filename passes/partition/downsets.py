@@ -14,6 +14,8 @@ start only in those cases.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import List, Optional
 
 import numpy as np
@@ -58,7 +60,7 @@ def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
 
 
 def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
-               upper: float = float("inf")) -> Optional[Solution]:
+               upper: float = float("inf"), deadline: float = math.inf) -> Optional[Solution]:
     """Optimal (stage per unit, replicas, bottleneck), or None if the graph has too many downsets.
 
     ``limit`` defaults to 2500 downsets, fewer on big graphs (6e5 unit-downset
@@ -87,6 +89,8 @@ def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
     best[0, 0] = 0.0
     choice = np.zeros((D, K + 1, 2), dtype=np.int64)
     for i in range(1, D):
+        if time.monotonic() > deadline:
+            return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
         if js.size:
             _relax(i, js, comp, par, cut, best, choice, opts, upper * (1 + 1e-9))

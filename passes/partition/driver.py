@@ -85,24 +85,30 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             return exact
     exact = None
     if solver == "auto":
-        quick = best_order_dp(fine, opts) if len(fine) <= coarsen_above else None
-        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"))
+        quick = best_order_dp(fine, opts, deadline) if len(fine) <= coarsen_above else None
+        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"), deadline=deadline)
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
         return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
-    units = coarsen(graph, opts, target=coarsen_above)
-    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts)
-    model = PartitionModel(units, opts)
+    units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
+    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts, deadline)
     heuristic_s = None
     if warm is not None:
         heuristic_s = evaluate(graph, _to_nodes(graph, units, warm[0]), warm[1], opts).bottleneck_s
+    if deadline - time.monotonic() < 0.2:  # no time left to build and run CP-SAT
+        if warm is None:
+            raise InfeasibleError(f"partition: no plan found within the time limit ({time_limit:g}s); "
+                                  "raise --time-limit")
+        return _result(graph, units, opts, SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, 0.0),
+                       start, heuristic_s, "CP-SAT")
+    model = PartitionModel(units, opts)
+    if warm is not None:
         model.hint(warm[0], warm[1])
         if opts.memory is None and not units.shared:
             model.upper_bound(warm[2])
-    remaining = max(0.1, time_limit - (time.monotonic() - start))
-    solved = model.solve(remaining, workers=workers, report=progress)
+    solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress)
     if solved.stage_of is None:
-        _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
+        _raise_infeasible(units, opts, solved, warm, deadline, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
 
@@ -173,9 +179,9 @@ def _to_nodes(graph: CostGraph, units: Units, stage_of: List[int]) -> Dict[str, 
     return {n: renumber.get(s, 0) for n, s in assignment.items()}
 
 
-def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult,
-                      warm, time_limit: float, workers: int) -> None:
-    """Raise with the smallest memory that fits (if memory is the reason)."""
+def _raise_infeasible(units: Units, opts: CostOptions, solved: SolveResult,
+                      warm, deadline: float, workers: int) -> None:
+    """Raise with the smallest memory that fits (if memory is the reason), searched until the deadline."""
     if solved.status == "UNKNOWN" and warm is not None and opts.memory is None:
         return  # time ran out before CP-SAT restated the warm start: keep it
     if opts.memory is None or solved.status != "INFEASIBLE":
@@ -184,7 +190,7 @@ def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved:
     probe = PartitionModel(units, opts, minimise_memory=True)
     if warm is not None:
         probe.hint(warm[0], warm[1])
-    least = probe.solve(max(5.0, time_limit / 4), workers=workers)
+    least = probe.solve(max(0.05, deadline - time.monotonic()), workers=workers)
     what = (f"the smallest memory per device that fits on {opts.devices} devices is "
             f"{_fmt_bytes(least.objective)}" if least.stage_of is not None
             else "no plan fits any memory in the time given")

@@ -41,8 +41,8 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0,
     most ``tiny`` seconds (``tiny_silent`` if it sends nothing), every other producer of it is in u or an ancestor of
     u, and either it sends nothing (0 output bytes), or the one byte-carrying
     value it reads comes from u and goes to it alone, and it sends no more
-    bytes than that value: any plan can then move it into u's stage without a
-    worse cut. Moving them can add at most the folded compute of one segment
+    bytes than that value, or nobody reads it: any plan can then move it into
+    u's stage without a worse cut. Moving them can add at most the folded compute of one segment
     to a stage (a stage boundary lies in one segment and only splits that
     segment's groups), so ``fold_margin`` of it, subtracted from a bound on the
     folded graph, bounds the original. A node that sends nothing and has no
@@ -64,7 +64,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0,
         ps = sorted({head[p] for p in preds[n] if p in head}, key=index.__getitem__)
         light = (node.compute_s <= (tiny_silent if node.out_bytes == 0 else tiny) and node.param_bytes == 0
                  and not node.params and node.op != "output" and not node.is_input)
-        if light and not ps and node.out_bytes == 0:
+        if light and not ps and (node.out_bytes == 0 or not consumers[n]):
             continue  # like a model input: placed with its first consumer afterwards
         target = _fold_target(graph, n, ps, preds[n], consumers, head, anc, index) if light else None
         if target is not None:
@@ -86,7 +86,7 @@ def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], 
                  index) -> Optional[str]:
     """The group ``n`` may join (see ``folded_units``), or None."""
     carrying = [p for p in raw_preds if p in head and graph.nodes[p].out_bytes > 0]
-    if graph.nodes[n].out_bytes == 0:
+    if graph.nodes[n].out_bytes == 0 or not consumers[n]:  # sends nothing, or to no one
         candidates = ps
     elif len(carrying) == 1 and consumers[carrying[0]] == {n} \
             and graph.nodes[carrying[0]].out_bytes >= graph.nodes[n].out_bytes:
