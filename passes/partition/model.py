@@ -139,6 +139,10 @@ class PartitionModel:
     def _times(self) -> None:
         """``r·T >= C_b + a_r·P_b`` written as ``F·r·T >= F·C_b + round(F·a_r/a_max)·P_b``.
 
+        This is ``costmodel.stage_time_s`` linearised per replica choice (its
+        compute + all-reduce term, and each cut as ``r·T >= 2A/B``): the one
+        place the formula is restated, because CP-SAT needs it as constraints.
+
         P_b counts weights in units of ``q / a_max`` seconds of all-reduce, so
         its rounding obeys the same per-term bound as compute; ``F = 10^4``
         keeps the rounding of the ratio ``a_r / a_max`` below 0.01%.
