@@ -110,3 +110,82 @@ def deep_gpt(depth: int, base: Optional[CostGraph] = None) -> CostGraph:
     graph = CostGraph(nodes=nodes, edges=list(dict.fromkeys(edges)), info={"source": f"gpt, {depth} blocks"}, param_sizes=sizes)
     graph.check()
     return graph
+
+
+def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
+    """Best uniform PP x DP layout (equal blocks per stage, embedding first, head last): (bottleneck, 'PPxDP')."""
+    block = {n: _block_of(nd) for n, nd in graph.nodes.items()}
+    depth = max(b for b in block.values() if b is not None) + 1
+    names = list(graph.nodes)
+    first_block = min(i for i, n in enumerate(names) if block[n] is not None)
+    best = (float("inf"), "")
+    for pp in range(1, min(depth, opts.devices) + 1):
+        if depth % pp or opts.devices % pp:
+            continue
+        dp = opts.devices // pp
+        if opts.replication == "pow2" and dp & (dp - 1):
+            continue
+        per = depth // pp
+        stage = {}
+        for i, n in enumerate(names):
+            b = block[n]
+            stage[n] = (b // per) if b is not None else (0 if i < first_block else pp - 1)
+        cost = evaluate(graph, stage, [dp] * pp, opts).bottleneck_s
+        best = min(best, (cost, f"{pp}x{dp}"))
+    return best
+
+
+def run_row(depth: int, devices: int, time_limit: float, gpus_per_node: Optional[int]) -> Dict[str, object]:
+    """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own)."""
+    graph = deep_gpt(depth)
+    extra = {}
+    if gpus_per_node and "gpus_per_node" in {f.name for f in fields(CostOptions)}:
+        extra["gpus_per_node"] = gpus_per_node
+    start = time.monotonic()
+    res = partition(graph, devices, time_limit=time_limit, **extra)
+    wall = time.monotonic() - start
+    uniform, layout = megatron_layout(graph, res.options)
+    return {"depth": depth, "nodes": len(graph.nodes), "K": devices, "wall_s": wall, "status": res.status,
+            "method": res.method, "gap": res.gap, "plan_s": res.bottleneck_s, "stages": len(res.replicas),
+            "uniform_s": uniform, "uniform": layout,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", default="8,32,96")
+    ap.add_argument("--devices", default="8,16,32,64,128,256,512,1024")
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="topology hook (if CostOptions has it)")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
+    args = ap.parse_args(argv)
+    if args.row:
+        depth, k = (int(x) for x in args.row.split(","))
+        print(json.dumps(run_row(depth, k, args.time_limit, args.gpus_per_node)))
+        return 0
+    from tabulate import tabulate
+
+    profiled_gpt()  # profile once before the rows
+    rows = []
+    for depth in (int(x) for x in args.depths.split(",")):
+        for k in (int(x) for x in args.devices.split(",")):
+            cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
+                   "--time-limit", str(args.time_limit)]
+            if args.gpus_per_node:
+                cmd += ["--gpus-per-node", str(args.gpus_per_node)]
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if out.returncode:
+                print(out.stderr, file=sys.stderr)
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append([r["depth"], r["nodes"], r["K"], f"{r['wall_s']:.2f}", f"{r['rss_mb']:.0f}", r["status"],
+                         f"{100 * r['gap']:.3f}%", r["stages"], f"{r['plan_s'] * 1e3:.3f}", r["uniform"],
+                         f"{r['uniform_s'] * 1e3:.3f}", f"{r['uniform_s'] / r['plan_s']:.2f}"])
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
+                                  "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
