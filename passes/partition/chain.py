@@ -193,14 +193,33 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
         now = stage_time_s(comp, par, 0.0, 0.0, reps, opts)
         then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts)
         usable &= then <= T * (1 + 1e-12)
-        if not usable.any():
-            return None
+        if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
+            jump = _first_fit_above(comp, par, reps, left, allowed, opts, T)
+            if jump is None:
+                return None
+            s, r = jump
+            left -= int(r - reps[s])
+            reps[s] = r
+            continue
         faster = usable & (then < now)
         s = int(np.argmax(np.where(faster, now, -np.inf))) if faster.any() else \
             int(np.argmin(np.where(usable, then - now, np.inf)))
         left -= int(nxt[s] - reps[s])
         reps[s] = nxt[s]
     return [int(r) for r in reps]
+
+
+def _first_fit_above(comp, par, reps, left: int, allowed, opts: CostOptions, T: float):
+    """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage within T."""
+    best = None
+    for s, r in enumerate(reps):
+        cand = allowed[(allowed > r) & (allowed - r <= left)]
+        if not cand.size:
+            continue
+        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts) <= T * (1 + 1e-12))[0]
+        if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
+            best = (s, int(cand[ok[0]]))
+    return best
 
 
 def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:

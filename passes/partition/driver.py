@@ -6,6 +6,7 @@ does not depend on the solver's integer scaling or on coarsening.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -79,10 +80,34 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     deadline = start + time_limit
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
-    if solver == "auto":
-        exact = _chain(graph, opts, start, deadline)
-        if exact is not None:
-            return exact
+    chained = _chain(graph, opts, start, deadline) if solver == "auto" else None
+    if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
+        return chained
+    try:
+        other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
+                         downset_limit, progress, chained)
+    except InfeasibleError:
+        if chained is None:
+            raise
+        return chained
+    return _better(chained, other)
+
+
+def _better(chained: Optional[PartitionResult], other: PartitionResult) -> PartitionResult:
+    """The faster plan, with the higher of the two proven bounds (both are bounds of the same problem)."""
+    if chained is None:
+        return other
+    best = chained if chained.bottleneck_s <= other.bottleneck_s else other
+    best.bound_s = min(max(chained.bound_s, other.bound_s), best.bottleneck_s)
+    best.status = "OPTIMAL" if best.gap <= OPTIMAL_GAP else ("FEASIBLE" if best.status != "HEURISTIC" else best.status)
+    best.wall_s = max(chained.wall_s, other.wall_s)
+    return best
+
+
+def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, time_limit: float,
+             workers: int, coarsen_above: int, solver: str, downset_limit: Optional[int], progress,
+             chained: Optional[PartitionResult]) -> PartitionResult:
+    """The downset DP on small lattices, else CP-SAT on coarsened units (warm-started by ``chained``)."""
     exact = None
     if solver == "auto":
         quick = best_order_dp(fine, opts, deadline) if len(fine) <= coarsen_above else None
@@ -102,11 +127,17 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         return _result(graph, units, opts, SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, 0.0),
                        start, heuristic_s, "CP-SAT")
     model = PartitionModel(units, opts)
+    if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
+        stage_of = [chained.assignment[names[0]] for names in units.members]
+        whole = all(chained.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
+        if whole and (warm is None or chained.bottleneck_s < (heuristic_s or math.inf)):
+            warm = (stage_of, chained.replicas, chained.bottleneck_s)
     if warm is not None:
         model.hint(warm[0], warm[1])
         if opts.memory is None and not units.shared:
             model.upper_bound(warm[2])
-    solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress)
+    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None else -math.inf
+    solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
@@ -124,7 +155,8 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     if opts.memory is not None or (opts.replication == "none" and not opts.fewer_devices):
         return None
     ideal = graph.total_compute_s() / opts.devices
-    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal)
+    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
+                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None

@@ -1,8 +1,7 @@
 """The downset lattice of a graph as a chain of small lattices, one per segment.
 
 A *separator* is a unit ``s`` such that every unit before it in the order is
-an ancestor of ``s``, and every unit after it descends from ``s`` (no edge
-jumps over it; no unit after it is a source). Then every downset either lies
+an ancestor of ``s``, and every unit after it descends from ``s``. Then every downset either lies
 inside ``{.., s}`` or contains it, so the downsets of the whole graph are those
 of the first segment, then ``{.., s}`` plus those of the next segment, and so
 on: the lattice is the concatenation of the segments' lattices. In a
@@ -33,12 +32,12 @@ from passes.partition.coarsen import Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
 
 
-def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0,
-                 tiny_silent: float = 0.0) -> Tuple[Units, List[float]]:
+def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
+                 tiny_input: float = -1.0) -> Tuple[Units, List[float]]:
     """Units with free nodes folded away (see the module docstring); also each unit's folded compute.
 
     A node folds into a producer's group u when it holds no weights, costs at
-    most ``tiny`` seconds (``tiny_silent`` if it sends nothing), every other producer of it is in u or an ancestor of
+    most ``tiny`` seconds (``tiny_silent`` if it sends nothing or to no one), every other producer of it is in u or an ancestor of
     u, and either it sends nothing (0 output bytes), or the one byte-carrying
     value it reads comes from u and goes to it alone, and it sends no more
     bytes than that value, or nobody reads it: any plan can then move it into
@@ -56,17 +55,27 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0,
         if u in index and v in index:
             preds[v].append(u)
             consumers[u].add(v)
+    dead = set()  # nothing they compute reaches the model's output: free to sit with their producer
+    has_output = any(graph.nodes[n].op == "output" for n in names)
+    for n in reversed(names):
+        node = graph.nodes[n]
+        result = node.op == "output" or (not has_output and not consumers[n] and (node.compute_s > 0 or n == names[-1]))
+        if not result and not node.params and node.param_bytes == 0 and consumers[n] <= dead:
+            dead.add(n)
     head: Dict[str, str] = {}
     groups: Dict[str, List[str]] = {}
     anc: Dict[str, int] = {}  # bitmask (by index) of the groups each group descends from
     for n in names:
         node = graph.nodes[n]
         ps = sorted({head[p] for p in preds[n] if p in head}, key=index.__getitem__)
-        light = (node.compute_s <= (tiny_silent if node.out_bytes == 0 else tiny) and node.param_bytes == 0
-                 and not node.params and node.op != "output" and not node.is_input)
-        if light and not ps and (node.out_bytes == 0 or not consumers[n]):
+        silent = node.out_bytes == 0 or not consumers[n]
+        light = n in dead or (node.compute_s <= (tiny_silent if silent else tiny) and node.param_bytes == 0
+                              and not node.params and node.op != "output" and not node.is_input)
+        weightless = node.param_bytes == 0 and not node.params and node.op != "output" and not node.is_input
+        if not ps and weightless and (light and (node.out_bytes == 0 or consumers[n] <= dead)
+                                      or node.compute_s <= tiny_input):
             continue  # like a model input: placed with its first consumer afterwards
-        target = _fold_target(graph, n, ps, preds[n], consumers, head, anc, index) if light else None
+        target = _fold_target(graph, n, ps, preds[n], consumers, head, anc, index, dead) if light else None
         if target is not None:
             head[n] = target
             groups[target].append(n)
@@ -78,15 +87,18 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0,
             mask |= anc[p] | (1 << index[p])
         anc[n] = mask
     units = build_units(graph, opts, list(groups.values()))
-    folded = [units.compute[i] - graph.nodes[members[0]].compute_s for i, members in enumerate(units.members)]
+    folded = []
+    for i, members in enumerate(units.members):
+        units.compute[i] -= sum(graph.nodes[m].compute_s for m in members if m in dead)  # dropped: a relaxation
+        folded.append(units.compute[i] - graph.nodes[members[0]].compute_s)
     return units, folded
 
 
 def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], consumers, head, anc,
-                 index) -> Optional[str]:
+                 index, dead) -> Optional[str]:
     """The group ``n`` may join (see ``folded_units``), or None."""
     carrying = [p for p in raw_preds if p in head and graph.nodes[p].out_bytes > 0]
-    if graph.nodes[n].out_bytes == 0 or not consumers[n]:  # sends nothing, or to no one
+    if graph.nodes[n].out_bytes == 0 or not consumers[n] or consumers[n] <= dead:  # sends nothing that is used
         candidates = ps
     elif len(carrying) == 1 and consumers[carrying[0]] == {n} \
             and graph.nodes[carrying[0]].out_bytes >= graph.nodes[n].out_bytes:
@@ -119,30 +131,34 @@ class Segment:
 
 
 def separators(units: Units) -> List[int]:
-    """Positions p (units[:p] is the prefix) where the lattice splits; inputs sit in every downset."""
+    """Positions p (units[:p] is the prefix) where the lattice splits; inputs sit in every downset.
+
+    p splits it when the prefix is ``s = p - 1`` and its ancestors, and every
+    later unit descends from s: each later unit has a producer at s or later
+    (so a value used far ahead, like an attention mask, does not prevent it).
+    """
     n = len(units)
     inputs = [u for u in range(n) if units.is_input[u]]
     body = [u for u in range(n) if not units.is_input[u]]
     if not all(a < b for a, b in zip(inputs, inputs[1:] + body[:1])):
         return []  # inputs not first: no split
     preds: List[List[int]] = [[] for _ in range(n)]
-    last_use = list(range(n))
     for a, b in units.edges:
         if not units.is_input[a]:
             preds[b].append(a)
-            last_use[a] = max(last_use[a], b)
     start = len(inputs)
+    latest = [max(ps, default=-1) for ps in preds]  # the latest producer of each unit
+    suffix_min = [n] * (n + 1)
+    for v in range(n - 1, -1, -1):
+        suffix_min[v] = min(suffix_min[v + 1], latest[v])
     anc = [0] * n
-    cuts, reach, sources_after = [], start, [False] * (n + 1)
-    for v in range(n - 1, start - 1, -1):
-        sources_after[v] = sources_after[v + 1] or not preds[v]
+    cuts = []
     for s in range(start, n - 1):
         for a in preds[s]:
             anc[s] |= anc[a] | (1 << a)
         full = ((1 << s) - 1) & ~((1 << start) - 1)
-        if anc[s] == full and reach <= s and not sources_after[s + 1]:
+        if anc[s] == full and suffix_min[s + 1] >= s:
             cuts.append(s + 1)
-        reach = max(reach, last_use[s])
     return cuts
 
 
@@ -190,10 +206,10 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int
     cut = np.zeros(len(masks))
     for unit, nbytes, consumers in live:
         inside = member[:, pos[unit]] if unit in pos else np.ones(len(masks), dtype=bool)
-        if any(c not in pos for c in consumers):
+        if max(consumers) > local[-1]:  # read after this segment
             escapes = np.ones(len(masks), dtype=bool)
-        else:
-            escapes = ~member[:, [pos[c] for c in consumers]].all(axis=1)
+        else:  # consumers before the segment are inside every point
+            escapes = ~member[:, [pos[c] for c in consumers if c in pos]].all(axis=1)
         cut += float(nbytes) * (inside & escapes)
     if first:
         cut[0] = 0.0  # nothing precedes the first stage

@@ -92,7 +92,8 @@ def brute_force(g: CostGraph, K: int, model: str, allowed) -> float:
 def test_brute_force_random_dags(method, model, seed, n, K):
     g = random_dag(n, seed, output=seed % 2 == 1)
     res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, solver=method)
-    assert res.method == ("CP-SAT" if method == "cpsat" else "segment DP")
+    # auto: the segment DP, or the downset DP where it cannot spread its plan over exactly K devices
+    assert res.method in (("CP-SAT",) if method == "cpsat" else ("segment DP", "downset DP"))
     expected = brute_force(g, K, model, range(1, K + 1))
     assert is_convex(g, res.assignment)
     assert sum(res.replicas) == K
@@ -260,7 +261,7 @@ def test_tied_weight_counts_in_every_stage_that_uses_it():
         g.nodes[n] = replace(g.nodes[n], param_bytes=0)
     opts = CostOptions(devices=3, bandwidth=B, allreduce_bandwidth=BAR)
     res = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, time_limit=20)
-    assert res.method == "segment DP"  # it counts a shared weight once per stage that uses it
+    assert res.method in ("segment DP", "CP-SAT")  # the segment DP counts a shared weight once per stage
     cp = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, time_limit=20, solver="cpsat")
     assert cp.bottleneck_s == pytest.approx(res.bottleneck_s, rel=1e-3)
     names, best = list(g.nodes), float("inf")
