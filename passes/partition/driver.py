@@ -1,4 +1,4 @@
-"""``partition(graph, devices, **options)``: coarsen, warm start, CP-SAT, map back, score.
+"""``partition(graph, devices, **options)``: segment DP, else coarsen, warm start, CP-SAT; map back, score.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -66,10 +66,13 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
               progress: Optional[Callable[[str], None]] = None, **options) -> PartitionResult:
     """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
 
-    ``solver``: ``"auto"`` solves exactly by the downset DP when the graph has
-    at most ``downset_limit`` downsets (default: a budget by graph size, see
-    ``downsets.downset_dp``) and neither memory nor tied weights are
-    involved, else by CP-SAT; ``"cpsat"`` always uses CP-SAT.
+    ``solver``: ``"auto"`` tries the segment DP first (``_chain``); if it does
+    not prove its plan, the downset DP when the graph has at most
+    ``downset_limit`` downsets (default: a budget by graph size, see
+    ``downsets.downset_dp``) and neither memory nor tied weights are involved,
+    else CP-SAT; the better plan and the higher bound are kept. ``"cpsat"``
+    always uses CP-SAT. ``time_limit`` caps the whole call (every phase checks
+    the deadline; the answer is the best plan and bound found by then).
     ``progress``: called with one line per improving CP-SAT solution (the CLI
     passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
     """
