@@ -167,7 +167,9 @@ def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) 
     or the deadline passes."""
     n = len(units)
     start = sum(units.is_input)
-    bounds = [start] + separators(units) + [n]
+    bounds = _grouped([start] + separators(units) + [n], units, limit)
+    if bounds is None:
+        return None
     shared = list(units.shared.values())
     seg_of = np.zeros(n, dtype=np.int64)
     for a in range(len(bounds) - 1):
@@ -189,6 +191,29 @@ def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) 
         segments.append(seg)
         base_c, base_p, base_s = seg.compute[-1], seg.params[-1], seg.shared[-1]
     return segments
+
+
+def _grouped(bounds: List[int], units: Units, limit: int, target: int = 64) -> Optional[List[int]]:
+    """Fewer, larger segments: consecutive ones join while their points add up to ``target``.
+
+    Joined segments' lattices concatenate (their points add), so nothing is
+    lost; fewer segments means fewer numpy calls per DP pass, larger ones more
+    stage pairs inside a segment. None if one segment alone exceeds ``limit``.
+    """
+    n = len(units)
+    sizes = []
+    for a in range(len(bounds) - 1):
+        masks = _local_downsets(units, list(range(bounds[a], bounds[a + 1])), bounds[a + 1] == n, limit)
+        if masks is None:
+            return None
+        sizes.append(len(masks) - 1)
+    kept, run = [bounds[0]], 0
+    for a, size in enumerate(sizes):
+        if run and run + size > target:
+            kept.append(bounds[a])
+            run = 0
+        run += size
+    return kept + [n]
 
 
 def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int, live, shared,
