@@ -142,11 +142,11 @@ def test_segment_dp_equals_downset_dp_on_random_chains_of_blocks(model, seed, n,
     exact = downset_dp(fine, opts, limit=100_000)
     res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20)
     assert res.status == "OPTIMAL"
-    assert exact[2] * (1 - 1e-9) <= res.bottleneck_s <= exact[2] * (1 + 2e-4)
+    assert exact[2] * (1 - 1e-9) <= res.bottleneck_s <= exact[2] * (1 + 4e-4)
     chain = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20,
                       fewer_devices=True)  # no padding to exactly K: the segment DP alone
     assert chain.method == "segment DP" and chain.status == "OPTIMAL"
-    assert chain.bottleneck_s <= res.bottleneck_s * (1 + 2e-4)
+    assert chain.bottleneck_s <= res.bottleneck_s * (1 + 4e-4)
 
 
 def test_residual_adds_are_separators_and_segments_are_small():
