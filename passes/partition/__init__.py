@@ -1,9 +1,14 @@
 """Pipeline partitioning: which nodes go to which stage, with how many replicas.
 
-Two exact methods behind one call: the downset dynamic program
-(``downsets.py``) when the graph has few downsets (chains, residual networks),
-otherwise the CP-SAT model (``model.py``) on a coarsened graph (``coarsen.py``)
-with a warm start from a DP over topological orders (``heuristic.py``).
+Exact methods behind one call. First the segment DP (``chain.py`` over the
+lattice of ``segments.py``): the graph's downset lattice as a chain of small
+per-segment lattices, searched by bisection on the bottleneck with the fewest
+replicas per stage in closed form; it proves transformers with 100 blocks on
+1024 devices optimal in seconds. Where it does not apply (memory limits,
+replication ``none`` on exactly K devices, a segment with too many downsets)
+or does not prove its plan, the downset DP (``downsets.py``) on small
+lattices, else CP-SAT (``model.py``) on a coarsened graph (``coarsen.py``),
+warm-started by the best plan so far and bounded by the segment DP's bound.
 
 ``partition(graph, devices, **options)`` returns a ``PartitionResult``;
 ``apply_assignment(gm, result.assignment)`` records the stages on an fx graph.

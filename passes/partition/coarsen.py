@@ -29,6 +29,8 @@ set of cut positions. Inputs and the output node are never merged.
 from __future__ import annotations
 
 import heapq
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
 
@@ -98,8 +100,12 @@ def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) ->
     return units
 
 
-def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300) -> Units:
-    """Units for the solver: one per node if the graph is small, else merged groups."""
+def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300, deadline: float = math.inf) -> Units:
+    """Units for the solver: one per node if the graph is small, else merged groups.
+
+    Past ``deadline`` (``time.monotonic()``) no further merge round starts: the
+    groups so far are valid units, only more of them.
+    """
     names = model_nodes(graph, opts)
     if len(names) <= target:
         return build_units(graph, opts, [[n] for n in names])
@@ -108,7 +114,7 @@ def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300) -> Units:
     ideal = graph.total_compute_s() / opts.devices
     for merge in (merger.merge_modules, merger.merge_chains):  # whole modules before chains cross them
         cap = 0.05 * ideal
-        while len(merger.items) > target and cap <= 0.2 * ideal:
+        while len(merger.items) > target and cap <= 0.2 * ideal and time.monotonic() < deadline:
             merge(target, cap)
             cap *= 2
     return build_units(graph, opts, merger.groups())

@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
+import numpy as np
+
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.partition import topology
@@ -150,11 +152,15 @@ class CostOptions:
 
 def allreduce_s(param_bytes: float, r: int, opts: CostOptions) -> float:
     """Weight synchronisation time per microbatch of a stage with ``r`` replicas."""
-    if r <= 1:
-        return 0.0
+    return float(_allreduce(param_bytes, r, opts))
+
+
+def _allreduce(param_bytes, r, opts: CostOptions):
+    """The all-reduce term of both models (0 at r = 1), elementwise on arrays."""
+    r = np.asarray(r, dtype=float)
     if opts.cost_model == "pipedream":
-        return 4.0 * (r - 1) * param_bytes / (opts.bandwidth * r) / r
-    return 2.0 * (r - 1) / r * param_bytes / opts.ar_bandwidth
+        return 4.0 * (r - 1) * np.asarray(param_bytes, dtype=float) / (opts.bandwidth * r) / r
+    return 2.0 * (r - 1) / r * np.asarray(param_bytes, dtype=float) / opts.ar_bandwidth
 
 
 def allreduce_coeff(r: int, opts: CostOptions) -> float:
@@ -241,6 +247,108 @@ def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
     pick = max if fast else min
     return dataclasses.replace(opts, gpus_per_node=None, intra_bandwidth=None, allreduce_bandwidth=None,
                                bandwidth=pick(opts.bandwidth, opts.intra_bw))
+
+
+def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, first_rank: int = 0,
+                 r_in=None, r_out=None):
+    """THE stage time of both cost models; every solver derives its numbers from it.
+
+    ``compute`` (s, fwd+bwd, summed over the stage), ``params`` (weight bytes
+    the stage holds, shared weights once), ``cut_in``/``cut_out`` (bytes
+    crossing the boundary before/after it), ``r`` replicas, and ``r_in`` /
+    ``r_out`` the neighbours' replicas (default ``r``: then the stage is charged
+    ``2A/(B·r)`` for each of its cuts, and the maximum over stages equals the
+    bottleneck with ``min(r_b, r_b+1)``). ``first_rank``: the stage's first
+    device: on a two-level machine (``opts.gpus_per_node``) the all-reduce and
+    the cuts are charged the links they cross (scalars only there). Works on numpy arrays elementwise (the chain DP calls it on
+    thousands of stages at once).
+    """
+    if opts.gpus_per_node is not None:
+        return _placed_stage_time(float(compute), float(params), float(cut_in), float(cut_out), int(r), opts,
+                                  first_rank, r if r_in is None else r_in, r if r_out is None else r_out)
+    r_arr = np.asarray(r, dtype=float)
+    before = 2.0 * np.asarray(cut_in, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_in is None else r_in))
+    after = 2.0 * np.asarray(cut_out, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_out is None else r_out))
+    out = combine_stage_time(compute, r_arr, _allreduce(params, r_arr, opts), np.maximum(before, after))
+    return float(out) if out.ndim == 0 else out
+
+
+def combine_stage_time(compute, r, allreduce, comm):
+    """Communication overlaps computation: the stage's own work (compute split over
+    its r replicas, then the weight all-reduce) or its slower link, whichever is longer."""
+    return np.maximum(np.asarray(compute, dtype=float) / r + allreduce, comm)
+
+
+def _placed_stage_time(compute: float, params: float, cut_in: float, cut_out: float, r: int, opts: CostOptions,
+                       first_rank: int, r_in: int, r_out: int) -> float:
+    """``stage_time_s`` on a two-level machine, the stage on ranks ``[first_rank, first_rank + r)``
+    and its neighbours contiguous before and after it (``topology.py``)."""
+    before = cut_at(cut_in, first_rank - r_in, r_in, r, opts) if cut_in else 0.0
+    after = cut_at(cut_out, first_rank, r, r_out, opts) if cut_out else 0.0
+    return float(combine_stage_time(compute, r, allreduce_at(params, first_rank, r, opts), max(before, after)))
+
+
+def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, first_rank: int = 0) -> np.ndarray:
+    """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
+
+    Relies on two properties of ``stage_time_s`` (both models have them; a
+    topology-aware model must keep them): it is at least ``compute / r`` and
+    each cut term falls with r, so no r below ``max(C/T, 2A/(B·T))`` can do;
+    and from r = 2 on it is monotone in r (fxpipe: ``(C - a)/r + a`` with
+    ``a = 2P/B``; PipeDream: ``(C + b)/r - b/r^2`` with ``b = 4P/B``, falling
+    for r >= 2). So: try the smallest allowed r above that floor; else the
+    time at that r (at least 2) and at the largest r give the answer's place
+    by fitting ``alpha/r + beta`` (exact for fxpipe), which is checked, and
+    bisection settles what the fit missed. If the largest r does not fit
+    either, none does.
+    """
+    allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    top = len(allowed) - 1
+    C, P, c_in, c_out = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out)))
+    floor = np.maximum(C, 2.0 * np.maximum(c_in, c_out) / opts.bandwidth) / T
+    lo = np.searchsorted(allowed, np.maximum(1.0, np.ceil(floor * (1 - 1e-12))))
+    out = np.full(C.shape, opts.devices + 1, dtype=np.int64)
+    ok = lo <= top
+    where = np.nonzero(ok.ravel())[0]
+    sel = np.unravel_index(where, C.shape)
+
+    def time_at(s, index):
+        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, first_rank)
+
+    first = time_at(sel, lo[sel]) <= T
+    out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]
+    sel = tuple(w[~first] for w in sel)
+    if not sel[0].size:
+        return out
+    ia = np.maximum(lo[sel], min(int(np.searchsorted(allowed, 2)), top))
+    fa, ft = time_at(sel, ia), time_at(sel, np.full(ia.shape, top))
+    good_a = fa <= T
+    out[tuple(w[good_a] for w in sel)] = allowed[ia[good_a]]
+    keep = ~good_a & (ft <= T) & (ia < top)  # the answer lies in (ia, top]
+    sel, ia, fa, ft = tuple(w[keep] for w in sel), ia[keep], fa[keep], ft[keep]
+    if not sel[0].size:
+        return out
+    ra, rt = allowed[ia].astype(float), float(allowed[top])
+    alpha = (fa - ft) / (1.0 / ra - 1.0 / rt)
+    beta = ft - alpha / rt
+    with np.errstate(divide="ignore", invalid="ignore"):
+        est = np.where(T > beta, alpha / (T - beta), rt)
+    e = np.clip(np.searchsorted(allowed, np.nan_to_num(est, nan=rt) * (1 - 1e-9)), ia + 1, top)
+    fe = time_at(sel, e) <= T
+    fp = np.where(e - 1 > ia, time_at(sel, e - 1) <= T, False)
+    exact = fe & ~fp
+    out[tuple(w[exact] for w in sel)] = allowed[e[exact]]
+    rest = ~exact  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
+    lo2 = np.where(fe, ia + 1, e + 1)[rest]
+    hi2 = np.where(fe, e - 1, top)[rest]
+    sel = tuple(w[rest] for w in sel)
+    while (lo2 < hi2).any():
+        mid = (lo2 + hi2) // 2
+        good = time_at(sel, mid) <= T
+        hi2 = np.where((lo2 < hi2) & good, mid, hi2)
+        lo2 = np.where((lo2 < hi2) & ~good, mid + 1, lo2)
+    out[sel] = allowed[hi2]
+    return out
 
 
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
@@ -360,9 +468,10 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
         if j < num_stages - 1:
             comm = max(comm, cut_on(cuts[j], placed[j], placed[j + 1], opts))
         ar = allreduce_on(params, placed[j], opts)
+        time_s = float(combine_stage_time(fwd + bwd, r, ar, comm))
         stages.append(StageCost(
             nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
-            allreduce_s=ar, comm_s=comm, time_s=max((fwd + bwd) / r + ar, comm),
+            allreduce_s=ar, comm_s=comm, time_s=time_s,
             param_bytes=params, act_bytes=acts, send_bytes=send[j],
             memory_bytes=memory_bytes(params, acts, j, replicas, opts),
         ))

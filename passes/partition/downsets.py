@@ -16,12 +16,14 @@ keeps the last stage's replicas, so placed costs stay exact (``_topology_dp``).
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import List, Optional
 
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff, allreduce_coeff_at, cut_at
+from passes.partition.costmodel import CostOptions, allreduce_coeff_at, cut_at, stage_time_s
 from passes.partition.heuristic import Solution
 
 
@@ -60,7 +62,7 @@ def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
 
 
 def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
-               upper: float = float("inf")) -> Optional[Solution]:
+               upper: float = float("inf"), deadline: float = math.inf) -> Optional[Solution]:
     """Optimal (stage per unit, replicas, bottleneck), or None if the graph has too many downsets.
 
     ``limit`` defaults to 2500 downsets, fewer on big graphs (6e5 unit-downset
@@ -79,19 +81,20 @@ def downset_dp(units: Units, opts: CostOptions, limit: Optional[int] = None,
     comp = member @ np.asarray(units.compute, dtype=float)
     par = member @ np.asarray(units.param_bytes, dtype=float)
     work = member @ np.asarray(units.has_compute, dtype=float)
-    cut = np.zeros(D)  # bytes both ways over the boundary after each downset
+    cut = np.zeros(D)  # bytes crossing the boundary after each downset, one way
     for unit, nbytes, consumers in units.producers:
         cmask = sum(1 << c for c in consumers)
-        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * (2.0 * nbytes)
+        cut += np.array([bool((m >> unit) & 1) and bool(cmask & ~m) for m in masks]) * float(nbytes)
     cut[0] = 0.0
     packed = np.packbits(member, axis=1)
     if opts.gpus_per_node is not None:
-        return _topology_dp(masks, n, comp, par, work, cut, packed, opts, upper)
-    cut /= opts.bandwidth
+        return _topology_dp(masks, n, comp, par, work, 2.0 * cut, packed, opts, upper, deadline)
     best = np.full((D, K + 1), np.inf)
     best[0, 0] = 0.0
     choice = np.zeros((D, K + 1, 2), dtype=np.int64)
     for i in range(1, D):
+        if time.monotonic() > deadline:
+            return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
         if js.size:
             _relax(i, js, comp, par, cut, best, choice, opts, upper * (1 + 1e-9))
@@ -107,13 +110,12 @@ def _relax(i, js_all, comp, par, cut, best, choice, opts: CostOptions, upper: fl
     """Best ways to end a stage at downset i, for every replica count r and device total."""
     K = opts.devices
     for r in opts.allowed_replicas():
-        if cut[i] / r > upper:
+        if stage_time_s(0.0, 0.0, 0.0, cut[i], r, opts) > upper:
             continue
-        js = js_all[((comp[i] - comp[js_all]) / r <= upper) & (cut[js_all] / r <= upper)]
+        js = js_all[stage_time_s(comp[i] - comp[js_all], 0.0, cut[js_all], 0.0, r, opts) <= upper]
         if not js.size:
             continue
-        stage = (comp[i] - comp[js] + allreduce_coeff(r, opts) * (par[i] - par[js])) / r
-        g = np.maximum(stage, np.maximum(cut[js], cut[i]) / r)
+        g = stage_time_s(comp[i] - comp[js], par[i] - par[js], cut[js], cut[i], r, opts)
         cand = np.maximum(best[js, : K + 1 - r], g[:, None])
         arg = np.argmin(cand, axis=0)
         val = cand[arg, np.arange(K + 1 - r)]
@@ -141,7 +143,8 @@ def _walk_back(choice, masks, n, i, m, value) -> Solution:
 
 # ------------------------------------------------------------ two-level machine
 
-def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, upper: float) -> Optional[Solution]:
+def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, upper: float,
+                 deadline: float = math.inf) -> Optional[Solution]:
     """The same search when costs depend on where a stage sits (``opts.gpus_per_node``).
 
     A stage's all-reduce depends on its first rank, which is the devices used
@@ -157,6 +160,8 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
     choice = np.zeros((D, K + 1, len(R), 2), dtype=np.int64)
     bound = upper * (1 + 1e-9)
     for i in range(1, D):
+        if time.monotonic() > deadline:
+            return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
         for ri, r in enumerate(R):
             keep = js[(comp[i] - comp[js]) / r <= bound]

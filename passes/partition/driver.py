@@ -1,4 +1,4 @@
-"""``partition(graph, devices, **options)``: coarsen, warm start, CP-SAT, map back, score.
+"""``partition(graph, devices, **options)``: segment DP, else coarsen, warm start, CP-SAT; map back, score.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -6,6 +6,8 @@ does not depend on the solver's integer scaling or on coarsening.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -15,10 +17,15 @@ from typing import Callable, Dict, List, Optional
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
+from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.downsets import downset_dp
+from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StageCost, evaluate, flat_bound
 from passes.partition.heuristic import best_order_dp
 from passes.partition.model import PartitionModel, SolveResult
+
+
+OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
 class InfeasibleError(FxpipeError):
@@ -61,10 +68,13 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
               progress: Optional[Callable[[str], None]] = None, **options) -> PartitionResult:
     """Best pipeline of ``graph`` on ``devices`` devices; ``options`` are ``CostOptions`` fields.
 
-    ``solver``: ``"auto"`` solves exactly by the downset DP when the graph has
-    at most ``downset_limit`` downsets (default: a budget by graph size, see
-    ``downsets.downset_dp``) and neither memory nor tied weights are
-    involved, else by CP-SAT; ``"cpsat"`` always uses CP-SAT.
+    ``solver``: ``"auto"`` tries the segment DP first (``_chain``); if it does
+    not prove its plan, the downset DP when the graph has at most
+    ``downset_limit`` downsets (default: a budget by graph size, see
+    ``downsets.downset_dp``) and neither memory nor tied weights are involved,
+    else CP-SAT; the better plan and the higher bound are kept. ``"cpsat"``
+    always uses CP-SAT. ``time_limit`` caps the whole call (every phase checks
+    the deadline; the answer is the best plan and bound found by then).
     ``progress``: called with one line per improving CP-SAT solution (the CLI
     passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
     """
@@ -72,39 +82,136 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solver not in ("auto", "cpsat"):
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
+    deadline = start + time_limit
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
-    slow = flat_bound(opts, fast=False)  # opts itself unless --gpus-per-node
+    if opts.gpus_per_node is not None:
+        return _placed(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
+                       progress)
+    chained = _chain(graph, opts, start, deadline) if solver == "auto" else None
+    if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
+        return chained
+    try:
+        other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
+                         downset_limit, progress, chained)
+    except InfeasibleError:
+        if chained is None:
+            raise
+        return chained
+    return _better(chained, other)
+
+
+def _better(chained: Optional[PartitionResult], other: PartitionResult) -> PartitionResult:
+    """The faster plan, with the higher of the two proven bounds (both are bounds of the same problem)."""
+    if chained is None:
+        return other
+    best = chained if chained.bottleneck_s <= other.bottleneck_s else other
+    best.bound_s = min(max(chained.bound_s, other.bound_s), best.bottleneck_s)
+    best.status = "OPTIMAL" if best.gap <= OPTIMAL_GAP else ("FEASIBLE" if best.status != "HEURISTIC" else best.status)
+    best.wall_s = max(chained.wall_s, other.wall_s)
+    return best
+
+
+def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, time_limit: float,
+             workers: int, coarsen_above: int, solver: str, downset_limit: Optional[int], progress,
+             chained: Optional[PartitionResult]) -> PartitionResult:
+    """The downset DP on small lattices, else CP-SAT on coarsened units (warm-started by ``chained``)."""
     exact = None
     if solver == "auto":
-        quick = best_order_dp(fine, slow) if len(fine) <= coarsen_above else None
-        upper = quick[2] if quick else float("inf")
-        if quick and slow is not opts:
-            upper = evaluate(graph, _to_nodes(graph, fine, quick[0]), quick[1], opts).bottleneck_s
-        exact = downset_dp(fine, opts, downset_limit, upper=upper)
+        quick = best_order_dp(fine, opts, deadline) if len(fine) <= coarsen_above else None
+        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"), deadline=deadline)
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
         return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
-    if slow is not opts:
-        return _placed_cpsat(graph, opts, start, time_limit, workers, coarsen_above, progress)
-    units = coarsen(graph, opts, target=coarsen_above)
-    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts)
-    model = PartitionModel(units, opts)
+    units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
+    warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts, deadline)
     heuristic_s = None
     if warm is not None:
         heuristic_s = evaluate(graph, _to_nodes(graph, units, warm[0]), warm[1], opts).bottleneck_s
+    if not _time_for_cpsat(units, opts, deadline):
+        if warm is None:
+            raise InfeasibleError(f"partition: no plan found within the time limit ({time_limit:g}s); "
+                                  "raise --time-limit")
+        return _result(graph, units, opts, SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, 0.0),
+                       start, heuristic_s, "CP-SAT")
+    model = PartitionModel(units, opts)
+    if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
+        stage_of = [chained.assignment[names[0]] for names in units.members]
+        whole = all(chained.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
+        if whole and (warm is None or chained.bottleneck_s < (heuristic_s or math.inf)):
+            warm = (stage_of, chained.replicas, chained.bottleneck_s)
+    if warm is not None:
         model.hint(warm[0], warm[1])
         if opts.memory is None and not units.shared:
             model.upper_bound(warm[2])
-    remaining = max(0.1, time_limit - (time.monotonic() - start))
-    solved = model.solve(remaining, workers=workers, report=progress)
+    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None else -math.inf
+    solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
-        _raise_infeasible(graph, units, opts, solved, warm, time_limit, workers)
+        _raise_infeasible(units, opts, solved, warm, deadline, workers)
         solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
 
 
-def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, time_limit: float, workers: int,
+def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, workers: int,
+            coarsen_above: int, solver: str, downset_limit: Optional[int], progress) -> PartitionResult:
+    """A two-level machine (``opts.gpus_per_node``): where a stage sits changes its cost.
+
+    First the segment DP on the two flat models that bracket the placed one
+    (``_placed_chain``); if that does not prove its plan, the downset DP, which
+    keeps the devices used (the next stage's first rank) and the last stage's
+    replicas in its state and is exact under the contiguous placement (its upper
+    bound from a warm start on the flat model at the slower bandwidth, scored
+    placed); otherwise CP-SAT on the two bracketing flat models. The better plan
+    and the higher bound are kept.
+    """
+    chained = _placed_chain(graph, opts, start, deadline) if solver == "auto" else None
+    if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
+        return chained
+    try:
+        other = _placed_general(graph, fine, opts, start, deadline, workers, coarsen_above, solver,
+                                downset_limit, progress)
+    except InfeasibleError:
+        if chained is None:
+            raise
+        return chained
+    return _better(chained, other)
+
+
+def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
+    model: no placement makes a link faster) and at the SLOWER one (its plans place well); the plan
+    that scores best placed is kept, with the fast model's bound."""
+    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)
+    if fast is None:
+        return None
+    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline)
+    scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
+    placed, best = min(scored, key=lambda x: x[0].bottleneck_s)
+    result = dataclasses.replace(
+        best, stages=placed.stages, bottleneck_s=placed.bottleneck_s, options=opts,
+        bound_s=min(fast.bound_s, placed.bottleneck_s), wall_s=time.monotonic() - start,
+        hierarchical=_pipedream_levels(graph, opts))
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return result
+
+
+def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
+                    workers: int, coarsen_above: int, solver: str, downset_limit: Optional[int],
+                    progress) -> PartitionResult:
+    """The placement-aware downset DP on small lattices, else CP-SAT on the bracketing flat models."""
+    slow = flat_bound(opts, fast=False)
+    exact = None
+    if solver == "auto":
+        quick = best_order_dp(fine, slow, deadline) if len(fine) <= coarsen_above else None
+        upper = evaluate(graph, _to_nodes(graph, fine, quick[0]), quick[1], opts).bottleneck_s if quick else math.inf
+        exact = downset_dp(fine, opts, downset_limit, upper=upper, deadline=deadline)
+    if exact is not None and opts.memory is None and not fine.shared:
+        solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
+        return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
+    return _placed_cpsat(graph, opts, start, deadline, workers, coarsen_above, progress)
+
+
+def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: float, workers: int,
                   coarsen_above: int, progress) -> PartitionResult:
     """CP-SAT on a two-level machine, which its model cannot see (``costmodel.flat_bound``).
 
@@ -114,20 +221,23 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, time_limit:
     ``evaluate`` scores best under ``opts`` is kept; it is OPTIMAL only if it
     meets that bound.
     """
-    units = coarsen(graph, opts, target=coarsen_above)
+    units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
     plans, wall, trace, heuristic = [], 0.0, [], None
     bound = sum(units.compute) / opts.devices  # every plan is at least this slow, whatever its placement
     for fast, share in ((False, 2 / 3), (True, 1.0)):
         flat = flat_bound(opts, fast)
-        model, warm = PartitionModel(units, flat), best_order_dp(units, flat)
+        warm = best_order_dp(units, flat, deadline)
+        if warm is not None and opts.memory is None:  # the warm start does not check memory
+            plans.append(warm)
+            heuristic = heuristic if heuristic is not None else len(plans) - 1
+        if not _time_for_cpsat(units, flat, deadline):
+            continue
+        model = PartitionModel(units, flat)
         if warm is not None:
             model.hint(warm[0], warm[1])
-            if opts.memory is None:  # the warm start does not check memory
-                plans.append(warm)
-                heuristic = heuristic if heuristic is not None else len(plans) - 1
             if opts.memory is None and not units.shared:
                 model.upper_bound(warm[2])
-        remaining = max(0.1, (time_limit - (time.monotonic() - start)) * share)
+        remaining = max(0.05, (deadline - time.monotonic()) * share)
         solved = model.solve(remaining, workers=workers, report=progress)
         wall, trace = wall + solved.wall_s, trace + solved.progress
         if solved.stage_of is not None:
@@ -135,14 +245,52 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, time_limit:
         if fast and solved.stage_of is not None:
             bound = max(bound, solved.bound)
         elif not fast and solved.stage_of is None and not plans:
-            _raise_infeasible(graph, units, opts, solved, None, time_limit, workers)
+            _raise_infeasible(units, opts, solved, None, deadline, workers)
     if not plans:
-        raise InfeasibleError(f"partition: no plan found in {time_limit:.0f}s; raise --time-limit")
+        raise InfeasibleError(f"partition: no plan found in {deadline - start:.0f}s; raise --time-limit")
     scored = [(evaluate(graph, _to_nodes(graph, units, p[0]), p[1], opts).bottleneck_s, p) for p in plans]
     value, best = min(scored, key=lambda x: x[0])
-    status = "OPTIMAL" if value <= bound * (1 + 1e-3) else "FEASIBLE"
+    status = "OPTIMAL" if value <= bound * (1 + OPTIMAL_GAP) else "FEASIBLE"
     solved = SolveResult(status, best[0], best[1], value, bound, wall, trace)
     return _result(graph, units, opts, solved, start, None if heuristic is None else scored[heuristic][0], "CP-SAT")
+
+
+def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
+    """Whether building the CP-SAT model fits in half the time left (building cannot be interrupted).
+
+    Measured here: about 5e4 variables per second (HF GPT-2, 432 units, K = 256: 5 s to build).
+    """
+    slots = min(opts.devices, max(1, sum(units.has_compute)))
+    cells = (len(units) + len(units.producers)) * slots + slots * len(opts.allowed_replicas())
+    left = deadline - time.monotonic()
+    return left >= 0.2 and cells / 5e4 <= 0.5 * left
+
+
+def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
+
+    Not used with a memory limit (not modelled there) or with replication
+    ``none`` on exactly K devices (the DP minimises devices; padding needs
+    replicas). Nearly free nodes fold into their producers first
+    (``segments.folded_units``); the bound is lowered by what that can cost.
+    """
+    if opts.memory is not None or (opts.replication == "none" and not opts.fewer_devices):
+        return None
+    ideal = graph.total_compute_s() / opts.devices
+    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
+                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+    segs = build_segments(units, deadline=deadline)
+    if segs is None:
+        return None
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    found = chain_solve(units, segs, opts, deadline, score)
+    if found is None:
+        return None
+    bound = max(found.bound - fold_margin(segs, folded), 0.0)
+    solved = SolveResult("FEASIBLE", found.stage_of, found.replicas, found.objective, bound, time.monotonic() - start)
+    result = _result(graph, units, opts, solved, start, None, "segment DP")
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return result
 
 
 def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,
@@ -156,26 +304,6 @@ def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResu
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
         method=method, hierarchical=_pipedream_levels(graph, opts),
     )
-
-
-def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str, object]]:
-    """What PipeDream's hierarchical optimizer answers for the same two-level machine, to compare with.
-
-    Only under its own cost model and options (a two-level machine, no memory
-    limit, any replication, all devices); None where it does not apply or the
-    graph has too many downsets for the reproduction.
-    """
-    G = opts.gpus_per_node
-    if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
-            or opts.replication != "any"):
-        return None
-    from passes.partition.hierarchical import pipedream_hierarchical
-
-    try:
-        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=1000)
-    except FxpipeError:
-        return None
-    return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}
 
 
 def stderr_progress(line: str) -> None:
@@ -205,9 +333,9 @@ def _to_nodes(graph: CostGraph, units: Units, stage_of: List[int]) -> Dict[str, 
     return {n: renumber.get(s, 0) for n, s in assignment.items()}
 
 
-def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult,
-                      warm, time_limit: float, workers: int) -> None:
-    """Raise with the smallest memory that fits (if memory is the reason)."""
+def _raise_infeasible(units: Units, opts: CostOptions, solved: SolveResult,
+                      warm, deadline: float, workers: int) -> None:
+    """Raise with the smallest memory that fits (if memory is the reason), searched until the deadline."""
     if solved.status == "UNKNOWN" and warm is not None and opts.memory is None:
         return  # time ran out before CP-SAT restated the warm start: keep it
     if opts.memory is None or solved.status != "INFEASIBLE":
@@ -216,7 +344,7 @@ def _raise_infeasible(graph: CostGraph, units: Units, opts: CostOptions, solved:
     probe = PartitionModel(units, opts, minimise_memory=True)
     if warm is not None:
         probe.hint(warm[0], warm[1])
-    least = probe.solve(max(5.0, time_limit / 4), workers=workers)
+    least = probe.solve(max(0.05, deadline - time.monotonic()), workers=workers)
     what = (f"the smallest memory per device that fits on {opts.devices} devices is "
             f"{_fmt_bytes(least.objective)}" if least.stage_of is not None
             else "no plan fits any memory in the time given")
@@ -249,3 +377,23 @@ def is_convex(graph: CostGraph, assignment: Dict[str, int]) -> bool:
     stages = set(assignment.values())
     return all(assignment[u] <= assignment[v] for u, v in graph.edges) and stages == set(range(len(stages)))
 
+
+
+def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str, object]]:
+    """What PipeDream's hierarchical optimizer answers for the same two-level machine, to compare with.
+
+    Only under its own cost model and options (a two-level machine, no memory
+    limit, any replication, all devices); None where it does not apply or the
+    graph has too many downsets for the reproduction.
+    """
+    G = opts.gpus_per_node
+    if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
+            or opts.replication != "any"):
+        return None
+    from passes.partition.hierarchical import pipedream_hierarchical
+
+    try:
+        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=1000)
+    except FxpipeError:
+        return None
+    return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}

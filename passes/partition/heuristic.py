@@ -12,13 +12,15 @@ Cost: O(n · |allowed r|) numpy operations on n × K arrays.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import networkx as nx
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.costmodel import CostOptions, stage_time_s
 
 Solution = Tuple[List[int], List[int], float]  # stage per unit, replicas per stage, bottleneck
 
@@ -52,25 +54,27 @@ def _inputs_first_output_last(order: List[int], units: Units) -> List[int]:
     return inputs + rest + outputs
 
 
-def order_dp(units: Units, opts: CostOptions, order: Sequence[int]) -> Optional[Solution]:
-    """Best contiguous partition of ``order``; None if no plan uses the devices as required."""
+def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: float = math.inf) -> Optional[Solution]:
+    """Best contiguous partition of ``order``; None if no plan uses the devices as required
+    or the deadline (``time.monotonic()``) passes first."""
     n, K = len(order), opts.devices
     comp = np.concatenate([[0.0], np.cumsum([units.compute[u] for u in order])])
     par = np.concatenate([[0.0], np.cumsum([units.param_bytes[u] for u in order])])
     work = np.concatenate([[0], np.cumsum([int(units.has_compute[u]) for u in order])])
-    cut = _cut_bytes(units, order) * 2.0 / opts.bandwidth
+    cut = _cut_bytes(units, order)
     first_cut = 1 + max([i for i, u in enumerate(order) if units.is_input[u]], default=-1)
     best = np.full((n + 1, K + 1), np.inf)
     best[0, 0] = 0.0
     choice = np.zeros((n + 1, K + 1, 2), dtype=np.int64)
     for i in range(1, n + 1):
+        if time.monotonic() > deadline:
+            return None
         js = np.arange(i)
         ok = (work[i] - work[:i] >= 1) & ((js == 0) | (js >= first_cut))
         if not ok.any():
             continue
         for r in opts.allowed_replicas():
-            stage = (comp[i] - comp[:i] + allreduce_coeff(r, opts) * (par[i] - par[:i])) / r
-            g = np.maximum(stage, np.maximum(cut[:i], cut[i]) / r)
+            g = stage_time_s(comp[i] - comp[:i], par[i] - par[:i], cut[:i], cut[i], r, opts)
             g[~ok] = np.inf
             cand = np.maximum(best[:i, : K + 1 - r], g[:, None])
             arg = np.argmin(cand, axis=0)
@@ -114,6 +118,6 @@ def _walk_back(choice: np.ndarray, order: Sequence[int], n: int, m: int, value: 
     return stage_of, replicas, value
 
 
-def best_order_dp(units: Units, opts: CostOptions) -> Optional[Solution]:
-    results = [s for s in (order_dp(units, opts, o) for o in topo_orders(units)) if s is not None]
+def best_order_dp(units: Units, opts: CostOptions, deadline: float = math.inf) -> Optional[Solution]:
+    results = [s for s in (order_dp(units, opts, o, deadline) for o in topo_orders(units)) if s is not None]
     return min(results, key=lambda s: s[2]) if results else None

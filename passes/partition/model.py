@@ -55,15 +55,18 @@ class SolveResult:
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):
-    def __init__(self, scale: float, report: Optional[Callable[[str], None]]) -> None:
+    def __init__(self, scale: float, report: Optional[Callable[[str], None]], stop_at: float = -math.inf) -> None:
         super().__init__()
         self.scale, self.report, self.start, self.trace = scale, report, time.monotonic(), []
+        self.stop_at = stop_at
 
     def on_solution_callback(self) -> None:
         wall, obj, bound = time.monotonic() - self.start, self.ObjectiveValue() * self.scale, self.BestObjectiveBound() * self.scale
         self.trace.append((wall, obj))
         if self.report:
             self.report(f"partition: {wall:6.1f}s  solution {obj:.6g}  bound {bound:.6g}")
+        if obj <= self.stop_at:
+            self.StopSearch()  # as good as a bound proven elsewhere allows
 
 
 class PartitionModel:
@@ -138,6 +141,10 @@ class PartitionModel:
 
     def _times(self) -> None:
         """``r·T >= C_b + a_r·P_b`` written as ``F·r·T >= F·C_b + round(F·a_r/a_max)·P_b``.
+
+        This is ``costmodel.stage_time_s`` linearised per replica choice (its
+        compute + all-reduce term, and each cut as ``r·T >= 2A/B``): the one
+        place the formula is restated, because CP-SAT needs it as constraints.
 
         P_b counts weights in units of ``q / a_max`` seconds of all-reduce, so
         its rounding obeys the same per-term bound as compute; ``F = 10^4``
@@ -237,14 +244,16 @@ class PartitionModel:
         self.m.Add(self.T <= ub)
         self.m.AddHint(self.T, ub)
 
-    def solve(self, time_limit: float, workers: int = 2, report: Optional[Callable[[str], None]] = None) -> SolveResult:
+    def solve(self, time_limit: float, workers: int = 2, report: Optional[Callable[[str], None]] = None,
+              stop_at: float = -math.inf) -> SolveResult:
+        """Solve; ``stop_at``: stop once a solution is at most this many seconds (scaled objective)."""
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = float(time_limit)
         solver.parameters.num_workers = int(workers)
         solver.parameters.relative_gap_limit = 1e-4
         solver.parameters.cp_model_probing_level = 0  # probing cost seconds of presolve and bought no bound here
         scale = self.mem_unit if self.minimise_memory else self.q
-        callback = _Callback(scale, report)
+        callback = _Callback(scale, report, stop_at)
         start = time.monotonic()
         code = solver.Solve(self.m, callback)
         wall = time.monotonic() - start

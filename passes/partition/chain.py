@@ -1,0 +1,303 @@
+"""Exact partitioning over ALL convex plans by parametric search on the bottleneck T.
+
+For a given T, ``_devices_needed`` is a DP over the points of the downset
+lattice (``segments.py``: the concatenation of small per-segment lattices):
+``dev[i] = min over downsets j ⊂ i of dev[j] + r(j, i, T)``, where
+``r(j, i, T)`` is the fewest replicas that bring stage ``i \\ j`` under T
+(``costmodel.min_replicas``: compute, weights, and both cuts, the cut
+``2A/(B·min(r_b, r_b+1)) <= T`` being the same as each side having
+``r >= 2A/(B·T)``). T is feasible iff ``dev[full] <= K``; that is necessary
+for any plan on exactly K devices too, so an infeasible T is a proven lower
+bound. The bottleneck is then bisected (geometrically, between ``sum C / K``
+and the best plan found) until the two meet within 0.01 % or the deadline
+comes, and the plan found at the lowest feasible T is padded to exactly K
+devices where the options ask for that.
+
+Candidates ``j`` for the points of a segment are the segment's own smaller
+points (a small matrix per segment) plus a *pool* of earlier points. A pool
+point that cannot start a stage ending at the current segment's last point
+within the devices left is dropped (the stage only grows later), and one is
+dropped when a later point contains it with no more devices used and no more
+bytes cut (it is then at least as good a start for every later stage).
+Shared (tied) weights count once per stage: a stage holds weight p iff one of
+p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
+from passes.partition.segments import Segment
+
+
+TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
+
+
+class DeadlineExceeded(Exception):
+    """Raised inside a DP pass when the wall-clock deadline passes."""
+
+
+@dataclass
+class ChainSolution:
+    stage_of: List[int]  # per unit
+    replicas: List[int]
+    objective: float  # the plan's bottleneck on the units
+    bound: float  # proven: no plan on these units is faster
+    complete: bool  # the bisection closed (bound within 0.01 % of the plan)
+
+
+class ChainSolver:
+    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
+        self.units, self.segs, self.opts = units, segments, opts
+        self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
+        self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
+        self._pairs = None
+
+    # ------------------------------------------------------------ one T
+    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
+        params = pi - pj
+        if self.shared_bytes.size:
+            params = params + ((si - sj) > 0.5) @ self.shared_bytes
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts)
+
+    def devices_needed(self, T: float, deadline: float = math.inf):
+        """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
+        K = self.opts.devices
+        near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
+        pool = None  # arrays: global id, dev, compute, params, shared counts, cut
+        back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
+        dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
+        for a, seg in enumerate(self.segs):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded()
+            d, off = len(seg.compute), self.offsets[a]
+            dev = np.full(d, K + 1, dtype=np.int64)
+            src = np.zeros((d, 2), dtype=np.int64)
+            if a == 0:
+                dev[0] = 0
+            reach = None
+            if pool is not None and pool[0].size:
+                gid, pdev, pc, pp, ps, pcut = pool
+                # one extra column: the segment's last point with no cut after it, to prune the pool
+                cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+                cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
+                R = self._r(pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None],
+                            cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :], T)
+                reach = pdev + R[:, d] <= K
+                tot = pdev[:, None] + R[:, :d]
+                k = tot.argmin(axis=0)
+                dev = tot[k, np.arange(d)]
+                src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
+            if seg.sub_j.size:
+                j, R2 = seg.sub_j, near[a]
+                bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
+                for x in range(d):
+                    lo, hi = bounds[x], bounds[x + 1]
+                    if lo == hi:
+                        continue
+                    cand = dev[j[lo:hi]] + R2[lo:hi]
+                    k = int(cand.argmin())
+                    if cand[k] < dev[x]:
+                        dev[x] = cand[k]
+                        src[x] = (off + j[lo + k], R2[lo + k])
+            dev_all[off:off + d] = dev
+            back[off:off + d] = src
+            pool = self._next_pool(pool, reach, seg, off, dev)
+            if not pool[0].size:
+                return K + 1, back  # nothing can start the next stage: infeasible
+        return int(dev_all[-1]), back
+
+    def _near(self, T: float) -> List[np.ndarray]:
+        """Replicas of every stage (j, i) with both ends in the same segment, per segment."""
+        if self._pairs is None:
+            parts = {}
+            for key, field in (("c", "compute"), ("p", "params"), ("s", "shared"), ("t", "cut")):
+                for end, attr in (("j", "sub_j"), ("i", "sub_i")):
+                    parts[key + end] = np.concatenate([getattr(s, field)[getattr(s, attr)] for s in self.segs])
+            self._pairs = parts
+            self._splits = np.cumsum([s.sub_j.size for s in self.segs])[:-1]
+        p = self._pairs
+        R = self._r(p["cj"], p["pj"], p["sj"], p["tj"], p["ci"], p["pi"], p["si"], p["ti"], T)
+        return np.split(R, self._splits)
+
+    def _next_pool(self, pool, reach, seg: Segment, off: int, dev: np.ndarray):
+        """Earlier points that may still start a stage (see the module docstring)."""
+        K = self.opts.devices
+        keep = dev <= K
+        if seg.sub_j.size:  # a point of this segment containing j with dev and cut no larger replaces j
+            j, i = seg.sub_j, seg.sub_i
+            beaten = (dev[i] <= dev[j]) & (seg.cut[i] <= seg.cut[j])
+            keep[j[beaten]] = False
+        new = (off + np.nonzero(keep)[0], dev[keep], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
+        if pool is None or not pool[0].size:
+            return new
+        ndev, ncut = new[1], new[5]
+        beaten = ((ndev[None, :] <= pool[1][:, None]) & (ncut[None, :] <= pool[5][:, None])).any(axis=1)
+        alive = ~beaten & reach  # reach: can still end a stage past this segment within K devices
+        return tuple(np.concatenate([old[alive], fresh]) for old, fresh in zip(pool, new))
+
+    # ------------------------------------------------------------ the plan
+    def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
+        """Stage per unit and replicas, walking back from the full set."""
+        point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
+        chain, reps, x = [], [], self.offsets[-1] - 1
+        while True:
+            j, r = (int(v) for v in back[x])
+            chain.append(x)
+            if x == 0:
+                break
+            reps.append(r)
+            x = j
+        chain.reverse()
+        reps.reverse()
+        stage_of = [0] * len(self.units)
+        for s in range(len(reps)):
+            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
+            for u in np.nonzero(inside)[0]:
+                stage_of[u] = s
+        return stage_of, reps
+
+    def _members(self, point: int, point_seg) -> np.ndarray:
+        a = int(point_seg[point])
+        seg = self.segs[a]
+        out = np.zeros(len(self.units), dtype=bool)
+        first = seg.units[0] if seg.units else 0
+        out[:first] = True
+        out[seg.units] = seg.member[point - self.offsets[a]]
+        return out
+
+
+def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions, T: float) -> Optional[List[int]]:
+    """Replicas using exactly K devices with no stage slower than T (None if the greedy fails).
+
+    Each step gives the next allowed replica count to the slowest stage that
+    it speeds up, else to the stage it slows least, never past T.
+    """
+    reps = np.array(replicas, dtype=np.int64)
+    left = opts.devices - int(reps.sum())
+    if left == 0 or opts.fewer_devices:
+        return [int(r) for r in reps]
+    allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    comp, par = _stage_sums(units, stage_of, len(reps))
+    while left > 0:
+        pos = np.searchsorted(allowed, reps, side="right")
+        nxt = allowed[np.minimum(pos, len(allowed) - 1)]
+        usable = (pos < len(allowed)) & (nxt - reps <= left)
+        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts)
+        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts)
+        usable &= then <= T * (1 + 1e-12)
+        if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
+            jump = _first_fit_above(comp, par, reps, left, allowed, opts, T)
+            if jump is None:
+                return None
+            s, r = jump
+            left -= int(r - reps[s])
+            reps[s] = r
+            continue
+        faster = usable & (then < now)
+        s = int(np.argmax(np.where(faster, now, -np.inf))) if faster.any() else \
+            int(np.argmin(np.where(usable, then - now, np.inf)))
+        left -= int(nxt[s] - reps[s])
+        reps[s] = nxt[s]
+    return [int(r) for r in reps]
+
+
+def _first_fit_above(comp, par, reps, left: int, allowed, opts: CostOptions, T: float):
+    """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage within T."""
+    best = None
+    for s, r in enumerate(reps):
+        cand = allowed[(allowed > r) & (allowed - r <= left)]
+        if not cand.size:
+            continue
+        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts) <= T * (1 + 1e-12))[0]
+        if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
+            best = (s, int(cand[ok[0]]))
+    return best
+
+
+def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Compute and weight bytes per stage (a shared weight once per stage that uses it)."""
+    comp, par = np.zeros(S), np.zeros(S)
+    np.add.at(comp, stage_of, units.compute)
+    np.add.at(par, stage_of, units.param_bytes)
+    for _, (nb, users) in units.shared.items():
+        for s in {stage_of[u] for u in users}:
+            par[s] += nb
+    return comp, par
+
+
+def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
+          score) -> Optional[ChainSolution]:
+    """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
+
+    A T that is feasible on at most K devices but whose plan the greedy cannot
+    spread over exactly K (``pad``) lowers the search's upper end without
+    giving a plan; the answer's bound stays the highest proven-infeasible T.
+    """
+    solver = ChainSolver(units, segments, opts)
+    lo = sum(units.compute) / opts.devices * (1 - 1e-9)
+    T, best, hi = max(lo, 1e-12), None, math.inf
+    try:
+        for _ in range(64):  # find a plan: double T from sum C / K
+            found = _attempt(solver, units, opts, T, score, deadline)
+            if found is _INFEASIBLE:
+                lo = T
+            elif found is not _UNPADDED:
+                best, hi = found, found[2]
+                break
+            T *= 2
+        if best is None:
+            return None
+        probe = True
+        while hi > lo * (1 + TOLERANCE):
+            if probe:  # the plan's own time is often the optimum: check just below it first
+                T = max(hi / (1 + TOLERANCE), lo)
+            else:
+                T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
+            found = _attempt(solver, units, opts, T, score, deadline)
+            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - TOLERANCE)
+            if found is _INFEASIBLE:
+                lo = T
+            elif found is _UNPADDED:
+                hi = T
+            else:
+                best, hi = found, min(found[2], T)
+    except DeadlineExceeded:
+        if best is None:
+            return None
+    bound = min(lo, best[2])
+    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + TOLERANCE))
+
+
+_INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
+
+
+def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
+    """A plan at most T (stage per unit, replicas, its bottleneck), ``_INFEASIBLE`` (more than K
+    devices needed: a proof), or ``_UNPADDED`` (fits on fewer, but not spread over exactly K)."""
+    need, back = solver.devices_needed(T, deadline)
+    if need > opts.devices:
+        return _INFEASIBLE
+    stage_of, reps = solver.plan(back)
+    reps = pad(units, stage_of, reps, opts, T)
+    if reps is None:
+        return _UNPADDED
+    return stage_of, reps, score(stage_of, reps)
+
+
+def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
+    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
+    S = len(replicas)
+    comp, par = _stage_sums(units, stage_of, S)
+    cut = np.zeros(S + 1)
+    for unit, nbytes, consumers in units.producers:
+        cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
+    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, sum(replicas[:s]))
+               for s in range(S))

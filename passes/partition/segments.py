@@ -1,0 +1,286 @@
+"""The downset lattice of a graph as a chain of small lattices, one per segment.
+
+A *separator* is a unit ``s`` such that every unit before it in the order is
+an ancestor of ``s``, and every unit after it descends from ``s``. Then every downset either lies
+inside ``{.., s}`` or contains it, so the downsets of the whole graph are those
+of the first segment, then ``{.., s}`` plus those of the next segment, and so
+on: the lattice is the concatenation of the segments' lattices. In a
+transformer the residual stream after each residual add is a separator, so a
+100-block model has ~200 segments of a few dozen downsets each, where the
+whole graph has astronomically many antichains, and the exact DP over ALL
+convex plans (``chain.py``) stays cheap.
+
+Before that, nodes that cost nothing and send nothing (shape reads, integer
+arithmetic: zero compute, no weights, zero output bytes) are folded away: one
+with a single producer joins it (it can always sit in its producer's stage:
+moving it there keeps the plan convex and changes no cost), one with no
+producer among the placed nodes is left out like a model input (the mapping
+back puts it with its first consumer). This is exact, and it removes most of
+the small branches that would multiply the downsets.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from passes.costgraph import CostGraph
+from passes.partition.coarsen import Units, build_units, model_nodes
+from passes.partition.costmodel import CostOptions
+
+
+def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
+                 tiny_input: float = -1.0) -> Tuple[Units, List[float]]:
+    """Units with free nodes folded away (see the module docstring); also each unit's folded compute.
+
+    A node folds into a producer's group u when it holds no weights, costs at
+    most ``tiny`` seconds (``tiny_silent`` if it sends nothing or to no one), every other producer of it is in u or an ancestor of
+    u, and either it sends nothing (0 output bytes), or the one byte-carrying
+    value it reads comes from u and goes to it alone, and it sends no more
+    bytes than that value, or nobody reads it: any plan can then move it into
+    u's stage without a worse cut. Moving them can add at most the folded compute of one segment
+    to a stage (a stage boundary lies in one segment and only splits that
+    segment's groups), so ``fold_margin`` of it, subtracted from a bound on the
+    folded graph, bounds the original. A node that sends nothing and has no
+    placed producer is left out (its compute too: that only lowers a bound).
+    """
+    names = model_nodes(graph, opts)
+    index = {n: i for i, n in enumerate(names)}
+    preds: Dict[str, List[str]] = {n: [] for n in names}
+    consumers: Dict[str, set] = {n: set() for n in names}
+    for u, v in graph.edges:
+        if u in index and v in index:
+            preds[v].append(u)
+            consumers[u].add(v)
+    dead = set()  # nothing they compute reaches the model's output: free to sit with their producer
+    has_output = any(graph.nodes[n].op == "output" for n in names)
+    for n in reversed(names):
+        node = graph.nodes[n]
+        result = node.op == "output" or (not has_output and not consumers[n] and (node.compute_s > 0 or n == names[-1]))
+        if not result and not node.params and node.param_bytes == 0 and consumers[n] <= dead:
+            dead.add(n)
+    head: Dict[str, str] = {}
+    groups: Dict[str, List[str]] = {}
+    anc: Dict[str, int] = {}  # bitmask (by index) of the groups each group descends from
+    for n in names:
+        node = graph.nodes[n]
+        ps = sorted({head[p] for p in preds[n] if p in head}, key=index.__getitem__)
+        silent = node.out_bytes == 0 or not consumers[n]
+        light = n in dead or (node.compute_s <= (tiny_silent if silent else tiny) and node.param_bytes == 0
+                              and not node.params and node.op != "output" and not node.is_input)
+        weightless = node.param_bytes == 0 and not node.params and node.op != "output" and not node.is_input
+        if not ps and weightless and (light and (node.out_bytes == 0 or consumers[n] <= dead)
+                                      or node.compute_s <= tiny_input):
+            continue  # like a model input: placed with its first consumer afterwards
+        target = _fold_target(graph, n, ps, preds[n], consumers, head, anc, index, dead) if light else None
+        if target is not None:
+            head[n] = target
+            groups[target].append(n)
+            continue
+        head[n] = n
+        groups[n] = [n]
+        mask = 0
+        for p in ps:
+            mask |= anc[p] | (1 << index[p])
+        anc[n] = mask
+    units = build_units(graph, opts, list(groups.values()))
+    folded = []
+    for i, members in enumerate(units.members):
+        units.compute[i] -= sum(graph.nodes[m].compute_s for m in members if m in dead)  # dropped: a relaxation
+        folded.append(units.compute[i] - graph.nodes[members[0]].compute_s)
+    return units, folded
+
+
+def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], consumers, head, anc,
+                 index, dead) -> Optional[str]:
+    """The group ``n`` may join (see ``folded_units``), or None."""
+    carrying = [p for p in raw_preds if p in head and graph.nodes[p].out_bytes > 0]
+    if graph.nodes[n].out_bytes == 0 or not consumers[n] or consumers[n] <= dead:  # sends nothing that is used
+        candidates = ps
+    elif len(carrying) == 1 and consumers[carrying[0]] == {n} \
+            and graph.nodes[carrying[0]].out_bytes >= graph.nodes[n].out_bytes:
+        candidates = [head[carrying[0]]]
+    else:
+        return None
+    for u in candidates:
+        if all(p == u or (anc[u] >> index[p]) & 1 for p in ps):
+            return u
+    return None
+
+
+def fold_margin(segments: List["Segment"], folded: List[float]) -> float:
+    """Most folded compute any stage can gain (see ``folded_units``): the largest per segment."""
+    return max((sum(folded[u] for u in seg.units) for seg in segments), default=0.0)
+
+
+@dataclass
+class Segment:
+    """The downsets of one segment, as points of the whole lattice."""
+
+    units: List[int]  # unit indices of the segment
+    member: np.ndarray  # (points, len(units)) bool: which segment units each point holds
+    compute: np.ndarray  # (points,) compute of the whole downset (prefix included)
+    params: np.ndarray  # (points,) own (unshared) weight bytes of the whole downset
+    cut: np.ndarray  # (points,) bytes crossing out of the downset
+    shared: np.ndarray  # (points, n_shared) users of each shared weight inside the downset
+    sub_j: np.ndarray  # pairs (j, i) of points of this segment with j a strict subset of i
+    sub_i: np.ndarray
+
+
+def separators(units: Units) -> List[int]:
+    """Positions p (units[:p] is the prefix) where the lattice splits; inputs sit in every downset.
+
+    p splits it when the prefix is ``s = p - 1`` and its ancestors, and every
+    later unit descends from s: each later unit has a producer at s or later
+    (so a value used far ahead, like an attention mask, does not prevent it).
+    """
+    n = len(units)
+    inputs = [u for u in range(n) if units.is_input[u]]
+    body = [u for u in range(n) if not units.is_input[u]]
+    if not all(a < b for a, b in zip(inputs, inputs[1:] + body[:1])):
+        return []  # inputs not first: no split
+    preds: List[List[int]] = [[] for _ in range(n)]
+    for a, b in units.edges:
+        if not units.is_input[a]:
+            preds[b].append(a)
+    start = len(inputs)
+    latest = [max(ps, default=-1) for ps in preds]  # the latest producer of each unit
+    suffix_min = [n] * (n + 1)
+    for v in range(n - 1, -1, -1):
+        suffix_min[v] = min(suffix_min[v + 1], latest[v])
+    anc = [0] * n
+    cuts = []
+    for s in range(start, n - 1):
+        for a in preds[s]:
+            anc[s] |= anc[a] | (1 << a)
+        full = ((1 << s) - 1) & ~((1 << start) - 1)
+        if anc[s] == full and suffix_min[s + 1] >= s:
+            cuts.append(s + 1)
+    return cuts
+
+
+def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) -> Optional[List[Segment]]:
+    """The segments' points (see ``Segment``); None if a segment has more than ``limit`` downsets
+    or the deadline passes."""
+    n = len(units)
+    start = sum(units.is_input)
+    bounds = _grouped([start] + separators(units) + [n], units, limit)
+    if bounds is None:
+        return None
+    shared = list(units.shared.values())
+    seg_of = np.zeros(n, dtype=np.int64)
+    for a in range(len(bounds) - 1):
+        seg_of[bounds[a]:bounds[a + 1]] = a
+    live: List[List[tuple]] = [[] for _ in range(len(bounds) - 1)]
+    for unit, nbytes, consumers in units.producers:
+        first = 0 if units.is_input[unit] else int(seg_of[unit])
+        for a in range(first, int(seg_of[max(consumers)]) + 1):
+            live[a].append((unit, nbytes, consumers))
+    segments, base_c, base_p = [], 0.0, 0.0
+    base_s = np.zeros(len(shared))
+    for a in range(len(bounds) - 1):
+        if time.monotonic() > deadline:
+            return None
+        lo, hi = bounds[a], bounds[a + 1]
+        seg = _segment(units, list(range(lo, hi)), a == 0, hi == n, limit, live[a], shared, base_c, base_p, base_s)
+        if seg is None:
+            return None
+        segments.append(seg)
+        base_c, base_p, base_s = seg.compute[-1], seg.params[-1], seg.shared[-1]
+    return segments
+
+
+def _grouped(bounds: List[int], units: Units, limit: int, target: int = 64) -> Optional[List[int]]:
+    """Fewer, larger segments: consecutive ones join while their points add up to ``target``.
+
+    Joined segments' lattices concatenate (their points add), so nothing is
+    lost; fewer segments means fewer numpy calls per DP pass, larger ones more
+    stage pairs inside a segment. None if one segment alone exceeds ``limit``.
+    """
+    n = len(units)
+    sizes = []
+    for a in range(len(bounds) - 1):
+        masks = _local_downsets(units, list(range(bounds[a], bounds[a + 1])), bounds[a + 1] == n, limit)
+        if masks is None:
+            return None
+        sizes.append(len(masks) - 1)
+    kept, run = [bounds[0]], 0
+    for a, size in enumerate(sizes):
+        if run and run + size > target:
+            kept.append(bounds[a])
+            run = 0
+        run += size
+    return kept + [n]
+
+
+def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int, live, shared,
+             base_c: float, base_p: float, base_s: np.ndarray) -> Optional[Segment]:
+    masks = _local_downsets(units, local, last, limit)
+    if masks is None:
+        return None
+    if not first:
+        masks = masks[1:]  # the empty local set is the previous segment's full set
+    L = len(local)
+    member = np.array([[(m >> k) & 1 for k in range(L)] for m in masks], dtype=bool).reshape(len(masks), L)
+    pos = {u: k for k, u in enumerate(local)}
+    compute = base_c + member @ np.asarray([units.compute[u] for u in local], dtype=float)
+    params = base_p + member @ np.asarray([units.param_bytes[u] for u in local], dtype=float)
+    cut = np.zeros(len(masks))
+    for unit, nbytes, consumers in live:
+        inside = member[:, pos[unit]] if unit in pos else np.ones(len(masks), dtype=bool)
+        if max(consumers) > local[-1]:  # read after this segment
+            escapes = np.ones(len(masks), dtype=bool)
+        else:  # consumers before the segment are inside every point
+            escapes = ~member[:, [pos[c] for c in consumers if c in pos]].all(axis=1)
+        cut += float(nbytes) * (inside & escapes)
+    if first:
+        cut[0] = 0.0  # nothing precedes the first stage
+    counts = np.zeros((len(masks), len(shared)))
+    for s, (_, users) in enumerate(shared):
+        mine = [pos[u] for u in users if u in pos]
+        counts[:, s] = base_s[s] + member[:, mine].sum(axis=1)
+    packed = np.packbits(member, axis=1) if L else np.zeros((len(masks), 0), dtype=np.uint8)
+    sub_j, sub_i = [], []
+    for i in range(len(masks)):
+        js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1))[0]
+        sub_j.append(js)
+        sub_i.append(np.full(js.size, i))
+    cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if masks else (lambda xs: np.zeros(0, dtype=np.int64))
+    return Segment(local, member, compute, params, cut, counts, cat(sub_j), cat(sub_i))
+
+
+def _local_downsets(units: Units, local: List[int], last: bool, limit: int) -> Optional[List[int]]:
+    """Downsets of the segment (bitmasks over ``local``) by size, empty first, full last."""
+    pos = {u: k for k, u in enumerate(local)}
+    L = len(local)
+    pred = [0] * L
+    for a, b in units.edges:
+        if a in pos and b in pos:
+            pred[pos[b]] |= 1 << pos[a]
+    full = (1 << L) - 1
+    outputs = sum(1 << pos[u] for u in local if units.is_output[u]) if last else 0
+    work = sum(1 << pos[u] for u in local if units.has_compute[u])
+    seen, level, ordered = {0}, [0], [0]
+    while level:
+        nxt = []
+        for s in level:
+            for v in range(L):
+                bit = 1 << v
+                if s & bit or pred[v] & ~s:
+                    continue
+                t = s | bit
+                if t in seen or (t != full and t & outputs):
+                    continue
+                seen.add(t)
+                nxt.append(t)
+                if len(seen) > limit:
+                    return None
+        ordered += [t for t in nxt if t == full or not last or work & ~t]  # a stage needs compute
+        level = nxt
+    if full not in seen:
+        return None
+    ordered.remove(full)
+    return ordered + [full]

@@ -1,0 +1,191 @@
+"""Benchmark: the planner at cluster scale (deep GPTs, K up to 1024) against the hand-made Megatron layout.
+
+Graphs: examples/gpt.py (dim 128, context 64, microbatch 8) is captured and
+profiled ONCE with 2 blocks (2 repeats, cached as fxpipe-out/gpt2-profile.json);
+deeper models are built by repeating the profiled second block's nodes and
+costs (renamed, rewired along the residual stream), because profiling 96
+blocks takes minutes here. Tied embedding/head stay tied.
+
+Each row runs in its own subprocess (so RSS is the solve's own: ru_maxrss of
+that process, including Python and numpy) with a wall-clock limit, and prints
+the plan's throughput against the best uniform layout a user would pick: PP x
+DP with the same number of blocks per stage (embedding with the first, head
+with the last), each of the PP stages replicated DP times, scored by
+``costmodel.evaluate`` under the same cost model.
+
+    python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
+        [--gpus-per-node N]   # passed to the partitioner if CostOptions has that field
+
+Wall times are CPU-bound: other processes on the machine inflate them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from passes.costgraph import CostGraph, CostNode
+from passes.partition import CostOptions, evaluate, partition
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
+_BLOCK = re.compile(r"blocks[._](\d+)[._]")
+
+
+def profiled_gpt() -> CostGraph:
+    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
+    if CACHE.exists():
+        return CostGraph.load(CACHE)
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import examples.gpt as gpt
+    from passes.capture import capture
+    from passes.profile import profile, to_cost_graph
+
+    torch.manual_seed(0)
+    model = gpt.GPT(dim=128, layers=2, context=64)
+    x = torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
+    gm = capture(model, (x,))
+    profile(gm, (x,), repeats=2, warmup=1)
+    graph = to_cost_graph(gm)
+    CACHE.parent.mkdir(exist_ok=True)
+    graph.save(CACHE)
+    return graph
+
+
+def _block_of(node: CostNode) -> Optional[int]:
+    m = re.match(r"blocks\.(\d+)(\.|$)", node.module_path)
+    return int(m.group(1)) if m else None
+
+
+def deep_gpt(depth: int, base: Optional[CostGraph] = None) -> CostGraph:
+    """``depth`` >= 2 blocks: the profiled block 0, then copies of the profiled last block.
+
+    Edges inside the template are copied into every copy; edges entering it
+    from block 0 enter the first copy, and copy k-1's node that leaves the
+    template (the residual stream) feeds copy k the same way; edges leaving
+    the template leave the last copy.
+    """
+    if depth < 2:
+        raise ValueError("depth must be >= 2")
+    base = base or profiled_gpt()
+    block = {n: _block_of(nd) for n, nd in base.nodes.items()}
+    last = max(b for b in block.values() if b is not None)
+    tmpl = [n for n in base.nodes if block[n] == last]
+    copies = [{n: n for n in tmpl}] + [{n: f"{n}__b{i}" for n in tmpl} for i in range(2, depth)]
+    tag = f"blocks.{last}"
+    nodes: Dict[str, CostNode] = {}
+    sizes = {p: s for p, s in base.param_sizes.items() if not p.startswith(tag + ".")}
+    for n, nd in base.nodes.items():
+        if block[n] != last:
+            nodes[n] = nd
+        elif n == tmpl[0]:  # all copies here, one block after the other
+            for i, names in enumerate(copies, start=1):
+                for m in tmpl:
+                    md = base.nodes[m]
+                    params = tuple(p.replace(tag, f"blocks.{i}", 1) for p in md.params)
+                    sizes.update({q: base.param_sizes[p] for p, q in zip(md.params, params)})
+                    nodes[names[m]] = CostNode(**{**md.__dict__, "name": names[m], "params": params,
+                                                 "module_path": md.module_path.replace(tag, f"blocks.{i}", 1)})
+    exits = [u for u, v in base.edges if block[u] == last and block[v] != last]
+    edges: List[Tuple[str, str]] = []
+    for u, v in base.edges:
+        if block[u] == last and block[v] == last:
+            edges += [(c[u], c[v]) for c in copies]
+        elif block[v] == last:
+            edges.append((u, v))
+            edges += [(copies[k - 1][exits[0]], copies[k][v]) for k in range(1, len(copies))]
+        elif block[u] == last:
+            edges.append((copies[-1][u], v))
+        else:
+            edges.append((u, v))
+    graph = CostGraph(nodes=nodes, edges=list(dict.fromkeys(edges)), info={"source": f"gpt, {depth} blocks"}, param_sizes=sizes)
+    graph.check()
+    return graph
+
+
+def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
+    """Best uniform PP x DP layout (equal blocks per stage, embedding first, head last): (bottleneck, 'PPxDP')."""
+    block = {n: _block_of(nd) for n, nd in graph.nodes.items()}
+    depth = max(b for b in block.values() if b is not None) + 1
+    names = list(graph.nodes)
+    first_block = min(i for i, n in enumerate(names) if block[n] is not None)
+    best = (float("inf"), "")
+    for pp in range(1, min(depth, opts.devices) + 1):
+        if depth % pp or opts.devices % pp:
+            continue
+        dp = opts.devices // pp
+        if opts.replication == "pow2" and dp & (dp - 1):
+            continue
+        per = depth // pp
+        stage = {}
+        for i, n in enumerate(names):
+            b = block[n]
+            stage[n] = (b // per) if b is not None else (0 if i < first_block else pp - 1)
+        cost = evaluate(graph, stage, [dp] * pp, opts).bottleneck_s
+        best = min(best, (cost, f"{pp}x{dp}"))
+    return best
+
+
+def run_row(depth: int, devices: int, time_limit: float, gpus_per_node: Optional[int]) -> Dict[str, object]:
+    """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own)."""
+    graph = deep_gpt(depth)
+    extra = {}
+    if gpus_per_node and "gpus_per_node" in {f.name for f in fields(CostOptions)}:
+        extra["gpus_per_node"] = gpus_per_node
+    start = time.monotonic()
+    res = partition(graph, devices, time_limit=time_limit, **extra)
+    wall = time.monotonic() - start
+    uniform, layout = megatron_layout(graph, res.options)
+    return {"depth": depth, "nodes": len(graph.nodes), "K": devices, "wall_s": wall, "status": res.status,
+            "method": res.method, "gap": res.gap, "plan_s": res.bottleneck_s, "stages": len(res.replicas),
+            "uniform_s": uniform, "uniform": layout,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", default="8,32,96")
+    ap.add_argument("--devices", default="8,16,32,64,128,256,512,1024")
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="topology hook (if CostOptions has it)")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
+    args = ap.parse_args(argv)
+    if args.row:
+        depth, k = (int(x) for x in args.row.split(","))
+        print(json.dumps(run_row(depth, k, args.time_limit, args.gpus_per_node)))
+        return 0
+    from tabulate import tabulate
+
+    profiled_gpt()  # profile once before the rows
+    rows = []
+    for depth in (int(x) for x in args.depths.split(",")):
+        for k in (int(x) for x in args.devices.split(",")):
+            cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
+                   "--time-limit", str(args.time_limit)]
+            if args.gpus_per_node:
+                cmd += ["--gpus-per-node", str(args.gpus_per_node)]
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if out.returncode:
+                print(out.stderr, file=sys.stderr)
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append([r["depth"], r["nodes"], r["K"], f"{r['wall_s']:.2f}", f"{r['rss_mb']:.0f}", r["status"],
+                         f"{100 * r['gap']:.3f}%", r["stages"], f"{r['plan_s'] * 1e3:.3f}", r["uniform"],
+                         f"{r['uniform_s'] * 1e3:.3f}", f"{r['uniform_s'] / r['plan_s']:.2f}"])
+            print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
+                                  "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
