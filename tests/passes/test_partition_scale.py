@@ -220,3 +220,24 @@ def test_memory_limit_still_goes_to_cpsat():
     g = transformer_graph(2, seed=5)
     res = partition(g, 2, time_limit=20, memory=10**12)
     assert res.method == "CP-SAT"
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+def test_two_level_machine_deep_graph_placed_and_bounded(model):
+    """A two-level machine goes through the segment DP on the two flat models that bracket it:
+    the plan is scored placed, the bound (from the faster links) is no more than any plan, and
+    the time limit holds. How tight the bracket is depends on how much the links matter (see
+    the README's scale table); this graph's activations keep it a few percent apart."""
+    g = transformer_graph(32, seed=3)
+    opts = dict(bandwidth=1.25e9, intra_bandwidth=2e10, gpus_per_node=8, cost_model=model)
+    start = time.monotonic()
+    res = partition(g, 256, time_limit=5, **opts)
+    assert time.monotonic() - start < 6
+    assert sum(res.replicas) == 256 and is_convex(g, res.assignment)
+    placed = evaluate(g, res.assignment, res.replicas, CostOptions(devices=256, **opts))
+    assert res.bottleneck_s == pytest.approx(placed.bottleneck_s, rel=1e-12)
+    assert g.total_compute_s() / 256 * (1 - 1e-9) <= res.bound_s <= res.bottleneck_s
+    flat_fast = partition(g, 256, time_limit=10, bandwidth=2e10, cost_model=model)
+    flat_slow = partition(g, 256, time_limit=10, bandwidth=1.25e9, cost_model=model)
+    assert res.bound_s <= flat_fast.bottleneck_s * (1 + 1e-9)  # slower links never make a plan faster
+    assert res.bottleneck_s <= flat_slow.bottleneck_s * (1 + 1e-9)  # nor faster links a plan slower
