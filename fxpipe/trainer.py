@@ -35,7 +35,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from passes.errors import FxpipeError
 
@@ -68,7 +68,7 @@ class TrainOutcome:
 
 
 def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, steps: int = 10,
-          schedule: str = "1f1b-flush", microbatches: Optional[int] = None, optimizer: str = "sgd",
+          schedule: str = "1f1b-flush", microbatches: Optional[int] = None, optimizer: Union[str, type] = "sgd",
           lr: Optional[float] = None, loss_fn: Any = None, example_inputs: Any = None,
           example_targets: Any = None, leaf_modules: Iterable[Any] = (), concrete_args: Optional[dict] = None,
           save: Optional[str] = None, checkpoint: Optional[str] = None,
@@ -86,8 +86,13 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     along dim 0), or a list of them. ``example_inputs``: one microbatch;
     default the inputs of ``batches``' first item. ``loss_fn(outputs,
     targets)``: default the sum of the outputs' means (a smoke test, ignores
-    targets). ``microbatches`` defaults to ``devices``; ``lr`` to 0.01 for
-    ``"sgd"``, 0.001 for ``"adamw"``.
+    targets). ``microbatches`` defaults to ``devices``.
+
+    ``optimizer``: ``"sgd"``, ``"adamw"`` or a ``torch.optim.Optimizer``
+    class defined at module level (each stage builds its own over its
+    parameters, so the class goes by name, not an instance);
+    ``optimizer_options={...}`` adds keyword arguments (JSON values: they
+    travel in ``run.json``). ``lr`` defaults to 0.01 for ``"sgd"``, else 0.001.
 
     ``options``: any other field of ``fxpipe.runtime.loop.TrainConfig``
     (``momentum``, ``weight_decay``, ``trace``, ``checkpoint_every``, ...), or
@@ -109,11 +114,10 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
         raise PreflightError(f"launcher must be 'torchrun' or 'none', not {launcher!r}")
     if launcher == "none" and not run_dir:
         raise PreflightError("--launcher none writes the run folder for your own torchrun: give --run-dir DIR")
-    if optimizer not in ("sgd", "adamw"):
-        raise PreflightError(f"optimizer must be 'sgd' or 'adamw', not {optimizer!r}")
     cfg_options, plan_options = _sort_options(options, TrainConfig)
     cfg = TrainConfig(schedule=schedule, microbatches=microbatches or devices or 4, steps=steps,
-                      optimizer=optimizer, lr=lr if lr is not None else (0.001 if optimizer == "adamw" else 0.01),
+                      optimizer=_optimizer_name(optimizer, isinstance(model, str)),
+                      lr=lr if lr is not None else (0.01 if optimizer == "sgd" else 0.001),
                       checkpoint=checkpoint, resume=resume, timeout_s=timeout, **cfg_options)
     source = _source(model, batches, loss_fn, (example_inputs, example_targets), tuple(leaf_modules), concrete_args,
                      cfg.microbatches)
@@ -137,6 +141,23 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     finally:
         if own:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _optimizer_name(optimizer: Any, model_file: bool) -> str:
+    """``"sgd"``, ``"adamw"``, or ``"module:Class"`` of an optimizer class the workers can import."""
+    import torch
+
+    from fxpipe.runtime import payload
+    from fxpipe.runtime.preflight import PreflightError
+
+    if optimizer in ("sgd", "adamw"):
+        return optimizer
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise PreflightError(f"optimizer must be 'sgd', 'adamw' or a torch.optim.Optimizer class, not {optimizer!r}")
+    if payload.check_class(optimizer, "optimizer") and model_file:
+        raise PreflightError(f"optimizer: class {optimizer.__qualname__} is defined in your script, which the "
+                             "workers of a model file do not run; define it in an importable module")
+    return f"{optimizer.__module__}:{optimizer.__qualname__}"
 
 
 def _sort_options(options: Dict[str, Any], config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -99,7 +99,7 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     os.makedirs(run_dir, exist_ok=True)
     shipped = None if isinstance(model, str) else payload.write(run_dir, {
         "batches": spec.batches, "loss_fn": spec.loss_fn, "example_inputs": spec.example_inputs,
-        "example_targets": spec.example_targets})
+        "example_targets": spec.example_targets}, main=cfg.optimizer.startswith("__main__:"))
     check_first_batch(spec, cfg.microbatches)
     kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:

@@ -107,10 +107,22 @@ def _findable(module: str) -> bool:
     return False
 
 
-def write(run_dir: str, objects: Dict[str, Any]) -> str:
-    """Pickle ``objects`` (name -> object) into ``run_dir``; every name checked on its own for the error line."""
+def check_class(cls: type, label: str) -> bool:
+    """Refuse a class a worker could not import by name (``module:qualname``); True if it is in ``__main__``."""
+    checker = _Checker(io.BytesIO(), label)
+    checker.dump(cls)
+    if "." in cls.__qualname__:
+        raise PayloadError(f"{label}: class {cls.__qualname__} is nested in a class; define it at module level")
+    return checker.main
+
+
+def write(run_dir: str, objects: Dict[str, Any], main: bool = False) -> str:
+    """Pickle ``objects`` (name -> object) into ``run_dir``; every name checked on its own for the error line.
+
+    ``main``: run the script in the workers even if no object needs it (the
+    optimizer class, which the workers look up by name, is in it).
+    """
     parts: Dict[str, bytes] = {}
-    main = False
     for name, obj in objects.items():
         buf = io.BytesIO()
         checker = _Checker(buf, name)
