@@ -1,5 +1,8 @@
 """``fxpipe train MODEL --devices N``: plan, split and train with N local workers.
 
+A thin layer over the Python API: the options become the arguments of
+``fxpipe.train`` (``fxpipe.trainer``), so a script gets the same run.
+
 The model file's ``batches()`` feeds the data (``(inputs, targets)`` per
 microbatch, or per step of M microbatches); without it the example minibatch
 is every microbatch. The last stage prints each step's loss and samples/s.

@@ -1,12 +1,14 @@
-"""``fxpipe train`` on one machine: plan and split once, then ``torch.distributed.run``.
+"""The steps of ``fxpipe.train`` (and so of ``fxpipe train``): plan and split once, then ``torch.distributed.run``.
 
-The parent process does the work that needs the whole model exactly once:
-load the model file, check it (``fxpipe.runtime.preflight``), capture,
-profile, partition (or reuse a saved split), split, and save the split into a
-run folder with ``run.json`` (the training settings and the stage replicas).
-It then starts ``torchrun --standalone`` with one worker per rank
-(``python -m fxpipe.runtime.worker RUN_DIR``); each worker loads only the
-split and the model file's data and loss.
+``fxpipe.trainer.train`` calls these in order. The parent process does the
+work that needs the whole model exactly once: load the model file (or take
+the ``nn.Module`` and objects a script passed, pickled for the workers by
+``fxpipe.runtime.payload``), check it (``fxpipe.runtime.preflight``),
+capture, profile, partition (or reuse a saved split), split, and save the
+split into a run folder with ``run.json`` (the training settings and the
+stage replicas). It then starts ``torchrun --standalone`` with one worker per
+rank (``python -m fxpipe.runtime.worker RUN_DIR``); each worker loads only
+the split and the data and loss (the model file's, or the pickled ones).
 
 Workers' stderr, torchrun's included, goes to ``RUN_DIR/workers.log`` (shown
 after a successful run; with ``--debug`` shown live). A failed run ends with

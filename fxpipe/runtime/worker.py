@@ -4,10 +4,12 @@
 into RUN_DIR, then starts one of these per device. A worker reads its rank
 from the environment torchrun sets, joins the process group, loads the split
 and the model file (for ``batches()``, ``loss_fn`` and the example targets;
-the model's weights come from the split) and trains its stage. With
-``--save`` in ``run.json``, rank 0 gathers every stage's final weights and
-writes them as the original model's ``state_dict``, so a multi-node run needs
-no shared folder for it.
+the model's weights come from the split), or for ``fxpipe.train`` called
+with an ``nn.Module`` the pickled objects (``fxpipe.runtime.payload``), and
+trains its stage. At the end rank 0 gathers the losses into
+``RUN_DIR/result.json`` (``fxpipe.train`` returns them) and, with ``--save``
+in ``run.json``, every stage's final weights, written as the original model's
+``state_dict``, so a multi-node run needs no shared folder for it.
 
 Multi-node: ``fxpipe train MODEL --devices N --launcher none --run-dir RUN``
 writes RUN and exits; copy RUN to every node and start this module there

@@ -170,3 +170,30 @@ def test_script_without_main_guard_fails_with_the_fix(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode != 0
     assert 'put the training call under if __name__ == "__main__":' in out.stderr, out.stderr[-3000:]
+
+
+def test_launcher_none_run_folder_trains_under_own_torchrun(tmp_path: Path) -> None:
+    """Multi-node shape: the run folder carries the pickled objects and this process's import path.
+
+    The hand-started torchrun runs from another folder with no PYTHONPATH;
+    the workers still find this test module (by the carried ``sys.path``),
+    and rank 0 writes ``save`` and the losses.
+    """
+    import json
+
+    steps, M = 2, 2
+    run, saved = tmp_path / "run", tmp_path / "w.pt"
+    out = fxpipe.train(make_net(), data_list(steps * M), loss_fn=mse, devices=2, microbatches=M, steps=steps,
+                       lr=0.05, replication="none", time_limit=3, save=str(saved), launcher="none",
+                       run_dir=str(run))
+    assert out.command and "-m fxpipe.runtime.worker" in out.command and out.state_dict is None
+    assert (run / "payload.pkl").exists() and json.loads((run / "run.json").read_text())["payload"]
+    env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "0", "-m", "fxpipe.runtime.worker", str(run)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(json.loads((run / "result.json").read_text())["losses"]) == steps
+    want = cases.accumulate_model(make_net(), data_list(steps * M).__getitem__, mse, steps, M, "sgd", 0.05)
+    assert_close_to_reference(torch.load(saved, weights_only=True), want,
+                              {k: v.detach().clone() for k, v in make_net().state_dict().items()})
