@@ -126,21 +126,24 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     weights = save or (os.path.join(run_dir, "trained.pt") if return_state and launcher == "torchrun" else None)
     try:
         prep = prepare(source, cfg, devices, run_dir, split, dict(plan_options, time_limit=time_limit), weights)
-        outcome = TrainOutcome(plan=prep.split.plan, split=prep.split, saved=save, run_dir=None if own else run_dir)
-        if launcher == "none":
-            outcome.command = worker_command(run_dir, prep.layout.world_size)
-            print(f"fxpipe train: wrote {run_dir}; copy it to every node and run there:\n  {outcome.command}",
-                  file=sys.stderr, flush=True)
-            return outcome
-        code = launch(prep, threads, debug)
-        if code != 0:
-            raise failed(run_dir, code, cfg.checkpoint)
-        finish(prep, cfg, save)
-        _collect(outcome, run_dir, weights if return_state else None, model)
-        return outcome
-    finally:
+    except BaseException:
         if own:
             shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    outcome = TrainOutcome(plan=prep.split.plan, split=prep.split, saved=save, run_dir=None if own else run_dir)
+    if launcher == "none":
+        outcome.command = worker_command(run_dir, prep.layout.world_size)
+        print(f"fxpipe train: wrote {run_dir}; copy it to every node and run there:\n  {outcome.command}",
+              file=sys.stderr, flush=True)
+        return outcome
+    code = launch(prep, threads, debug)
+    if code != 0:  # the run folder stays: the error names its workers.log
+        raise failed(run_dir, code, cfg.checkpoint)
+    finish(prep, cfg, save)
+    _collect(outcome, run_dir, weights if return_state else None, model)
+    if own:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return outcome
 
 
 def _optimizer_name(optimizer: Any, model_file: bool) -> str:

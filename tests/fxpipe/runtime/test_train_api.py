@@ -8,7 +8,9 @@ The refusals need no worker: each is one line, before any profiling.
 from __future__ import annotations
 
 import os
+import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,8 +131,6 @@ def _local_optimizer() -> type:
     (dict(optimizer=_local_optimizer()), r"optimizer: class _local_optimizer.<locals>.Mine .*module level"),
 ], ids=["lambda", "local-function", "iterator", "unknown-option", "optimizer-name", "optimizer-class"])
 def test_what_cannot_reach_the_workers_is_one_line(kwargs: Dict[str, Any], pattern: str, tmp_path: Path) -> None:
-    import re
-
     args = dict(batches=data_list(2), loss_fn=mse)
     args.update(kwargs)
     with pytest.raises(FxpipeError) as info:
@@ -170,6 +170,9 @@ def test_script_without_main_guard_fails_with_the_fix(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=300)
     assert out.returncode != 0
     assert 'put the training call under if __name__ == "__main__":' in out.stderr, out.stderr[-3000:]
+    log = re.search(r"all worker output: (\S+workers\.log)", out.stderr)
+    assert log and os.path.exists(log.group(1)), out.stderr[-2000:]  # the failed run's folder is kept
+    shutil.rmtree(os.path.dirname(log.group(1)))
 
 
 def test_launcher_none_run_folder_trains_under_own_torchrun(tmp_path: Path) -> None:
