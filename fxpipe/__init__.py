@@ -10,6 +10,8 @@ from typing import Any
 
 _LAZY = {
     "split": "fxpipe.api",
+    "train": "fxpipe.trainer",
+    "TrainOutcome": "fxpipe.trainer",
     "run_local": "fxpipe.local",
     "SplitModel": "fxpipe.split_model",
     "CommEdge": "fxpipe.split_model",

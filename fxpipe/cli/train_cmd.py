@@ -1,5 +1,8 @@
 """``fxpipe train MODEL --devices N``: plan, split and train with N local workers.
 
+A thin layer over the Python API: the options become the arguments of
+``fxpipe.train`` (``fxpipe.trainer``), so a script gets the same run.
+
 The model file's ``batches()`` feeds the data (``(inputs, targets)`` per
 microbatch, or per step of M microbatches); without it the example minibatch
 is every microbatch. The last stage prints each step's loss and samples/s.
@@ -63,19 +66,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fxpipe.runtime.launch import train  # torch: imported only when training
-    from fxpipe.runtime.loop import TrainConfig
+    """The options as ``fxpipe.train``'s arguments: the CLI is a thin layer over the Python API."""
+    from fxpipe.trainer import train  # torch: imported only when training
 
-    lr = args.lr if args.lr is not None else (0.001 if args.optimizer == "adamw" else 0.01)
-    cfg = TrainConfig(schedule=args.schedule, microbatches=args.microbatches or args.devices or 4,
-                      steps=args.steps, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
-                      weight_decay=args.weight_decay, trace=args.trace, checkpoint=args.checkpoint,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume, timeout_s=args.timeout)
-    plan_options = {"time_limit": args.time_limit}
-    if args.bandwidth is not None:
-        plan_options["bandwidth"] = args.bandwidth
-    if args.memory is not None:
-        plan_options["memory"] = args.memory
-    return train(args.model, cfg, args.devices, save=args.save, split_dir=args.split, run_dir=args.run_dir,
-                 threads=args.threads, plan_options=plan_options, launcher=args.launcher,
-                 debug=bool(getattr(args, "debug", False)))
+    plan_options = {k: v for k, v in (("bandwidth", args.bandwidth), ("memory", args.memory)) if v is not None}
+    train(args.model, devices=args.devices, schedule=args.schedule, microbatches=args.microbatches,
+          steps=args.steps, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
+          weight_decay=args.weight_decay, trace=args.trace, checkpoint=args.checkpoint,
+          checkpoint_every=args.checkpoint_every, resume=args.resume, save=args.save, split=args.split,
+          run_dir=args.run_dir, launcher=args.launcher, threads=args.threads, timeout=args.timeout,
+          time_limit=args.time_limit, return_state=False, debug=bool(getattr(args, "debug", False)),
+          **plan_options)
+    return 0

@@ -1,12 +1,14 @@
-"""``fxpipe train`` on one machine: plan and split once, then ``torch.distributed.run``.
+"""The steps of ``fxpipe.train`` (and so of ``fxpipe train``): plan and split once, then ``torch.distributed.run``.
 
-The parent process does the work that needs the whole model exactly once:
-load the model file, check it (``fxpipe.runtime.preflight``), capture,
-profile, partition (or reuse a saved split), split, and save the split into a
-run folder with ``run.json`` (the training settings and the stage replicas).
-It then starts ``torchrun --standalone`` with one worker per rank
-(``python -m fxpipe.runtime.worker RUN_DIR``); each worker loads only the
-split and the model file's data and loss.
+``fxpipe.trainer.train`` calls these in order. The parent process does the
+work that needs the whole model exactly once: load the model file (or take
+the ``nn.Module`` and objects a script passed, pickled for the workers by
+``fxpipe.runtime.payload``), check it (``fxpipe.runtime.preflight``),
+capture, profile, partition (or reuse a saved split), split, and save the
+split into a run folder with ``run.json`` (the training settings and the
+stage replicas). It then starts ``torchrun --standalone`` with one worker per
+rank (``python -m fxpipe.runtime.worker RUN_DIR``); each worker loads only
+the split and the data and loss (the model file's, or the pickled ones).
 
 Workers' stderr, torchrun's included, goes to ``RUN_DIR/workers.log`` (shown
 after a successful run; with ``--debug`` shown live). A failed run ends with
@@ -27,14 +29,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
 from fxpipe.layout import Layout
-from fxpipe.runtime import checkpoint, failure
+from fxpipe.runtime import checkpoint, failure, payload
 from fxpipe.runtime.loop import TrainConfig
 from fxpipe.runtime.preflight import PreflightError, check_config, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
@@ -78,10 +79,15 @@ def plan_and_split(spec: Any, devices: int, schedule: str, microbatches: int,
     return result
 
 
-def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, split_dir: Optional[str] = None,
-            plan_options: Optional[Dict[str, Any]] = None, save: Optional[str] = None) -> Prepared:
+def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], run_dir: str,
+            split_dir: Optional[str] = None, plan_options: Optional[Dict[str, Any]] = None,
+            save: Optional[str] = None) -> Prepared:
     """Write RUN_DIR (split + run.json) for ``model``; ``split_dir`` reuses a saved split.
 
+    ``model``: a model file or ``package.module:factory`` (the workers load it
+    again for its data and loss), or a ``fxpipe.loader.ModelSpec`` built in
+    this process (``fxpipe.train``: its data, loss and example travel in a
+    pickle, ``fxpipe.runtime.payload``, checked first, before any profiling).
     Everything the parent can check alone is checked here, before any worker
     starts: the settings, the first batch, the split against the model, and
     the checkpoint to resume from.
@@ -91,13 +97,17 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
     check_config(cfg)
     if devices is not None and devices < 1:
         raise PreflightError(f"--devices must be at least 1, got {devices}")
-    spec = load_model(model)
+    spec = load_model(model) if isinstance(model, str) else model
+    os.makedirs(run_dir, exist_ok=True)
+    shipped = None if isinstance(model, str) else payload.write(run_dir, {
+        "batches": spec.batches, "loss_fn": spec.loss_fn, "example_inputs": spec.example_inputs,
+        "example_targets": spec.example_targets}, main=cfg.optimizer.startswith("__main__:"))
     check_first_batch(spec, cfg.microbatches)
     kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)
         _log(f"resuming with the split saved in {kept}")
-    split = _split(spec, model, cfg, devices, split_dir, plan_options)
+    split = _split(spec, cfg, devices, split_dir, plan_options)
     replicas = [s.replicas for s in split.plan.stages] if split.plan is not None else [1] * split.num_stages
     layout = Layout.of(replicas)
     if devices and devices != layout.world_size:
@@ -107,39 +117,44 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
         info = {"schedule": cfg.schedule, "microbatches": cfg.microbatches}  # as fxpipe.runtime.loop records them
         step = checkpoint.check(cfg.checkpoint, layout, info, split.stages)
         _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")
-    _write_run_dir(run_dir, model, split, replicas, cfg, save)
+    job: Dict[str, Any] = {"payload": shipped, "source": spec.source} if shipped else _model_file(run_dir, model)
+    _write_run_dir(run_dir, job, split, replicas, cfg, save)
     if kept and split_dir != kept:
         split.save(kept)
     if spec.batches is None:
-        _log(f"{model} defines no batches(): every microbatch is the example minibatch, repeated")
+        _log(f"{spec.source} defines no batches(): every microbatch is the example minibatch, repeated")
     return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size))
 
 
-def _split(spec: Any, model: str, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
+def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
            plan_options: Optional[Dict[str, Any]]) -> Any:
     """The saved split (checked against the model) or a new one."""
     from fxpipe.split_model import SplitModel
 
     if split_dir:
         split = SplitModel.load(split_dir)
-        check_split_matches(split, spec.model, split_dir, model)
+        check_split_matches(split, spec.model, split_dir, spec.source)
         return split
     if not devices:
         raise FxpipeError("give --devices N (or --split DIR from `fxpipe split`)")
     return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches, plan_options)
 
 
-def _write_run_dir(run_dir: str, model: str, split: Any, replicas: List[int], cfg: TrainConfig,
-                   save: Optional[str]) -> None:
-    """The split, ``run.json`` and a copy of the model file (for nodes that lack it)."""
-    os.makedirs(run_dir, exist_ok=True)
-    split.save(os.path.join(run_dir, SPLIT_DIR))
-    job: Dict[str, Any] = {"model": os.path.abspath(model) if os.path.exists(model) else model,
-                           "replicas": replicas, "config": cfg.to_json()}
+def _model_file(run_dir: str, model: str) -> Dict[str, Any]:
+    """run.json's entries for a model file, copied into the run folder (for nodes that lack it)."""
+    job: Dict[str, Any] = {"model": os.path.abspath(model) if os.path.exists(model) else model}
     if os.path.isfile(model):
         job["model_copy"] = os.path.basename(model)
         if os.path.abspath(os.path.join(run_dir, job["model_copy"])) != os.path.abspath(model):
             shutil.copyfile(model, os.path.join(run_dir, job["model_copy"]))
+    return job
+
+
+def _write_run_dir(run_dir: str, job: Dict[str, Any], split: Any, replicas: List[int], cfg: TrainConfig,
+                   save: Optional[str]) -> None:
+    """The split and ``run.json``: where the data and loss come from, the layout, the settings."""
+    split.save(os.path.join(run_dir, SPLIT_DIR))
+    job = dict(job, replicas=replicas, config=cfg.to_json())
     if save:
         job["save"] = os.path.abspath(save)
     with open(os.path.join(run_dir, RUN_FILE), "w") as f:
@@ -271,30 +286,3 @@ def worker_command(run_dir: str, world: int) -> str:
     return (f"torchrun --nnodes NODES --node-rank I --nproc-per-node PER_NODE --master-addr HOST "
             f"--master-port PORT -m fxpipe.runtime.worker {run_dir}   (NODES x PER_NODE = {world}; "
             "I = 0 on HOST, 1..NODES-1 elsewhere)")
-
-
-def train(model: str, cfg: TrainConfig, devices: Optional[int], save: Optional[str] = None,
-          split_dir: Optional[str] = None, run_dir: Optional[str] = None, threads: Optional[int] = None,
-          plan_options: Optional[Dict[str, Any]] = None, launcher: str = "torchrun", debug: bool = False) -> int:
-    """The whole of ``fxpipe train``; returns the process exit code."""
-    if launcher == "none" and not run_dir:
-        raise PreflightError("--launcher none writes the run folder for your own torchrun: give --run-dir DIR")
-    own = run_dir is None
-    run_dir = run_dir or tempfile.mkdtemp(prefix="fxpipe-train-")
-    try:
-        prep = prepare(model, cfg, devices, run_dir, split_dir, plan_options, save)
-    except BaseException:
-        if own:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    if launcher == "none":
-        command = worker_command(run_dir, prep.layout.world_size)
-        _log(f"wrote {run_dir}; copy it to every node and run there:\n  {command}")
-        return 0
-    code = launch(prep, threads, debug)
-    if code != 0:
-        raise failed(run_dir, code, cfg.checkpoint)
-    finish(prep, cfg, save)
-    if own:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    return 0

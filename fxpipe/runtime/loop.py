@@ -15,6 +15,7 @@ Reporting: see ``fxpipe.runtime.report``.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -40,7 +41,8 @@ class TrainConfig:
     schedule: str = "1f1b-flush"
     microbatches: int = 4
     steps: int = 10
-    optimizer: str = "sgd"
+    optimizer: str = "sgd"  # or "module:Class" of a torch.optim.Optimizer (fxpipe.train(optimizer=Class))
+    optimizer_options: Dict[str, Any] = field(default_factory=dict)  # more keyword arguments for it
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: Optional[float] = None  # None: the optimizer's own default (sgd 0, adamw 0.01)
@@ -68,10 +70,14 @@ def make_optimizer(cfg: TrainConfig, module: nn.Module) -> torch.optim.Optimizer
     # the fused kernels update every tensor in one call: on the bench's GPT stage AdamW's step takes
     # 0.6 ms fused against 4 ms per-tensor, paid once per microbatch with stashing
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
+    more = cfg.optimizer_options
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, **wd, **fused)
+        return torch.optim.SGD(params, **{"lr": cfg.lr, "momentum": cfg.momentum, **wd, **fused, **more})
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, **wd, **fused)
+        return torch.optim.AdamW(params, **{"lr": cfg.lr, **wd, **fused, **more})
+    if ":" in cfg.optimizer:  # each stage builds its own over its parameters
+        module, _, name = cfg.optimizer.partition(":")
+        return getattr(importlib.import_module(module), name)(params, **{"lr": cfg.lr, **wd, **more})
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose sgd or adamw")
 
 

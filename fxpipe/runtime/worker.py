@@ -4,10 +4,12 @@
 into RUN_DIR, then starts one of these per device. A worker reads its rank
 from the environment torchrun sets, joins the process group, loads the split
 and the model file (for ``batches()``, ``loss_fn`` and the example targets;
-the model's weights come from the split) and trains its stage. With
-``--save`` in ``run.json``, rank 0 gathers every stage's final weights and
-writes them as the original model's ``state_dict``, so a multi-node run needs
-no shared folder for it.
+the model's weights come from the split), or for ``fxpipe.train`` called
+with an ``nn.Module`` the pickled objects (``fxpipe.runtime.payload``), and
+trains its stage. At the end rank 0 gathers the losses into
+``RUN_DIR/result.json`` (``fxpipe.train`` returns them) and, with ``--save``
+in ``run.json``, every stage's final weights, written as the original model's
+``state_dict``, so a multi-node run needs no shared folder for it.
 
 Multi-node: ``fxpipe train MODEL --devices N --launcher none --run-dir RUN``
 writes RUN and exits; copy RUN to every node and start this module there
@@ -36,10 +38,12 @@ import torch.distributed as dist
 from fxpipe.layout import Layout
 from fxpipe.runtime.data import FromBatches, RepeatExample, as_tuple, batch_dim
 from fxpipe.runtime.failure import describe, record
-from fxpipe.runtime.loop import TrainConfig, train
+from fxpipe.runtime import payload
+from fxpipe.runtime.loop import TrainConfig, TrainResult, train
 from passes.errors import FxpipeError
 
 RUN_FILE = "run.json"
+RESULT_FILE = "result.json"  # rank 0 writes the losses here for the parent
 SPLIT_DIR = "split"
 
 
@@ -94,28 +98,42 @@ def run(run_dir: str, rank: int, world: int, seen: Dict[str, Any]) -> int:
         from fxpipe.split_model import SplitModel
 
         torch.manual_seed(int(job.get("seed", 0)))
-        spec = load_model(_model_path(run_dir, job), check=False)
+        if job.get("payload"):  # fxpipe.train: the script's objects (run before the split loads its classes)
+            spec = payload.spec_from(payload.read(run_dir, job["payload"]), job.get("source", "fxpipe.train"))
+        else:
+            spec = load_model(_model_path(run_dir, job), check=False)
         split = SplitModel.load(os.path.join(run_dir, SPLIT_DIR))
         result = train(rank=rank, layout=layout, split=split, cfg=cfg, data=make_data(spec, cfg.microbatches),
                        loss_fn=spec.loss_fn, device=device)
-        if job.get("save"):
-            save_weights(job["save"], split, layout, rank, result.state)
+        report(run_dir, job.get("save"), split, layout, rank, result)
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def save_weights(path: str, split: Any, layout: Layout, rank: int, state: Dict[str, torch.Tensor]) -> None:
-    """Collective: rank 0 writes every stage's final weights under the original model's names."""
-    mine = {k: v.cpu() for k, v in state.items()} if layout.replica_of(rank) == 0 else None
+def report(run_dir: str, save: Optional[str], split: Any, layout: Layout, rank: int, result: TrainResult) -> None:
+    """Collective: rank 0 writes ``RUN_DIR/result.json`` (the losses) and ``save`` (the trained weights).
+
+    The losses live on the last stage and the weights on every stage; rank 0
+    gathers both, so a multi-node run needs no shared folder. ``save`` is the
+    original model's ``state_dict`` (its own names, tied weights once).
+    """
+    keep = save and layout.replica_of(rank) == 0
+    mine = (layout.stage_of(rank), {k: v.cpu() for k, v in result.state.items()} if keep else None,
+            result.losses, result.samples_per_s, result.start_step)
     gathered: Optional[List[Any]] = [None] * layout.world_size if rank == 0 else None
-    dist.gather_object((layout.stage_of(rank), mine), gathered, dst=0)
+    dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return
-    by_stage = {stage: sd for stage, sd in gathered or () if sd is not None}
-    merged = split.original_state_dict([by_stage[j] for j in range(split.num_stages)])
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save(merged, path)
+    items = list(gathered or ())
+    _, _, losses, rates, start = items[layout.ranks(layout.num_stages - 1)[0]]  # replica 0 of the last stage
+    with open(os.path.join(run_dir, RESULT_FILE), "w") as f:
+        json.dump({"losses": losses, "samples_per_s": rates, "start_step": start}, f)
+    if save:
+        by_stage = {stage: sd for stage, sd, *_ in items if sd is not None}
+        merged = split.original_state_dict([by_stage[j] for j in range(split.num_stages)])
+        os.makedirs(os.path.dirname(os.path.abspath(save)), exist_ok=True)
+        torch.save(merged, save)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
