@@ -56,7 +56,11 @@ def _model() -> EncoderLM:
 
 
 def _split(folder: str, cut_before: Optional[str]) -> None:
-    """Two stages cut before node ``cut_before``; ``None``: one stage (for data parallelism)."""
+    """Two stages cut before the first node named ``cut_before...``; ``None``: one stage (data parallelism).
+
+    Capture traces into ``nn.TransformerEncoder``, so its layers are nodes of their own
+    (``enc_layers_1_...``) and a cut can fall between them.
+    """
     from fxpipe.split_model import SplitModel
     from passes.capture import capture
     from passes.partition import apply_assignment
@@ -65,7 +69,7 @@ def _split(folder: str, cut_before: Optional[str]) -> None:
     inputs = _data(0)[0]
     gm = capture(_model(), inputs)
     compute = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    cut = compute.index(cut_before) if cut_before else len(compute)
+    cut = next(i for i, name in enumerate(compute) if name.startswith(cut_before)) if cut_before else len(compute)
     apply_assignment(gm, {name: int(i >= cut) for i, name in enumerate(compute)})
     SplitModel.from_result(split_stages(gm, inputs), gm).save(folder)
 
@@ -78,9 +82,10 @@ def _rank(rank: int, folder: str, replicas: Tuple[int, ...], cfg: Dict[str, Any]
     return {"state": res.state, "losses": res.losses}
 
 
-# cut before the encoder: the sum of embeddings and the float mask cross; before the head: the
-# encoder's output; no cut: one stage on two replicas (what the planner picks for this model)
-@pytest.mark.parametrize("cut_before,replicas", [("enc", (1, 1)), ("head", (1, 1)), (None, (2,))])
+# cut before the encoder: the sum of embeddings and the float mask cross; between its two layers;
+# before the head: the encoder's output; no cut: one stage on two replicas
+@pytest.mark.parametrize("cut_before,replicas", [("enc", (1, 1)), ("enc_layers_1", (1, 1)), ("head", (1, 1)),
+                                                 (None, (2,))])
 def test_stash_repeats_finish_and_agree(tmp_path, cut_before: Optional[str], replicas: Tuple[int, ...]) -> None:
     folder = str(tmp_path / "split")
     _split(folder, cut_before)
