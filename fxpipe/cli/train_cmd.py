@@ -56,6 +56,12 @@ def register(subparsers) -> None:
     p.add_argument("--launcher", choices=("torchrun", "none"), default="torchrun",
                    help="torchrun: start the workers here (default); none: only write --run-dir and print the "
                         "torchrun command to run on every node (multi-node)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="stage forwards under autocast to this dtype; weights and optimizer stay fp32; "
+                        "fp16 adds dynamic loss scaling (1f1b-flush and gpipe only)")
+    p.add_argument("--recompute", choices=("none", "all", "auto"), default="none",
+                   help="drop each stage's activations and recompute them in backward: all stages, none, or "
+                        "auto (the stages whose predicted memory exceeds --memory)")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=None, help="for the planner, bytes/s between stages")
     p.add_argument("--memory", type=parse_memory, default=None, help="for the planner, bytes per device")
     p.add_argument("--time-limit", type=positive_float, default=20.0, help="planner time limit in seconds")
@@ -65,12 +71,15 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.launch import train  # torch: imported only when training
     from fxpipe.runtime.loop import TrainConfig
+    from fxpipe.runtime.precision import check_precision
 
     lr = args.lr if args.lr is not None else (0.001 if args.optimizer == "adamw" else 0.01)
     cfg = TrainConfig(schedule=args.schedule, microbatches=args.microbatches or args.devices or 4,
                       steps=args.steps, optimizer=args.optimizer, lr=lr, momentum=args.momentum,
                       weight_decay=args.weight_decay, trace=args.trace, checkpoint=args.checkpoint,
-                      checkpoint_every=args.checkpoint_every, resume=args.resume, timeout_s=args.timeout)
+                      checkpoint_every=args.checkpoint_every, resume=args.resume, timeout_s=args.timeout,
+                      precision=args.precision, recompute=args.recompute)
+    check_precision(cfg.precision, cfg.schedule)  # before any worker starts
     plan_options = {"time_limit": args.time_limit}
     if args.bandwidth is not None:
         plan_options["bandwidth"] = args.bandwidth
