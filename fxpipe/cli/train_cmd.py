@@ -80,11 +80,13 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint_every=args.checkpoint_every, resume=args.resume, timeout_s=args.timeout,
                       precision=args.precision, recompute=args.recompute)
     check_precision(cfg.precision, cfg.schedule)  # before any worker starts
-    plan_options = {"time_limit": args.time_limit}
+    plan_options = {"time_limit": args.time_limit, "precision": args.precision}  # profile as training runs
     if args.bandwidth is not None:
         plan_options["bandwidth"] = args.bandwidth
     if args.memory is not None:
-        plan_options["memory"] = args.memory
+        # --recompute auto: the partitioner cannot model recomputation yet, so it plans without the limit
+        # and each stage over it recomputes (fxpipe.runtime.recompute.auto_stages)
+        plan_options["recompute_memory" if args.recompute == "auto" else "memory"] = args.memory
     return train(args.model, cfg, args.devices, save=args.save, split_dir=args.split, run_dir=args.run_dir,
                  threads=args.threads, plan_options=plan_options, launcher=args.launcher,
                  debug=bool(getattr(args, "debug", False)))

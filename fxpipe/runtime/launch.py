@@ -97,7 +97,12 @@ def prepare(model: str, cfg: TrainConfig, devices: Optional[int], run_dir: str, 
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)
         _log(f"resuming with the split saved in {kept}")
+    plan_options = dict(plan_options or {})
+    budget = plan_options.pop("recompute_memory", None)  # --recompute auto: checked per stage below
     split = _split(spec, model, cfg, devices, split_dir, plan_options)
+    if cfg.recompute == "auto":
+        from fxpipe.runtime.recompute import auto_stages
+        cfg.recompute_stages = auto_stages(split, budget, _log)
     replicas = [s.replicas for s in split.plan.stages] if split.plan is not None else [1] * split.num_stages
     layout = Layout.of(replicas)
     if devices and devices != layout.world_size:

@@ -23,7 +23,7 @@ updated twice (once per run): a known limitation of recomputation.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -89,3 +89,32 @@ def recomputes(mode: str, auto_stages: Optional[Sequence[int]], stage: int) -> b
     if mode == "auto":
         return stage in (auto_stages or ())
     return mode == "all"
+
+
+def auto_stages(split: Any, memory: Optional[int], log: Callable[[str], None] = print) -> List[int]:
+    """``--recompute auto``: the stages whose predicted memory without recomputation exceeds ``memory``.
+
+    Needs the split's plan and profile (a split made in this run); without
+    ``memory`` no stage recomputes. A stage still over ``memory`` with
+    recomputation is logged, not refused (the prediction is an estimate).
+    """
+    from passes.partition.costmodel import (CostOptions, evaluate, recompute_choice, recompute_cost,
+                                            stage_input_bytes)
+
+    plan, graph = getattr(split, "plan", None), getattr(split, "profile", None)
+    if memory is None:
+        log("--recompute auto without --memory: no stage recomputes")
+        return []
+    if plan is None or graph is None:
+        raise FxpipeError("--recompute auto needs the plan and profile of a split made in this run; "
+                          "drop --split, or use --recompute all")
+    keys = ("devices", "bandwidth", "cost_model", "schedule", "microbatches", "optimizer_state", "replication")
+    opts = CostOptions(**{k: plan.options[k] for k in keys if k in plan.options}, memory=memory)
+    assignment, replicas = plan.assignment(), [s.replicas for s in plan.stages]
+    choice = recompute_choice(graph, assignment, replicas, opts)
+    for j, s in enumerate(evaluate(graph, assignment, replicas, opts).stages):
+        again = recompute_cost(s, stage_input_bytes(graph, assignment, j), j, replicas, opts)
+        note = " (still over --memory)" if choice[j] and again.memory_bytes > memory else ""
+        log(f"--recompute auto: stage {j} predicted {s.memory_bytes / 2**20:.1f} MiB, "
+            f"{again.memory_bytes / 2**20:.1f} MiB recomputing: {'recompute' if choice[j] else 'keep'}{note}")
+    return [j for j, yes in enumerate(choice) if yes]
