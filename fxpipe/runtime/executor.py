@@ -7,7 +7,11 @@ One small handler per action kind (as a flat instruction interpreter):
 - ``F m`` runs the stage on the weight version the stash hands out, inside a
   ``passes.comm.MailboxTransport`` bound for ``m``; the last stage also
   computes the loss (scaled by ``1/M`` in flush and gpipe, so the step's
-  gradient is the gradient of the mean microbatch loss).
+  gradient is the gradient of the mean microbatch loss). With ``precision``
+  bf16/fp16 the stage and the loss run under autocast and sent values are
+  cast to the split's wire dtype (``fxpipe.runtime.precision``); with
+  ``recompute`` the stage's activations are recomputed in ``B m``
+  (``fxpipe.runtime.recompute``).
 - ``B m`` runs autograd from the loss (last stage) or from the stage's send
   tokens, whose backward pulls in the received gradients. After it, ``m``'s
   graph, loss and outputs are dropped: activations live from ``F m`` to
@@ -18,7 +22,8 @@ One small handler per action kind (as a flat instruction interpreter):
   1f1b-stash action list) keeps a few microbatches' sends, not all of them.
 - ``ALLREDUCE`` combines gradients over replicas and tied copies.
 - ``STEP`` steps the optimizer, clears gradients and, with stashing, starts a
-  new weight version.
+  new weight version. With fp16 the loss scaler first unscales the gradients
+  and, if any rank saw inf/nan, every rank skips the update.
 
 Microbatch numbers in an action list are local to that list; ``run`` is given
 the global number of the list's microbatch 0, which picks the data and makes
