@@ -75,7 +75,7 @@ def test_bf16_first_step_gradient_matches_single_process_autocast(tmp_path) -> N
     bf16, fp32 = _reference_grads(folder, "bf16"), _reference_grads(folder, "fp32")
     worst_bf16 = max(_rel((start[k] - got[k]) / LR, bf16[k]) for k in bf16)
     worst_fp32 = max(_rel((start[k] - got[k]) / LR, fp32[k]) for k in fp32)
-    assert worst_bf16 <= 0.03, worst_bf16  # bf16 has 8 significant bits: 2**-8 = 0.004 per rounding
+    assert worst_bf16 <= 1e-3, worst_bf16  # measured 4e-6 (bf16 rounds to 2**-8 = 0.004 relative per op)
     assert worst_fp32 > 3 * worst_bf16, (worst_fp32, worst_bf16)  # autocast really ran in bf16
 
 
