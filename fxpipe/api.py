@@ -20,7 +20,8 @@ from fxpipe.split_model import SplitModel
 def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_method: str = "auto",
           leaf_modules: Iterable[Any] = (), concrete_args: Optional[dict] = None, device: str = "cpu",
           repeats: int = 3, threads: Optional[int] = 1, batch_size: Optional[int] = None,
-          time_limit: float = 30.0, progress: bool = True, **plan_options: Any) -> SplitModel:
+          time_limit: float = 30.0, progress: bool = True, precision: str = "fp32",
+          **plan_options: Any) -> SplitModel:
     """Split ``model`` into pipeline stages for ``devices`` devices.
 
     ``example_inputs``: one microbatch (a tuple of positional inputs, or one
@@ -30,7 +31,9 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_me
     ``cost_model``, ``replication``, ``fewer_devices``, ``optimizer_state``,
     ``workers``, ``method``: the solver), as on ``fxpipe plan``. The result's ``.plan`` is the plan,
     ``.profile`` the profiled cost graph. Stages share parameter objects with
-    ``model`` (this process only).
+    ``model`` (this process only). ``precision`` (fp32, bf16, fp16): profile
+    under that autocast, so times, cut bytes and the dtypes sent between
+    stages are the mixed-precision ones.
     """
     from fxpipe.loader import ModelSpec
     from fxpipe.plan import plan_from_result
@@ -44,7 +47,7 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_me
     spec = ModelSpec(model=model, example_inputs=inputs, leaf_modules=tuple(leaf_modules),
                      concrete_args=concrete_args)
     gm = profile_model(spec, device=device, repeats=repeats, method=capture_method, threads=threads,
-                       show_progress=progress)
+                       show_progress=progress, precision=precision)
     graph = to_cost_graph(gm)
     result = partition(graph, devices, time_limit=time_limit, progress=stderr_progress if progress else None,
                        **plan_options)

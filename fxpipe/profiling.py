@@ -15,7 +15,10 @@ from fxpipe.loader import ModelSpec
 from passes import meta
 from passes.capture import capture
 from passes.profile import COMPUTE_OPS, profile
+from passes.errors import FxpipeError
 from passes.progress import Progress
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # as fxpipe.runtime.precision
 
 
 def profile_model(
@@ -26,12 +29,17 @@ def profile_model(
     method: str = "auto",
     threads: Optional[int] = None,
     show_progress: bool = True,
+    precision: str = "fp32",
 ) -> torch.fx.GraphModule:
     """Capture ``spec.model`` at the example microbatch and profile every node.
 
     ``threads`` sets torch's intra-op threads for the measurement (restored
     after): on a machine shared with other work, 1 gives the steadiest times.
+    ``precision`` (fp32, bf16, fp16): profile under the autocast training will
+    use (``fxpipe.runtime.precision``), so the plan sees those times and bytes.
     """
+    if precision not in AUTOCAST:
+        raise FxpipeError(f"precision {precision!r} is not one of {', '.join(AUTOCAST)}")
     if show_progress:
         print(f"capture: {spec.source} ({method}) ...", file=sys.stderr, flush=True)
     gm = capture(spec.model, spec.example_inputs, method=method,
@@ -46,7 +54,8 @@ def profile_model(
     if threads:
         torch.set_num_threads(threads)
     try:
-        profile(gm, spec.example_inputs, device=device, repeats=repeats, warmup=warmup, progress=bar)
+        profile(gm, spec.example_inputs, device=device, repeats=repeats, warmup=warmup, progress=bar,
+                autocast_dtype=AUTOCAST[precision])
     finally:
         torch.set_num_threads(before)
         if bar is not None:

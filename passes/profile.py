@@ -24,6 +24,7 @@ restored afterwards: profiling must not change the model.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -54,11 +55,16 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     progress: Optional[ProgressFn] = None,
+    autocast_dtype: Optional[torch.dtype] = None,
 ) -> torch.fx.GraphModule:
     """Measure every node of ``gm`` on ``example_inputs`` (one microbatch); returns ``gm``.
 
     ``progress``, if given, is called as ``progress(1, note=node_name)`` once per
-    computing node (``passes.progress.Progress`` fits).
+    computing node (``passes.progress.Progress`` fits). ``autocast_dtype``
+    (``torch.bfloat16``, ``torch.float16``): run and time everything under
+    ``torch.autocast`` to that dtype, as mixed-precision training runs it, so
+    the recorded values (``ValueMeta``: what crosses a cut, its bytes) and
+    the times are the low-precision ones. Parameters stay as they are.
     """
     dev = _device(device)
     if repeats < 1 or warmup < 0:
@@ -68,11 +74,8 @@ def profile(
     _train_mode(gm)
     saved = save_buffers(gm)
     try:
-        env = _record_values(gm, inputs)
-        clock = Clock(dev)
-        overhead = grad_call_overhead(clock)
-        _time_nodes(gm, env, clock, repeats, warmup, progress, overhead)
-        fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup, overhead)
+        with _autocast(dev, autocast_dtype):
+            env, fwd_s, bwd_s = _measure_all(gm, inputs, dev, repeats, warmup, progress)
     finally:
         restore_buffers(saved)
     _write_param_costs(gm, env)
@@ -81,6 +84,25 @@ def profile(
         torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s,
     ))
     return gm
+
+
+def _autocast(dev: torch.device, dtype: Optional[torch.dtype]) -> Any:
+    if dtype is None:
+        return contextlib.nullcontext()
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ProfileError(f"profile: autocast dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    return torch.autocast(device_type=dev.type, dtype=dtype)
+
+
+def _measure_all(gm: torch.fx.GraphModule, inputs: Sequence[Any], dev: torch.device, repeats: int, warmup: int,
+                 progress: Optional[ProgressFn]) -> Tuple[Dict[torch.fx.Node, Any], float, float]:
+    """Record every value, time every node, then the whole model: (values, whole fwd s, whole bwd s)."""
+    env = _record_values(gm, inputs)
+    clock = Clock(dev)
+    overhead = grad_call_overhead(clock)
+    _time_nodes(gm, env, clock, repeats, warmup, progress, overhead)
+    fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup, overhead)
+    return env, fwd_s, bwd_s
 
 
 def _device(device: str) -> torch.device:

@@ -59,6 +59,12 @@ def register(subparsers) -> None:
     p.add_argument("--launcher", choices=("torchrun", "none"), default="torchrun",
                    help="torchrun: start the workers here (default); none: only write --run-dir and print the "
                         "torchrun command to run on every node (multi-node)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="stage forwards under autocast to this dtype; weights and optimizer stay fp32; "
+                        "fp16 adds dynamic loss scaling (1f1b-flush and gpipe only)")
+    p.add_argument("--recompute", choices=("none", "all", "auto"), default="none",
+                   help="drop each stage's activations and recompute them in backward: all stages, none, or "
+                        "auto (the stages whose predicted memory exceeds --memory)")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=None, help="for the planner, bytes/s between stages")
     p.add_argument("--memory", type=parse_memory, default=None, help="for the planner, bytes per device")
     p.add_argument("--time-limit", type=positive_float, default=20.0, help="planner time limit in seconds")
@@ -76,5 +82,5 @@ def run(args: argparse.Namespace) -> int:
           checkpoint_every=args.checkpoint_every, resume=args.resume, save=args.save, split=args.split,
           run_dir=args.run_dir, launcher=args.launcher, threads=args.threads, timeout=args.timeout,
           time_limit=args.time_limit, return_state=False, debug=bool(getattr(args, "debug", False)),
-          **plan_options)
+          precision=args.precision, recompute=args.recompute, **plan_options)
     return 0

@@ -7,7 +7,11 @@ One small handler per action kind (as a flat instruction interpreter):
 - ``F m`` runs the stage on the weight version the stash hands out, inside a
   ``passes.comm.MailboxTransport`` bound for ``m``; the last stage also
   computes the loss (scaled by ``1/M`` in flush and gpipe, so the step's
-  gradient is the gradient of the mean microbatch loss).
+  gradient is the gradient of the mean microbatch loss). With ``precision``
+  bf16/fp16 the stage and the loss run under autocast and sent values are
+  cast to the split's wire dtype (``fxpipe.runtime.precision``); with
+  ``recompute`` the stage's activations are recomputed in ``B m``
+  (``fxpipe.runtime.recompute``).
 - ``B m`` runs autograd from the loss (last stage) or from the stage's send
   tokens, whose backward pulls in the received gradients. After it, ``m``'s
   graph, loss and outputs are dropped: activations live from ``F m`` to
@@ -18,7 +22,8 @@ One small handler per action kind (as a flat instruction interpreter):
   1f1b-stash action list) keeps a few microbatches' sends, not all of them.
 - ``ALLREDUCE`` combines gradients over replicas and tied copies.
 - ``STEP`` steps the optimizer, clears gradients and, with stashing, starts a
-  new weight version.
+  new weight version. With fp16 the loss scaler first unscales the gradients
+  and, if any rank saw inf/nan, every rank skips the update.
 
 Microbatch numbers in an action list are local to that list; ``run`` is given
 the global number of the list's microbatch 0, which picks the data and makes
@@ -36,6 +41,8 @@ from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.runtime.failure import check_loss
 from fxpipe.runtime.groups import GradReducer
+from fxpipe.runtime.precision import LossScaler, autocast, wire_value
+from fxpipe.runtime.recompute import recomputed
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer
 from fxpipe.runtime.transport import P2P
@@ -65,7 +72,8 @@ class Executor:
                  is_last: bool, stash: WeightStash, optimizer: torch.optim.Optimizer, p2p: P2P,
                  reducer: GradReducer, data: DataFn, loss_fn: Optional[LossFn], loss_scale: float,
                  tracer: Optional[Tracer] = None, flatten: Callable[[Sequence[Any]], Sequence[Any]] = list,
-                 unflatten: Callable[[Any], Any] = lambda out: out) -> None:
+                 unflatten: Callable[[Any], Any] = lambda out: out, precision: str = "fp32",
+                 recompute: bool = False, scaler: Optional[LossScaler] = None) -> None:
         self.rank, self.layout, self.stage = rank, layout, stage
         self.module, self.input_indices, self.is_last = module, list(input_indices), is_last
         self.stash, self.optimizer, self.p2p, self.reducer = stash, optimizer, p2p, reducer
@@ -83,6 +91,10 @@ class Executor:
         self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
+        self.precision, self.recompute, self.scaler = precision, recompute, scaler
+        self._autocast = lambda: autocast(precision, p2p.device)
+        self._wire_dtypes = {w.tag: p2p.dtype_of(w) for w in p2p.wires if w.tensor is not None
+                             and w.src_stage == stage} if precision != "fp32" else {}
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
@@ -171,16 +183,21 @@ class Executor:
         inputs, targets = self.data(g) if self.input_indices or self.is_last else ((), None)
         flat = self.flatten(inputs) if self.input_indices else ()
         args = [flat[i] for i in self.input_indices]
-        with comm.bind(box), torch.enable_grad():
-            outputs, tokens = self.stash.forward(g, args, versioned=g in self._versioned)
+        wrap = (lambda call, a: recomputed(call, a, box)) if self.recompute else None
+        with comm.bind(box), torch.enable_grad(), self._autocast():
+            outputs, tokens = self.stash.forward(g, args, versioned=g in self._versioned, wrap=wrap)
+            loss = self._loss(self.unflatten(outputs), targets) if self.is_last else None
+        for tag, dtype in self._wire_dtypes.items():  # autocast outputs cross in the split's dtype
+            if tag in box.outbox:
+                box.outbox[tag] = wire_value(box.outbox[tag], dtype, tag)
         state = self.inflight[g]
         state.forwarded = True
         state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
-        if self.is_last:
-            loss = self._loss(self.unflatten(outputs), targets)
+        if loss is not None:
             self.losses.append((g, float(loss.detach())))
             check_loss(self.losses[-1][1])  # stop before a NaN reaches the gradients (fxpipe.runtime.failure)
-            state.loss = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+            scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
+            state.loss = loss * scale if scale != 1.0 else loss
         if state.loss is None and not state.tokens:
             self.stash.forget(g)
 
@@ -215,7 +232,9 @@ class Executor:
         self.reducer()
 
     def _step(self, a: Action, g: int) -> None:
-        self.optimizer.step()
+        # fp16: unscale (and agree on skipping) after the all-reduce, before any clipping or update
+        if self.scaler is None or self.scaler.prepare_step(self.stash.master.values()):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()
         if self.on_step is not None:

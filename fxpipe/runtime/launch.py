@@ -107,7 +107,14 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)
         _log(f"resuming with the split saved in {kept}")
+    plan_options = dict(plan_options or {})
+    # --recompute auto: the partitioner cannot model recomputation yet, so it plans without the memory
+    # limit and each stage over it recomputes (fxpipe.runtime.recompute.auto_stages)
+    budget = plan_options.pop("memory", None) if cfg.recompute == "auto" else None
     split = _split(spec, cfg, devices, split_dir, plan_options)
+    if cfg.recompute == "auto":
+        from fxpipe.runtime.recompute import auto_stages
+        cfg.recompute_stages = auto_stages(split, budget, _log)
     replicas = [s.replicas for s in split.plan.stages] if split.plan is not None else [1] * split.num_stages
     layout = Layout.of(replicas)
     if devices and devices != layout.world_size:
@@ -137,7 +144,9 @@ def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optio
         return split
     if not devices:
         raise FxpipeError("give --devices N (or --split DIR from `fxpipe split`)")
-    return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches, plan_options)
+    # profiled under the autocast training will run in, so the plan sees those times and bytes
+    return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches,
+                          dict(plan_options or {}, precision=cfg.precision))
 
 
 def _model_file(run_dir: str, model: str) -> Dict[str, Any]:

@@ -28,6 +28,8 @@ from fxpipe.runtime import checkpoint
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
+from fxpipe.runtime.precision import LossScaler, check_precision
+from fxpipe.runtime.recompute import recomputes
 from fxpipe.runtime.report import Reporter
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
@@ -53,6 +55,9 @@ class TrainConfig:
     save_dir: Optional[str] = None  # replica 0 of each stage writes stage<j>.pt here at the end
     timeout_s: float = 120.0
     log: bool = True
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fxpipe.runtime.precision)
+    recompute: str = "none"  # none | all | auto (fxpipe.runtime.recompute)
+    recompute_stages: Optional[List[int]] = None  # auto: the stages the planner chose to recompute
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -139,13 +144,16 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
     local_of = {orig: local for local, orig in split.param_names[stage].items() if local in stash.master}
     reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if stashing else 1.0)
     tracer = Tracer(rank, enabled=bool(cfg.trace))
+    check_precision(cfg.precision, cfg.schedule)
+    scaler = LossScaler(device=device) if cfg.precision == "fp16" else None
     p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
     ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
                   is_last=stage == layout.num_stages - 1, stash=stash, optimizer=optimizer, p2p=p2p,
                   reducer=reducer, data=data, loss_fn=loss_fn,
                   loss_scale=1.0 if stashing else 1.0 / cfg.microbatches, tracer=tracer,
                   flatten=getattr(split, "flatten_inputs", list),
-                  unflatten=getattr(split, "unflatten_outputs", lambda out: out))
+                  unflatten=getattr(split, "unflatten_outputs", lambda out: out), precision=cfg.precision,
+                  recompute=recomputes(cfg.recompute, cfg.recompute_stages, stage), scaler=scaler)
     return _Rank(stage, module, optimizer, ex, None if stashing else groups.replica, tracer)
 
 

@@ -23,7 +23,7 @@ the stage is simply called; no copy is made.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -51,24 +51,29 @@ class WeightStash:
         """How many weight versions are alive (PipeDream: one per minibatch in flight)."""
         return len(self._versions)
 
-    def forward(self, mb: int, args: Any, versioned: bool = True) -> Any:
+    def forward(self, mb: int, args: Any, versioned: bool = True,
+                wrap: Optional[Callable[[Callable[..., Any], Any], Any]] = None) -> Any:
         """Run the stage for microbatch ``mb`` on the current version and remember which.
 
         ``versioned=False``: the caller knows no update happens before ``mb``'s
         backward (the last stage's ``F m, B m, STEP``), so the master itself
-        is safe to use and no copy is made.
+        is safe to use and no copy is made. ``wrap(call, args)``, if given,
+        runs the call (recomputation calls it again in backward: ``call``
+        puts the same weight version in place each time).
         """
+        run = wrap or (lambda call, a: call(*a))
         if not self.stash or not versioned:
-            return self.module(*args)
+            return run(self.module, args)
         v = self.version
         if v not in self._versions:
             self._versions[v] = {n: p.detach().clone().requires_grad_(p.requires_grad)
                                  for n, p in self.master.items()}
         self._users[v] = self._users.get(v, 0) + 1
         self._mb_version[mb] = v
+        weights = self._versions[v]
         if self._tied:
-            return functional_call(self.module, self._versions[v], tuple(args), strict=False, tie_weights=True)
-        return self._call_on(self._versions[v], args)
+            return run(lambda *a: functional_call(self.module, weights, a, strict=False, tie_weights=True), args)
+        return run(lambda *a: self._call_on(weights, a), args)
 
     def _call_on(self, weights: Dict[str, torch.Tensor], args: Any) -> Any:
         """Call the stage with ``weights`` in its parameter slots, then put the master back.

@@ -138,6 +138,10 @@ class P2P:
             got = self._pairs[(src, dst)] = [w for w in self.wires if w.src_stage == src and w.dst_stage == dst]
         return got
 
+    def dtype_of(self, w: Wire) -> torch.dtype:
+        """The dtype wire ``w`` carries (the split's record of the value)."""
+        return self._dtypes[w.index]
+
     def _empty(self, w: Wire) -> torch.Tensor:
         return torch.empty(w.tensor.shape, dtype=self._dtypes[w.index], device=self.device)
 

@@ -481,3 +481,39 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
 def data_parallel(graph: CostGraph, opts: CostOptions) -> Evaluation:
     """All devices as replicas of one stage, under the same cost model."""
     return evaluate(graph, {n: 0 for n in graph.nodes}, [opts.devices], opts)
+
+
+# ------------------------------------------------------------ activation recomputation
+
+
+def stage_input_bytes(graph: CostGraph, assignment: Mapping[str, int], stage: int) -> int:
+    """Bytes a stage keeps per microbatch when it recomputes: the values it takes in (model inputs, received)."""
+    used = {u for u, v in graph.edges if assignment[v] == stage and (assignment[u] != stage or graph.nodes[u].is_input)}
+    return sum(graph.nodes[u].out_bytes for u in used)
+
+
+def recompute_cost(stage: StageCost, in_bytes: int, index: int, replicas: Sequence[int],
+                   opts: CostOptions) -> StageCost:
+    """``stage`` recomputing its activations: every backward pays one more forward; per microbatch in
+    flight only its inputs stay, plus one microbatch's activations alive during the recompute."""
+    r = stage.replicas
+    compute = (2 * stage.fwd_s + stage.bwd_s) / r
+    kept = memory_bytes(stage.param_bytes, in_bytes, index, replicas, opts) + stage.act_bytes
+    return dataclasses.replace(stage, compute_s=compute, time_s=max(compute + stage.allreduce_s, stage.comm_s),
+                               memory_bytes=int(kept))
+
+
+def recompute_choice(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int],
+                     opts: CostOptions) -> List[bool]:
+    """Per stage, after the partition: recompute iff its memory without recomputation exceeds
+    ``opts.memory`` and recomputing lowers it (a stage whose inputs outweigh its activations gains nothing).
+
+    The partitioner itself still plans without recomputation (its memory
+    limit may thus reject a partition that recomputation would fit).
+    """
+    if opts.memory is None:
+        return [False] * len(replicas)
+    ev = evaluate(graph, assignment, replicas, opts)
+    return [s.memory_bytes > opts.memory and recompute_cost(
+                s, stage_input_bytes(graph, assignment, j), j, replicas, opts).memory_bytes < s.memory_bytes
+            for j, s in enumerate(ev.stages)]

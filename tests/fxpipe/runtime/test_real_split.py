@@ -36,13 +36,13 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def _split(folder: str) -> None:
+def _split(folder: str, dtype: torch.dtype = torch.float64) -> None:
     from passes.capture import capture
     from passes.partition import apply_assignment
     from passes.split import split_stages
     from fxpipe.split_model import SplitModel
 
-    model = _model()
+    model = _model().to(dtype)
     inputs = _data(0)[0]
     gm = capture(model, inputs)
     compute = [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]

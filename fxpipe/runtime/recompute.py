@@ -1,0 +1,120 @@
+"""Activation recomputation for a stage: keep its inputs, recompute the rest in backward.
+
+The stage's forward runs inside ``torch.utils.checkpoint`` (non-reentrant):
+autograd keeps the graph but none of the tensors it saved; the backward runs
+the forward again to get them. What stays alive per microbatch in flight is
+the stage's inputs (model inputs and received values) instead of every
+activation, for one extra forward per backward.
+
+Two things make a pipeline stage different from a plain module:
+
+- its forward talks to the mailbox (``passes.comm.send/recv``). The recompute
+  happens inside ``B m``, long after ``m``'s values were received and sent, so
+  it must not touch the mailbox again: the first run records every received
+  value, the recompute gets the same values back (same ``requires_grad``, so
+  autograd saves the same tensors) and its sends go nowhere;
+- with weight stashing the recompute must see the weights the forward saw:
+  ``WeightStash.forward`` hands this module the whole call (version swap
+  included) as ``call``, so the recompute swaps the same version in again.
+
+Randomness (dropout) is replayed: checkpoint restores the RNG state, and the
+autocast state, of the first run. BatchNorm running statistics, however, are
+updated twice (once per run): a known limitation of recomputation.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from passes import comm
+from passes.errors import FxpipeError
+
+RECOMPUTE = ("none", "all", "auto")
+
+
+class _Recording:
+    """First run: the mailbox itself, remembering what each ``recv`` returned."""
+
+    def __init__(self, box: comm.Transport) -> None:
+        self.box = box
+        self.received: Dict[str, Any] = {}
+
+    def send(self, tag: str, value: Any, dst: int) -> Any:
+        return self.box.send(tag, value, dst)
+
+    def recv(self, tag: str, src: int, shape: Any, dtype: Any, requires_grad: bool) -> Any:
+        value = self.box.recv(tag, src, shape, dtype, requires_grad)
+        self.received[tag] = value
+        return value
+
+
+class _Replay:
+    """Recompute: the recorded values again, and sends that go nowhere."""
+
+    def __init__(self, received: Dict[str, Any]) -> None:
+        self.received = received
+
+    def send(self, tag: str, value: Any, dst: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return value.new_zeros(())  # the token's value is never used: the recompute's graph is dropped
+        return None
+
+    def recv(self, tag: str, src: int, shape: Any, dtype: Any, requires_grad: bool) -> Any:
+        value = self.received[tag]
+        if isinstance(value, torch.Tensor):
+            return value.detach().requires_grad_(value.requires_grad)
+        return value
+
+
+def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transport) -> Any:
+    """``call(*args)`` with ``box`` bound, its activations recomputed in backward instead of kept."""
+    recording = _Recording(box)
+    state: Dict[str, Optional[Any]] = {"first": recording}
+
+    def run(*a: Any) -> Any:
+        first = state["first"]
+        state["first"] = None
+        with comm.bind(first if first is not None else _Replay(recording.received)):
+            return call(*a)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+def recomputes(mode: str, auto_stages: Optional[Sequence[int]], stage: int) -> bool:
+    """Whether ``stage`` recomputes under ``--recompute mode`` (auto: the planner's per-stage choice)."""
+    if mode not in RECOMPUTE:
+        raise FxpipeError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE)}")
+    if mode == "auto":
+        return stage in (auto_stages or ())
+    return mode == "all"
+
+
+def auto_stages(split: Any, memory: Optional[int], log: Callable[[str], None] = print) -> List[int]:
+    """``--recompute auto``: the stages whose predicted memory without recomputation exceeds ``memory``.
+
+    Needs the split's plan and profile (a split made in this run); without
+    ``memory`` no stage recomputes. A stage still over ``memory`` with
+    recomputation is logged, not refused (the prediction is an estimate).
+    """
+    from passes.partition.costmodel import (CostOptions, evaluate, recompute_choice, recompute_cost,
+                                            stage_input_bytes)
+
+    plan, graph = getattr(split, "plan", None), getattr(split, "profile", None)
+    if memory is None:
+        log("--recompute auto without --memory: no stage recomputes")
+        return []
+    if plan is None or graph is None:
+        raise FxpipeError("--recompute auto needs the plan and profile of a split made in this run; "
+                          "drop --split, or use --recompute all")
+    keys = ("devices", "bandwidth", "cost_model", "schedule", "microbatches", "optimizer_state", "replication")
+    opts = CostOptions(**{k: plan.options[k] for k in keys if k in plan.options}, memory=memory)
+    assignment, replicas = plan.assignment(), [s.replicas for s in plan.stages]
+    choice = recompute_choice(graph, assignment, replicas, opts)
+    for j, s in enumerate(evaluate(graph, assignment, replicas, opts).stages):
+        again = recompute_cost(s, stage_input_bytes(graph, assignment, j), j, replicas, opts)
+        note = " (still over --memory)" if choice[j] and again.memory_bytes > memory else ""
+        log(f"--recompute auto: stage {j} predicted {s.memory_bytes / 2**20:.1f} MiB, "
+            f"{again.memory_bytes / 2**20:.1f} MiB recomputing: {'recompute' if choice[j] else 'keep'}{note}")
+    return [j for j, yes in enumerate(choice) if yes]

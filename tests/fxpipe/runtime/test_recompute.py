@@ -1,0 +1,73 @@
+"""Recomputing activations changes no weight: float64, every schedule, stashing and tied weights included."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpipe.runtime.loop import TrainConfig
+from fxpipe.runtime.recompute import recomputes
+from passes.errors import FxpipeError
+from tests.fxpipe.runtime import cases
+from tests.fxpipe.runtime.harness import spawn
+
+CASES = [("1f1b-stash", "chain4", (1, 1, 1, 1)), ("1f1b-stash", "tied", (1, 1)), ("1f1b-flush", "skip", (1, 1, 1)),
+         ("gpipe", "chain2", (2, 1)), ("1f1b-flush", "tied", (1, 1))]
+
+
+def _train(schedule: str, name: str, replicas: tuple, recompute: str) -> dict:
+    cfg = TrainConfig(log=False, schedule=schedule, microbatches=4, steps=2, optimizer="sgd", lr=0.1,
+                      recompute=recompute).to_json()
+    return cases.merged_state(name, spawn(cases.train_case, sum(replicas), (name, replicas, cfg)).ok())
+
+
+@pytest.mark.parametrize("schedule,name,replicas", CASES)
+def test_recompute_gives_the_same_weights(schedule: str, name: str, replicas: tuple) -> None:
+    plain, again = _train(schedule, name, replicas, "none"), _train(schedule, name, replicas, "all")
+    start = {k: v.detach() for k, v in cases.fakes.MODELS[name]()[0].state_dict().items()}
+    assert max((plain[k] - start[k]).abs().max().item() for k in plain) > 1e-3  # training moved the weights
+    for k in plain:
+        assert torch.allclose(again[k], plain[k], rtol=0, atol=1e-12), k
+
+
+def test_recompute_choice() -> None:
+    assert recomputes("all", None, 3) and not recomputes("none", [0], 0)
+    assert recomputes("auto", [1], 1) and not recomputes("auto", [1], 0)
+    with pytest.raises(FxpipeError, match="--recompute"):
+        recomputes("some", None, 0)
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x)).pow(2).sum()
+
+
+def test_recompute_runs_forward_again_on_the_stashed_version() -> None:
+    """Backward after an update: the recompute must see the forward's weights, not the master's."""
+    from fxpipe.runtime.recompute import recomputed
+    from fxpipe.runtime.stash import WeightStash
+    from passes import comm
+
+    torch.manual_seed(0)
+    m = _Counting()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    w0 = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    want = torch.autograd.grad(torch.func.functional_call(m, w0, (x,)), list(w0.values()))
+    m.calls = 0
+    stash = WeightStash(m, stash=True)
+    box = comm.MailboxTransport()
+    loss = stash.forward(0, [x], wrap=lambda call, a: recomputed(call, a, box))
+    stash.stepped()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)  # the optimizer moved the master before this backward
+    loss.backward()
+    stash.backward_done(0)
+    assert m.calls == 2  # forward, then the recompute in backward
+    for (name, p), g in zip(m.named_parameters(), want):
+        assert torch.allclose(p.grad, g, rtol=0, atol=1e-12), name
