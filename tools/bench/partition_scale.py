@@ -14,7 +14,7 @@ with the last), each of the PP stages replicated DP times, scored by
 ``costmodel.evaluate`` under the same cost model.
 
     python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
-        [--gpus-per-node N]   # passed to the partitioner if CostOptions has that field
+        [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
 
 Wall times are CPU-bound: other processes on the machine inflate them.
 """
@@ -135,12 +135,14 @@ def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
     return best
 
 
-def run_row(depth: int, devices: int, time_limit: float, gpus_per_node: Optional[int]) -> Dict[str, object]:
-    """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own)."""
+def run_row(depth: int, devices: int, time_limit: float, machine: Dict[str, float]) -> Dict[str, object]:
+    """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own).
+
+    ``machine``: the partitioner's network options (``bandwidth``, and for a two-level machine
+    ``gpus_per_node`` and ``intra_bandwidth``); the uniform layout is scored under the same ones.
+    """
     graph = deep_gpt(depth)
-    extra = {}
-    if gpus_per_node and "gpus_per_node" in {f.name for f in fields(CostOptions)}:
-        extra["gpus_per_node"] = gpus_per_node
+    extra = {k: v for k, v in machine.items() if v is not None}
     start = time.monotonic()
     res = partition(graph, devices, time_limit=time_limit, **extra)
     wall = time.monotonic() - start
@@ -156,12 +158,16 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="8,32,96")
     ap.add_argument("--devices", default="8,16,32,64,128,256,512,1024")
     ap.add_argument("--time-limit", type=float, default=10.0)
-    ap.add_argument("--gpus-per-node", type=int, default=None, help="topology hook (if CostOptions has it)")
+    ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s between nodes (default 10 Gbit/s)")
+    ap.add_argument("--gpus-per-node", type=int, default=None, help="a two-level machine: G devices per node")
+    ap.add_argument("--intra-bandwidth", type=float, default=None, help="bytes/s inside a node (with G)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
+    machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
+               "intra_bandwidth": args.intra_bandwidth}
     if args.row:
         depth, k = (int(x) for x in args.row.split(","))
-        print(json.dumps(run_row(depth, k, args.time_limit, args.gpus_per_node)))
+        print(json.dumps(run_row(depth, k, args.time_limit, machine)))
         return 0
     from tabulate import tabulate
 
@@ -171,8 +177,7 @@ def main(argv=None) -> int:
         for k in (int(x) for x in args.devices.split(",")):
             cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
                    "--time-limit", str(args.time_limit)]
-            if args.gpus_per_node:
-                cmd += ["--gpus-per-node", str(args.gpus_per_node)]
+            cmd += [f"--{name.replace('_', '-')}={value}" for name, value in machine.items() if value is not None]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr, file=sys.stderr)
@@ -182,6 +187,9 @@ def main(argv=None) -> int:
                          f"{100 * r['gap']:.3f}%", r["stages"], f"{r['plan_s'] * 1e3:.3f}", r["uniform"],
                          f"{r['uniform_s'] * 1e3:.3f}", f"{r['uniform_s'] / r['plan_s']:.2f}"])
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
+             if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages"
+    print(f"machine: {where}; time limit {args.time_limit:g} s")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
                                   "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
     return 0
