@@ -76,6 +76,8 @@ class Executor:
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
         self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
         self.on_step: Optional[Callable[[], None]] = None  # called after every optimizer step
+        # called before every optimizer step with the STEP's global mb (-1: flush/gpipe): lr, clipping
+        self.before_step: Optional[Callable[[int], None]] = None
         self._versioned: set = set()  # microbatches with an optimizer step between their F and B
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
@@ -215,6 +217,8 @@ class Executor:
         self.reducer()
 
     def _step(self, a: Action, g: int) -> None:
+        if self.before_step is not None:
+            self.before_step(g)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()
