@@ -21,12 +21,14 @@ Counting each parameter of the original model once:
 Which stages share one norm (the *clip unit*) depends on the schedule:
 
 - ``1f1b-flush`` / ``gpipe``: every stage; one all-reduce over all ranks per
-  step (none with one stage). The result equals ``clip_grad_norm_`` on the unsplit model's
-  accumulated gradient.
+  step (none with one stage). The result equals ``clip_grad_norm_`` on the
+  unsplit model's accumulated gradient.
 - ``1f1b-stash``: stages update at different times (stage ``j`` updates for
   minibatch ``g`` while later stages are already past it), so a global norm
   per minibatch would make every stage wait for the slowest at every update
-  and empty the pipeline. Each update is instead clipped by the norm of the
+  and empty the pipeline; and a replicated stage updates once per ``r``
+  minibatches, so its all-reduces would not even pair with the other stages'
+  (tried on stages ``1-2-1``: it hung until the peer timeout). Each update is instead clipped by the norm of the
   gradient it applies, over the stage's own parameters (after the replicas'
   average): a per-stage clip. Stages that share tied weights already update
   together (their ``ALLREDUCE`` joins them every minibatch); they form one
@@ -35,7 +37,6 @@ Which stages share one norm (the *clip unit*) depends on the schedule:
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -88,7 +89,12 @@ class GradClipper:
         self.counted = [master[n] for n in counted]
         self.group, self.device = group, device
 
-    def __call__(self) -> float:
+    def __call__(self) -> torch.Tensor:
+        """Clip; returns the norm before clipping, a 0-d float64 tensor on the stage's device.
+
+        No ``.item()``: on a GPU the factor stays on the device and no update
+        waits for the host (the norm is read when a step line is printed).
+        """
         grads = [p.grad for p in self.counted if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
@@ -98,13 +104,12 @@ class GradClipper:
         if self.group is not None:
             with peer_guard("all-reduce of the gradient norm"):
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-        norm = math.sqrt(sq.item())
-        coef = self.max_norm / (norm + EPS)
-        if not coef >= 1.0:  # NaN included: the gradients become NaN, as clip_grad_norm_'s would
-            with torch.no_grad():
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+        norm = sq.sqrt()
+        coef = torch.clamp(self.max_norm / (norm + EPS), max=1.0)  # NaN stays NaN, as in clip_grad_norm_
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         return norm
 
 

@@ -34,7 +34,7 @@ from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
-from fxpipe.runtime.report import Reporter
+from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
@@ -106,7 +106,8 @@ class TrainResult:
     samples_per_s: List[float] = field(default_factory=list)
     state: Dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's final state_dict
     lrs: List[float] = field(default_factory=list)  # per step run here, the learning rate used
-    grad_norms: List[float] = field(default_factory=list)  # per step, this rank's clip-unit norm (max with stash)
+    grad_norms: List[float] = field(default_factory=list)  # per step, this rank's clip-unit norm before clipping
+    # (stash: the largest of the step's updates on this rank)
 
 
 def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
@@ -189,7 +190,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     M, stashing = cfg.microbatches, cfg.schedule == "1f1b-stash"
     info = checkpoint_info(cfg)
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
-    stats = _StepStats(clipping=r.clipper is not None)
+    stats = StepStats(clipping=r.clipper is not None)
     reporter = None
     if r.stage == layout.num_stages - 1:
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
@@ -212,8 +213,8 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
             checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info)
             if reporter is not None:
                 reporter.restart_clock()
-    result = TrainResult(rank, r.stage, start, lrs=[stats.lrs[s] for s in sorted(stats.lrs)],
-                         grad_norms=[stats.norms[s] for s in sorted(stats.norms)])
+    lrs, norms = stats.done()
+    result = TrainResult(rank, r.stage, start, lrs=lrs, grad_norms=norms)
     if reporter is not None:
         result.losses, result.samples_per_s = reporter.step_losses, reporter.samples_per_s
     return _finish(cfg, result, r.module, layout, rank, r.tracer)
@@ -225,29 +226,7 @@ def checkpoint_info(cfg: TrainConfig) -> Dict[str, Any]:
             "warmup_steps": cfg.warmup_steps, "min_lr": cfg.min_lr}
 
 
-@dataclass
-class _StepStats:
-    """Per step: the learning rate used and (clipping) the largest gradient norm this rank saw."""
-
-    clipping: bool
-    lrs: Dict[int, float] = field(default_factory=dict)
-    norms: Dict[int, float] = field(default_factory=dict)
-
-    def record(self, step: int, lr: float, norm: Optional[float]) -> None:
-        self.lrs[step] = lr
-        if norm is not None:
-            self.norms[step] = max(norm, self.norms.get(step, norm))
-
-    def note(self, step: int) -> str:
-        """The step line's part after the loss."""
-        lr = self.lrs.get(step)
-        text = f"  lr {lr:.4g}" if lr is not None else ""
-        if self.clipping and step in self.norms:
-            text += f"  grad norm {self.norms[step]:.4g}"
-        return text
-
-
-def _before_step(cfg: TrainConfig, r: _Rank, stats: _StepStats, stash_reporter: Optional[Reporter],
+def _before_step(cfg: TrainConfig, r: _Rank, stats: StepStats, stash_reporter: Optional[Reporter],
                  current: List[int]) -> Callable[[int], None]:
     """What runs right before every optimizer update: the step's learning rate, then clipping.
 

@@ -73,3 +73,48 @@ class Reporter:
         if self.printing:
             notes = self.notes(s) if self.notes is not None else ""
             print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {sps:.1f}", flush=True)
+
+
+class StepStats:
+    """Per step: the learning rate used and (clipping) the largest gradient norm this rank saw,
+    before clipping.
+
+    Steps arrive in order on a rank (stash: its updates follow minibatch
+    order). The open step's norm stays a device tensor until the step closes
+    (one host read per step, not per update); closed steps are plain floats.
+    """
+
+    def __init__(self, clipping: bool) -> None:
+        self.clipping = clipping
+        self.last: Optional[int] = None  # the step recorded last
+        self.lrs: List[float] = []
+        self.norms: List[float] = []
+        self._open: Optional[torch.Tensor] = None
+
+    def record(self, step: int, lr: float, norm: Optional[torch.Tensor]) -> None:
+        if self.last != step:
+            self._close()
+            self.last = step
+            self.lrs.append(lr)
+        if norm is not None:
+            self._open = norm if self._open is None else torch.maximum(norm, self._open)
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self.norms.append(float(self._open))
+            self._open = None
+
+    def note(self, step: int) -> str:
+        """The step line's part after the loss (``step``: the last one recorded)."""
+        if self.last != step:
+            return ""
+        self._close()
+        text = f"  lr {self.lrs[-1]:.4g}"
+        if self.clipping and self.norms:
+            text += f"  grad norm {self.norms[-1]:.4g}"
+        return text
+
+    def done(self) -> Tuple[List[float], List[float]]:
+        """The learning rates and norms of every step recorded."""
+        self._close()
+        return self.lrs, self.norms

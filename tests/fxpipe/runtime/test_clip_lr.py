@@ -33,9 +33,9 @@ import pytest
 import torch
 
 from fxpipe.layout import Layout
-from fxpipe.runtime.loop import TrainConfig, _StepStats, train
+from fxpipe.runtime.loop import TrainConfig, train
 from fxpipe.runtime.lr_schedule import LRScheduleError, lr_at
-from fxpipe.runtime.report import Reporter
+from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.schedule import build_schedule
 from tests.fxpipe.runtime import cases
 from tests.fxpipe.runtime import test_tied_exact as tied
@@ -187,9 +187,9 @@ def test_bad_settings_fail_at_config(kw: Dict[str, Any], words: List[str]) -> No
 
 
 def test_step_line_shows_lr_and_grad_norm() -> None:
-    stats = _StepStats(clipping=True)
-    stats.record(0, 0.05, 1.25)
-    stats.record(0, 0.05, 1.5)  # stash: several updates in a step, the largest norm shown
+    stats = StepStats(clipping=True)
+    stats.record(0, 0.05, torch.tensor(1.25, dtype=torch.float64))
+    stats.record(0, 0.05, torch.tensor(1.5, dtype=torch.float64))  # stash: updates of one step, the largest shown
     rep = Reporter(3, 2, 8, True, [(0, 2.0), (1, 4.0)], notes=stats.note)
     buf = io.StringIO()
     with redirect_stdout(buf):
