@@ -233,7 +233,7 @@ def _before_step(cfg: TrainConfig, r: _Rank, stats: StepStats, stash_reporter: O
     ``g`` is the global minibatch whose backward the update follows (stash:
     its step is ``g // M``) or -1 (flush, gpipe: the step in ``current``).
     With stash the step line is printed from here too, once the step's last
-    update on the last stage is clipped, so it shows that update's norm.
+    update on the last stage is clipped, so its norm counts in the line.
     """
     def hook(g: int) -> None:
         step = g // cfg.microbatches if g >= 0 else current[0]
