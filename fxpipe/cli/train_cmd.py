@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 
+from fxpipe.runtime.lr_schedule import LR_SCHEDULES
 from fxpipe.schedule import KINDS as SCHEDULES
 from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 
@@ -45,6 +46,18 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 sgd, 0.001 adamw)")
     p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=None, help="default: the optimizer's (sgd 0, adamw 0.01)")
+    p.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="X",
+                   help="scale the gradient down to 2-norm X when above it (as torch's clip_grad_norm_): over the "
+                        "whole model (every stage, replicas and tied copies once) for 1f1b-flush and gpipe; "
+                        "with 1f1b-stash each update is clipped by its own stage's norm (stages tied by shared "
+                        "weights together), as stages update at different times")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="learning rate per step after the warm-up: constant, or a cosine or linear decay from "
+                        "--lr towards --min-lr over the remaining --steps (1f1b-stash: a step is M minibatches, "
+                        "its updates share one rate)")
+    p.add_argument("--warmup-steps", type=at_least(0), default=0, metavar="N",
+                   help="ramp the learning rate linearly over the first N steps: step s (from 0) uses --lr * (s+1)/N")
+    p.add_argument("--min-lr", type=float, default=0.0, help="where cosine and linear decay head (default 0)")
     p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint folder (written at the end too)")
     p.add_argument("--checkpoint-every", type=at_least(0), default=0, metavar="N", help="checkpoint every N steps")
@@ -82,5 +95,6 @@ def run(args: argparse.Namespace) -> int:
           checkpoint_every=args.checkpoint_every, resume=args.resume, save=args.save, split=args.split,
           run_dir=args.run_dir, launcher=args.launcher, threads=args.threads, timeout=args.timeout,
           time_limit=args.time_limit, return_state=False, debug=bool(getattr(args, "debug", False)),
-          precision=args.precision, recompute=args.recompute, **plan_options)
+          precision=args.precision, recompute=args.recompute, clip_grad_norm=args.clip_grad_norm,
+          lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, **plan_options)
     return 0

@@ -84,6 +84,8 @@ class Executor:
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
         self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
         self.on_step: Optional[Callable[[], None]] = None  # called after every optimizer step
+        # called before every optimizer step with the STEP's global mb (-1: flush/gpipe): lr, clipping
+        self.before_step: Optional[Callable[[int], None]] = None
         self._versioned: set = set()  # microbatches with an optimizer step between their F and B
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
@@ -232,8 +234,11 @@ class Executor:
         self.reducer()
 
     def _step(self, a: Action, g: int) -> None:
-        # fp16: unscale (and agree on skipping) after the all-reduce, before any clipping or update
-        if self.scaler is None or self.scaler.prepare_step(self.stash.master.values()):
+        # fp16: unscale and agree on skipping first (every rank), so the hook clips true gradients
+        apply = self.scaler is None or self.scaler.prepare_step(self.stash.master.values())
+        if self.before_step is not None:
+            self.before_step(g)  # learning rate, clipping: collective, so it runs on a skipped step too
+        if apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()

@@ -36,7 +36,7 @@ import torch
 
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint, failure, payload
-from fxpipe.runtime.loop import TrainConfig
+from fxpipe.runtime.loop import TrainConfig, checkpoint_info
 from fxpipe.runtime.preflight import PreflightError, check_config, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
 from fxpipe.runtime.worker import RUN_FILE, SPLIT_DIR
@@ -121,8 +121,7 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
         raise FxpipeError(f"the split uses {layout.world_size} devices ({replicas} replicas per stage), "
                           f"not --devices {devices}; drop --devices or split again")
     if cfg.resume:
-        info = {"schedule": cfg.schedule, "microbatches": cfg.microbatches}  # as fxpipe.runtime.loop records them
-        step = checkpoint.check(cfg.checkpoint, layout, info, split.stages)
+        step = checkpoint.check(cfg.checkpoint, layout, checkpoint_info(cfg), split.stages)
         _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")
     job: Dict[str, Any] = {"payload": shipped, "source": spec.source} if shipped else _model_file(run_dir, model)
     _write_run_dir(run_dir, job, split, replicas, cfg, save)

@@ -11,6 +11,11 @@ the pipeline does not drain between steps: one action list covers the run
 up to the next checkpoint (or the end), where it drains so the checkpoint
 holds one consistent weight version.
 
+Before every optimizer update the rank sets the step's learning rate
+(``fxpipe.runtime.lr_schedule``) and, with ``clip_grad_norm``, clips the
+gradients by the norm of the whole model's (``fxpipe.runtime.clipping``,
+which also says what "whole" means under ``1f1b-stash``).
+
 Reporting: see ``fxpipe.runtime.report``.
 """
 from __future__ import annotations
@@ -25,12 +30,14 @@ import torch.nn as nn
 
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint
+from fxpipe.runtime.clipping import GradClipper, make_clipper
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
+from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
 from fxpipe.runtime.precision import LossScaler, check_precision
 from fxpipe.runtime.recompute import recomputes
-from fxpipe.runtime.report import Reporter
+from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
@@ -58,6 +65,21 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fxpipe.runtime.precision)
     recompute: str = "none"  # none | all | auto (fxpipe.runtime.recompute)
     recompute_stages: Optional[List[int]] = None  # auto: the stages the planner chose to recompute
+    clip_grad_norm: Optional[float] = None  # clip the gradient's 2-norm to this (fxpipe.runtime.clipping)
+    lr_schedule: str = "constant"  # constant | cosine | linear (fxpipe.runtime.lr_schedule)
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # where cosine and linear decay to
+
+    def __post_init__(self) -> None:
+        """Settings of clipping and the schedule with no meaning fail here, in the caller's process."""
+        check_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
+
+    def lr_of(self, step: int) -> float:
+        """The learning rate of 0-based ``step``."""
+        return lr_at(step, lr=self.lr, steps=self.steps, kind=self.lr_schedule, warmup=self.warmup_steps,
+                     min_lr=self.min_lr)
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -94,6 +116,9 @@ class TrainResult:
     losses: List[float] = field(default_factory=list)       # per step, on replica 0 of the last stage
     samples_per_s: List[float] = field(default_factory=list)
     state: Dict[str, torch.Tensor] = field(default_factory=dict)  # the stage's final state_dict
+    lrs: List[float] = field(default_factory=list)  # per step run here, the learning rate used
+    grad_norms: List[float] = field(default_factory=list)  # per step, this rank's clip-unit norm before clipping
+    # (stash: the largest of the step's updates on this rank)
 
 
 def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
@@ -127,6 +152,7 @@ class _Rank:
     ex: Executor
     loss_group: Optional[Any]
     tracer: Tracer
+    clipper: Optional[GradClipper]
 
 
 def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
@@ -143,6 +169,10 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
     # the name the stage's parameters() keep: a tensor the stage holds under two names is one parameter
     local_of = {orig: local for local, orig in split.param_names[stage].items() if local in stash.master}
     reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if stashing else 1.0)
+    clipper = None
+    if cfg.clip_grad_norm is not None:  # after make_groups: every rank creates groups in one order
+        clipper = make_clipper(cfg.clip_grad_norm, layout, rank, stash.master, split.param_names[stage],
+                               split.tied, stashing, device)
     tracer = Tracer(rank, enabled=bool(cfg.trace))
     check_precision(cfg.precision, cfg.schedule)
     scaler = LossScaler(device=device) if cfg.precision == "fp16" else None
@@ -154,7 +184,7 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
                   flatten=getattr(split, "flatten_inputs", list),
                   unflatten=getattr(split, "unflatten_outputs", lambda out: out), precision=cfg.precision,
                   recompute=recomputes(cfg.recompute, cfg.recompute_stages, stage), scaler=scaler)
-    return _Rank(stage, module, optimizer, ex, None if stashing else groups.replica, tracer)
+    return _Rank(stage, module, optimizer, ex, None if stashing else groups.replica, tracer, clipper)
 
 
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
@@ -172,16 +202,19 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
     M, stashing = cfg.microbatches, cfg.schedule == "1f1b-stash"
-    info = {"schedule": cfg.schedule, "microbatches": M}
+    info = checkpoint_info(cfg)
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
+    stats = StepStats(clipping=r.clipper is not None)
     reporter = None
     if r.stage == layout.num_stages - 1:
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
-                            r.ex.losses, r.loss_group)
-        r.ex.on_backward = reporter.backward_done if stashing else None
+                            r.ex.losses, r.loss_group, notes=stats.note)
+    current = [start]  # the flush/gpipe step running now
+    r.ex.before_step = _before_step(cfg, r, stats, reporter if stashing else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
+        current[0] = first
         if n not in cache:
             cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages)[rank]
         if reporter is not None and stashing:
@@ -194,10 +227,36 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
             checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info)
             if reporter is not None:
                 reporter.restart_clock()
-    result = TrainResult(rank, r.stage, start)
+    lrs, norms = stats.done()
+    result = TrainResult(rank, r.stage, start, lrs=lrs, grad_norms=norms)
     if reporter is not None:
         result.losses, result.samples_per_s = reporter.step_losses, reporter.samples_per_s
     return _finish(cfg, result, r.module, layout, rank, r.tracer)
+
+
+def checkpoint_info(cfg: TrainConfig) -> Dict[str, Any]:
+    """The settings a checkpoint records and ``--resume`` must match (the schedule's shape included)."""
+    return {"schedule": cfg.schedule, "microbatches": cfg.microbatches, "lr_schedule": cfg.lr_schedule,
+            "warmup_steps": cfg.warmup_steps, "min_lr": cfg.min_lr}
+
+
+def _before_step(cfg: TrainConfig, r: _Rank, stats: StepStats, stash_reporter: Optional[Reporter],
+                 current: List[int]) -> Callable[[int], None]:
+    """What runs right before every optimizer update: the step's learning rate, then clipping.
+
+    ``g`` is the global minibatch whose backward the update follows (stash:
+    its step is ``g // M``) or -1 (flush, gpipe: the step in ``current``).
+    With stash the step line is printed from here too, once the step's last
+    update on the last stage is clipped, so its norm counts in the line.
+    """
+    def hook(g: int) -> None:
+        step = g // cfg.microbatches if g >= 0 else current[0]
+        lr = cfg.lr_of(step)
+        set_lr(r.optimizer, lr)
+        stats.record(step, lr, r.clipper() if r.clipper is not None else None)
+        if stash_reporter is not None:
+            stash_reporter.backward_done(g)
+    return hook
 
 
 def _finish(cfg: TrainConfig, result: TrainResult, module: nn.Module, layout: Layout, rank: int,

@@ -2,9 +2,12 @@
 
 A step ends, for flush and gpipe, when its action list has run (optimizer
 step included); with ``1f1b-stash`` the pipeline never stops between steps,
-so a step ends when the last stage has run the backward of every one of the
-step's minibatches it computes. samples/s is the step's samples over the wall
-time since the previous step ended (checkpoint writing excluded).
+so a step ends when the last stage is about to apply the update of the last
+of the step's minibatches it computes (``backward_done`` is called then). samples/s is the step's samples over the wall
+time since the previous step ended (checkpoint writing excluded). The
+learning rate and, when clipping, the gradient norm follow the loss: the
+global norm (flush, gpipe) or, with stash, the largest norm of the last
+stage's updates in the step (``fxpipe.runtime.clipping``).
 
 With a replicated last stage, flush and gpipe sum the loss over its replicas
 (one small all-reduce per step); with stash each replica's share is printed
@@ -13,7 +16,7 @@ by replica 0 only, to keep collectives out of the running pipeline.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +27,11 @@ from fxpipe.runtime.transport import peer_guard
 
 class Reporter:
     def __init__(self, steps: int, microbatches: int, samples_per_step: int, printing: bool,
-                 losses: List[Tuple[int, float]], loss_group: Optional[Any] = None) -> None:
+                 losses: List[Tuple[int, float]], loss_group: Optional[Any] = None,
+                 notes: Optional[Callable[[int], str]] = None) -> None:
+        """``notes(step)``: more of the step line after the loss (the learning rate, the gradient norm)."""
         self.steps, self.M, self.samples = steps, microbatches, samples_per_step
+        self.notes = notes
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
         self.left: Dict[int, int] = {}
         self.step_losses: List[float] = []
@@ -65,4 +71,50 @@ class Reporter:
         self.step_losses.append(loss)
         self.samples_per_s.append(sps)
         if self.printing:
-            print(f"step {s + 1}/{self.steps}  loss {loss:.6f}  samples/s {sps:.1f}", flush=True)
+            notes = self.notes(s) if self.notes is not None else ""
+            print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {sps:.1f}", flush=True)
+
+
+class StepStats:
+    """Per step: the learning rate used and (clipping) the largest gradient norm this rank saw,
+    before clipping.
+
+    Steps arrive in order on a rank (stash: its updates follow minibatch
+    order). The open step's norm stays a device tensor until the step closes
+    (one host read per step, not per update); closed steps are plain floats.
+    """
+
+    def __init__(self, clipping: bool) -> None:
+        self.clipping = clipping
+        self.last: Optional[int] = None  # the step recorded last
+        self.lrs: List[float] = []
+        self.norms: List[float] = []
+        self._open: Optional[torch.Tensor] = None
+
+    def record(self, step: int, lr: float, norm: Optional[torch.Tensor]) -> None:
+        if self.last != step:
+            self._close()
+            self.last = step
+            self.lrs.append(lr)
+        if norm is not None:
+            self._open = norm if self._open is None else torch.maximum(norm, self._open)
+
+    def _close(self) -> None:
+        if self._open is not None:
+            self.norms.append(float(self._open))
+            self._open = None
+
+    def note(self, step: int) -> str:
+        """The step line's part after the loss (``step``: the last one recorded)."""
+        if self.last != step:
+            return ""
+        self._close()
+        text = f"  lr {self.lrs[-1]:.4g}"
+        if self.clipping and self.norms:
+            text += f"  grad norm {self.norms[-1]:.4g}"
+        return text
+
+    def done(self) -> Tuple[List[float], List[float]]:
+        """The learning rates and norms of every step recorded."""
+        self._close()
+        return self.lrs, self.norms

@@ -25,6 +25,8 @@ from torch.func import functional_call
 from fxpipe.actions import Kind
 from fxpipe.layout import Layout
 from fxpipe.runtime.loop import TrainConfig, train
+
+LrOf = Callable[[int], float]  # a learning rate per minibatch
 from tests.fxpipe.runtime import fakes
 
 
@@ -82,14 +84,26 @@ def accumulate(name: str, steps: int, M: int, opt: str, lr: float) -> Dict[str, 
 
 
 def accumulate_model(model: nn.Module, data: Any, loss_fn: Any, steps: int, M: int, opt: str,
-                     lr: float) -> Dict[str, torch.Tensor]:
-    """``model`` trained in place: per step, the gradient of the mean loss over ``M`` microbatches."""
+                     lr: float, clip: Optional[float] = None, lr_of: Optional[Callable[[int], float]] = None,
+                     norms: Optional[List[float]] = None) -> Dict[str, torch.Tensor]:
+    """``model`` trained in place: per step, the gradient of the mean loss over ``M`` microbatches.
+
+    ``clip``: ``torch.nn.utils.clip_grad_norm_`` on that gradient (its norms
+    appended to ``norms``); ``lr_of(step)``: the step's learning rate.
+    """
     o = optimizer(opt, model.parameters(), lr)
     for s in range(steps):
         o.zero_grad()
         for m in range(M):
             (x,), y = data(s * M + m)
             (loss_fn(model(x), y) / M).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(float(norm))
+        if lr_of is not None:
+            for group in o.param_groups:
+                group["lr"] = lr_of(s)
         o.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -157,8 +171,8 @@ def pipedream(cuts: Sequence[int], replicas: Sequence[int], orders: Dict[Tuple[i
 
 def pipedream_walk(orders: Dict[Tuple[int, int], list], replicas: Sequence[int],
                    start: List[Dict[str, torch.Tensor]], forward: Callable[..., bool],
-                   backward: Callable[[int, int], Optional[Dict[str, torch.Tensor]]], lr: float,
-                   shared: List[Dict[str, str]]) -> List[Dict[str, torch.Tensor]]:
+                   backward: Callable[[int, int], Optional[Dict[str, torch.Tensor]]], lr: "float | LrOf",
+                   shared: List[Dict[str, str]], clip: Optional[float] = None) -> List[Dict[str, torch.Tensor]]:
     """PipeDream's weight stashing with SGD; returns replica 0's final weights per stage.
 
     ``orders``: each (stage, replica)'s forwards and backwards in order.
@@ -169,6 +183,9 @@ def pipedream_walk(orders: Dict[Tuple[int, int], list], replicas: Sequence[int],
     average of its replicas' ``n``-th gradients. ``shared[j]`` (local name ->
     key) marks parameters several stages hold (tied): those stages update
     together, each copy by the sum over the stages of their replica averages.
+    ``lr``: a rate, or a function of the minibatch whose backward completes
+    the update. ``clip``: each update's step (the stages updating together)
+    is scaled as ``clip_grad_norm_`` would scale it, a tied weight once.
     """
     tied = tuple(j for j in range(len(start)) if shared[j])
     group_of = {j: tied if j in tied and len(tied) > 1 else (j,) for j in range(len(start))}
@@ -199,7 +216,8 @@ def pipedream_walk(orders: Dict[Tuple[int, int], list], replicas: Sequence[int],
                 nb[jk] += 1
                 pending.setdefault(key, {})[jk] = grads
                 if len(pending[key]) == sum(replicas[s] for s in key[0]):
-                    _update(W, pending.pop(key), key[0], replicas, shared, lr)
+                    rate = lr(m) if callable(lr) else lr
+                    _update(W, pending.pop(key), key[0], replicas, shared, rate, clip)
                     for s in key[0]:
                         updates[s] += 1
                 else:
@@ -212,17 +230,29 @@ def pipedream_walk(orders: Dict[Tuple[int, int], list], replicas: Sequence[int],
 
 
 def _update(W: Dict[Tuple[int, int], Dict[str, torch.Tensor]], got: Dict[Tuple[int, int], Dict[str, torch.Tensor]],
-            group: Tuple[int, ...], replicas: Sequence[int], shared: List[Dict[str, str]], lr: float) -> None:
+            group: Tuple[int, ...], replicas: Sequence[int], shared: List[Dict[str, str]], lr: float,
+            clip: Optional[float] = None) -> None:
     """One SGD update of every replica of the stages in ``group`` from their gradients ``got``."""
     mean = {s: {n: sum(got[(s, k)][n] for k in range(replicas[s])) / replicas[s] for n in W[(s, 0)]}
             for s in group}
+    delta, unique = {}, {}
     for s in group:
-        for name in list(W[(s, 0)]):
+        for name in W[(s, 0)]:
             key = shared[s].get(name)
-            delta = mean[s][name] if key is None else sum(
+            delta[(s, name)] = mean[s][name] if key is None else sum(
                 mean[t][n] for t in group for n, kt in shared[t].items() if kt == key)
-            for k in range(replicas[s]):
-                W[(s, k)][name] = W[(s, k)][name] - lr * delta
+            unique[(s, name) if key is None else key] = delta[(s, name)]
+    if clip is not None:  # clip_grad_norm_ itself, on the update's gradients (a tied weight once)
+        params = [torch.zeros_like(d).requires_grad_() for d in unique.values()]
+        for p, d in zip(params, unique.values()):
+            p.grad = d.clone()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        unique = {k: p.grad for k, p in zip(unique, params)}
+    for s, name in delta:
+        key = shared[s].get(name)
+        step = unique[(s, name) if key is None else key]
+        for k in range(replicas[s]):
+            W[(s, k)][name] = W[(s, k)][name] - lr * step
 
 
 class _Messages:
@@ -247,14 +277,15 @@ class _Messages:
         return value
 
 
-def pipedream_split(split: Any, replicas: Sequence[int], orders: Dict[Tuple[int, int], list], lr: float,
-                    data: Callable[[int], Any], loss_fn: Callable[..., torch.Tensor]) -> Dict[str, torch.Tensor]:
+def pipedream_split(split: Any, replicas: Sequence[int], orders: Dict[Tuple[int, int], list], lr: "float | LrOf",
+                    data: Callable[[int], Any], loss_fn: Callable[..., torch.Tensor],
+                    clip: Optional[float] = None) -> Dict[str, torch.Tensor]:
     """``pipedream_walk`` on a split's stage modules (in memory, as ``split_stages`` made them).
 
     Each stage runs through ``functional_call`` on its weight version, its
     received values stand in for the sender's (detached), and its backward
     takes the gradients its receivers computed. Returns the final weights
-    under the original names.
+    under the original names. ``lr`` and ``clip``: as ``pipedream_walk``.
     """
     from passes import comm
 
@@ -291,5 +322,5 @@ def pipedream_split(split: Any, replicas: Sequence[int], orders: Dict[Tuple[int,
     start = [{n: p.detach().clone() for n, p in st.named_parameters()} for st in split.stages]
     shared = [{n: split.param_names[j][n] for n in start[j] if split.param_names[j][n] in split.tied}
               for j in range(split.num_stages)]
-    final = pipedream_walk(orders, replicas, start, forward, backward, lr, shared)
+    final = pipedream_walk(orders, replicas, start, forward, backward, lr, shared, clip)
     return {split.param_names[j][n]: t for j in range(split.num_stages) for n, t in final[j].items()}
