@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
-from fxpipe.runtime.failure import check_loss
+from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.precision import LossScaler, autocast, wire_value
 from fxpipe.runtime.recompute import recomputed
@@ -104,11 +104,15 @@ class Executor:
         tracing = self.tracer.enabled
         for handler, a in self._program(actions):
             g = base + a.mb if a.mb >= 0 else -1
-            if tracing:
-                with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
+            try:
+                if tracing:
+                    with self.tracer.span(str(a), "comm" if a.is_send or a.is_recv else "compute", mb=g):
+                        handler(a, g)
+                else:  # no span bookkeeping per action when not tracing
                     handler(a, g)
-            else:  # no span bookkeeping per action when not tracing
-                handler(a, g)
+            except BaseException as exc:  # the worker's one-line error names this action
+                mark_action(exc, a, g)
+                raise
         self.p2p.wait_sends()
         if self.inflight and any(f.loss is not None or f.tokens for f in self.inflight.values()):
             left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens)

@@ -19,7 +19,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from passes.errors import FxpipeError
 
@@ -44,23 +44,33 @@ _ACTIONS = {"F": "forward", "B": "backward", "SEND_F": "sending the activations"
             "RECV_B": "receiving the gradients"}
 
 
-def _executor_frame(exc: BaseException) -> Optional[Dict[str, Any]]:
-    """The locals of the innermost ``Executor.run`` frame the exception passed through."""
-    found, tb = None, exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "run" and code.co_filename.endswith(os.path.join("runtime", "executor.py")):
-            found = tb.tb_frame.f_locals
-        tb = tb.tb_next
-    return found
+def mark_action(exc: BaseException, action: Any, g: int) -> None:
+    """Record on ``exc`` the action it escaped from (the executor calls this); the first mark stays."""
+    if getattr(exc, "fxpipe_action", None) is None:
+        try:
+            exc.fxpipe_action = (action, g)
+        except AttributeError:  # an exception type without attributes: the line then names no action
+            pass
+
+
+def _failed_action(exc: Optional[BaseException]) -> Optional[Tuple[Any, int]]:
+    """The action marked on ``exc`` or on an exception it was raised from, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = getattr(exc, "fxpipe_action", None)
+        if found is not None:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def where(exc: BaseException, microbatches: int) -> str:
     """``step 2, forward of microbatch 5`` for an exception raised inside an action, else ``""``."""
-    frame = _executor_frame(exc)
-    if not frame or "a" not in frame:
+    found = _failed_action(exc)
+    if found is None:
         return ""
-    a, g = frame["a"], frame.get("g", -1)
+    a, g = found
     kind = getattr(getattr(a, "kind", None), "value", "")
     if kind == "ALLREDUCE":
         return "the gradient all-reduce"
