@@ -80,6 +80,10 @@ def register(subparsers) -> None:
                         "auto (the stages whose predicted memory exceeds --memory)")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=None, help="for the planner, bytes/s between stages")
     p.add_argument("--memory", type=parse_memory, default=None, help="for the planner, bytes per device")
+    p.add_argument("--gpus-per-node", type=at_least(1), default=None, metavar="G",
+                   help="for the planner: a two-level machine of G devices per node (--bandwidth between nodes)")
+    p.add_argument("--intra-bandwidth", type=parse_bandwidth, default=None,
+                   help="for the planner, bytes/s inside a node (with --gpus-per-node)")
     p.add_argument("--time-limit", type=positive_float, default=20.0, help="planner time limit in seconds")
     p.set_defaults(func=run)
 
@@ -88,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     """The options as ``fxpipe.train``'s arguments: the CLI is a thin layer over the Python API."""
     from fxpipe.trainer import train  # torch: imported only when training
 
-    plan_options = {k: v for k, v in (("bandwidth", args.bandwidth), ("memory", args.memory)) if v is not None}
+    plan_options = {k: v for k, v in (("bandwidth", args.bandwidth), ("memory", args.memory),
+                                      ("gpus_per_node", args.gpus_per_node),
+                                      ("intra_bandwidth", args.intra_bandwidth)) if v is not None}
     train(args.model, devices=args.devices, schedule=args.schedule, microbatches=args.microbatches,
           steps=args.steps, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
           weight_decay=args.weight_decay, trace=args.trace, checkpoint=args.checkpoint,

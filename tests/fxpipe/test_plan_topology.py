@@ -48,3 +48,12 @@ def test_split_report_shows_nodes(tmp_path, monkeypatch, capsys):
     assert "machine node: ranks" in report and "n1: " in report
     plan = Plan.load(tmp_path / "out" / "plan.json")
     assert [n for s in plan.stages for n in s.rank_nodes] == [0, 0, 1, 1]
+
+
+def test_train_takes_the_two_level_options(capsys):
+    """`fxpipe train` passes --gpus-per-node/--intra-bandwidth to the planner: K not a multiple of G
+    is the planner's one-line error, before any worker starts."""
+    gpt = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    assert main(["train", str(gpt), "--devices", "3", "--gpus-per-node", "2", "--intra-bandwidth", "1e11"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--devices 3 is not a multiple of --gpus-per-node 2" in err and "Traceback" not in err
