@@ -8,7 +8,7 @@ gloo with ``--recompute none`` and ``--recompute all``.
 
 Measured: per rank, the growth of the resident set during training (Linux
 ``VmHWM`` reset when training starts, minus the resident size then; see
-``tools.bench.runtime``): gradients, optimizer state, activations and
+``tools.bench.procmem``): gradients, optimizer state, activations and
 communication buffers; the stage's weights were loaded before the mark.
 Predicted: the cost model's memory per device
 (``passes.partition.costmodel.memory_bytes``; with recomputation
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import sys
 import tempfile
 from typing import Any, Dict, List, Sequence
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tools.bench.runtime import _BASE, _mark_baseline, _peak_mib
+from tools.bench.procmem import free_port, growth_mib, mark_baseline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GPT_FILE = os.path.join(HERE, "..", "..", "examples", "gpt.py")
@@ -92,20 +91,17 @@ def _entry(rank: int, port: int, folder: str, mode: str, batch: int, M: int, ste
     gpt = _gpt_module()
     try:
         split = SplitModel.load(folder)
-        _mark_baseline()
+        mark_baseline()
         cfg = TrainConfig(schedule="1f1b-flush", microbatches=M, steps=steps, log=False, recompute=mode)
         res = train(rank=rank, layout=Layout.of((1, 1)), split=split, cfg=cfg, data=_data(batch), loss_fn=gpt.loss_fn)
-        peak = _peak_mib()
-        torch.save({"growth": peak - _BASE.get("rss", peak), "sps": res.samples_per_s},
+        torch.save({"growth": growth_mib(), "sps": res.samples_per_s},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def run(folder: str, mode: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_entry, args=(port, folder, mode, args.batch, args.microbatches, args.steps, out),
                            nprocs=2, join=True, start_method="spawn")

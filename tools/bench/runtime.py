@@ -31,7 +31,6 @@ import argparse
 import copy
 import math
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tools.bench.procmem import free_port, growth_mib, mark_baseline, peak_mib
 
 FX = ("1f1b-flush", "1f1b-stash", "gpipe")
 TORCH = ("torch-1f1b", "torch-gpipe")
@@ -163,7 +164,7 @@ def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: in
     _, x, y, loss = MODELS[model]()
     split = SplitModel.load(split_dir)  # as `fxpipe train`'s workers do: the parent split once
     cfg = TrainConfig(schedule=kind, microbatches=M, steps=steps, lr=1e-3, log=False)
-    _mark_baseline()
+    mark_baseline()
     res = train(rank=rank, layout=Layout.of([1] * stages), split=split, cfg=cfg, data=lambda g: ((x,), y),
                 loss_fn=loss)
     return res.samples_per_s
@@ -181,7 +182,7 @@ def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int
 
     opt = make_optimizer(TrainConfig(lr=1e-3), sub)  # the very optimizer fxpipe's ranks build (same kernels)
     xs, ys = torch.cat([x] * M), torch.cat([y] * M)
-    _mark_baseline()
+    mark_baseline()
     sps, t_last = [], time.perf_counter()
     for _ in range(steps):
         if rank == 0:
@@ -198,39 +199,6 @@ def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int
     return sps
 
 
-_BASE: Dict[str, float] = {}
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    raise KeyError(field)
-
-
-def _mark_baseline() -> None:
-    """Start measuring: the peak from here on is training's, not start-up's.
-
-    ``ru_maxrss`` never goes down, so start-up (imports, unpickling the
-    spawn arguments, loading the split) would hide training's peak. Linux
-    resets the high-water mark (``VmHWM``) when ``5`` is written to
-    ``/proc/self/clear_refs``; elsewhere fall back to ``ru_maxrss``.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        _BASE["rss"] = _status_mib("VmRSS")
-        _BASE["hwm"] = 1.0
-    except OSError:
-        _BASE["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _peak_mib() -> float:
-    if "hwm" in _BASE:
-        return _status_mib("VmHWM")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
 
 def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
     from fxpipe.runtime.worker import init
@@ -243,19 +211,14 @@ def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
     kind = args[0]
     try:
         sps = (_run_torch if kind in TORCH else _run_fxpipe)(rank, *args)
-        peak = _peak_mib()
-        torch.save({"sps": sps, "peak": peak, "growth": peak - _BASE.get("rss", peak)},
+        torch.save({"sps": sps, "peak": peak_mib(), "growth": growth_mib()},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def run_config(kind: str, model: str, stages: int, M: int, steps: int) -> Dict[str, Any]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         split_dir = os.path.join(out, "split")
         if kind in FX:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tools.bench.runtime import _status_mib
+from tools.bench.procmem import free_port, status_mib
 
 SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
 WARMUP = 5  # steps before the start window (imports, first allocations)
@@ -65,7 +64,7 @@ def _entry(rank: int, world: int, port: int, args: Tuple[str, str, int, int, str
         def observe(_: Any) -> None:  # RSS at the end of every step
             calls[0] += 1
             if calls[0] % per_step == 0:
-                rss.append(_status_mib("VmRSS"))
+                rss.append(status_mib("VmRSS"))
 
         cfg = TrainConfig(schedule=schedule, microbatches=M, steps=steps, lr=1e-3, log=False)
         res = train(rank=rank, layout=layout, split=split, cfg=cfg, data=make_data(spec, M),
@@ -91,9 +90,7 @@ def _split(model: str, devices: int, schedule: str, M: int, split_dir: str) -> L
 
 
 def run_config(model: str, schedule: str, devices: int, M: int, steps: int) -> Dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         split_dir = os.path.join(out, "split")
         replicas = _split(model, devices, schedule, M, split_dir)
