@@ -38,24 +38,30 @@ def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
     for a, b in units.edges:
         pred[b] |= 1 << a
     start = sum(1 << u for u in range(n) if units.is_input[u])
-    full = (1 << n) - 1
     outputs = sum(1 << u for u in range(n) if units.is_output[u])
+    return downsets_from(pred, start, outputs, limit)
+
+
+def downsets_from(pred: List[int], start: int, outputs: int, limit: int) -> Optional[List[int]]:
+    """Every downset containing ``start`` (bitmasks over ``len(pred)`` nodes, ``pred[v]`` the mask of
+    v's predecessors), smallest first, the full set last; a set holding an ``outputs`` node is
+    only the full one. None when there are more than ``limit`` or the full set is out of reach."""
+    full = (1 << len(pred)) - 1
     seen, level, ordered = {start}, [start], [start]
     while level:
         nxt = []
         for s in level:
-            for v in range(n):
+            for v in range(len(pred)):
                 bit = 1 << v
                 if s & bit or pred[v] & ~s:
                     continue
                 t = s | bit
-                if t & outputs and t != full:
+                if t in seen or (t & outputs and t != full):
                     continue
-                if t not in seen:
-                    seen.add(t)
-                    nxt.append(t)
-                    if len(seen) > limit:
-                        return None
+                seen.add(t)
+                nxt.append(t)
+                if len(seen) > limit:
+                    return None
         ordered += nxt
         level = nxt
     return ordered if full in seen else None

@@ -30,6 +30,7 @@ import numpy as np
 from passes.costgraph import CostGraph
 from passes.partition.coarsen import Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
+from passes.partition.downsets import downsets_from
 
 
 def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
@@ -263,24 +264,7 @@ def _local_downsets(units: Units, local: List[int], last: bool, limit: int) -> O
     full = (1 << L) - 1
     outputs = sum(1 << pos[u] for u in local if units.is_output[u]) if last else 0
     work = sum(1 << pos[u] for u in local if units.has_compute[u])
-    seen, level, ordered = {0}, [0], [0]
-    while level:
-        nxt = []
-        for s in level:
-            for v in range(L):
-                bit = 1 << v
-                if s & bit or pred[v] & ~s:
-                    continue
-                t = s | bit
-                if t in seen or (t != full and t & outputs):
-                    continue
-                seen.add(t)
-                nxt.append(t)
-                if len(seen) > limit:
-                    return None
-        ordered += [t for t in nxt if t == full or not last or work & ~t]  # a stage needs compute
-        level = nxt
-    if full not in seen:
+    ordered = downsets_from(pred, 0, outputs, limit)
+    if ordered is None:
         return None
-    ordered.remove(full)
-    return ordered + [full]
+    return [t for t in ordered if t == full or not last or work & ~t]  # a stage needs compute
