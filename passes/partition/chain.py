@@ -9,7 +9,7 @@ lattice (``segments.py``: the concatenation of small per-segment lattices):
 ``r >= 2A/(B·T)``). T is feasible iff ``dev[full] <= K``; that is necessary
 for any plan on exactly K devices too, so an infeasible T is a proven lower
 bound. The bottleneck is then bisected (geometrically, between ``sum C / K``
-and the best plan found) until the two meet within 0.01 % or the deadline
+and the best plan found) until the two meet within ``TOLERANCE`` (0.03 %) or the deadline
 comes, and the plan found at the lowest feasible T is padded to exactly K
 devices where the options ask for that.
 
@@ -49,7 +49,7 @@ class ChainSolution:
     replicas: List[int]
     objective: float  # the plan's bottleneck on the units
     bound: float  # proven: no plan on these units is faster
-    complete: bool  # the bisection closed (bound within 0.01 % of the plan)
+    complete: bool  # the bisection closed (bound within ``TOLERANCE`` (0.03 %) of the plan)
 
 
 class ChainSolver:
@@ -299,5 +299,4 @@ def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
-    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, sum(replicas[:s]))
-               for s in range(S))
+    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts) for s in range(S))

@@ -173,11 +173,6 @@ def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> f
     return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))
 
 
-def group_bandwidth(first: int, r: int, opts: CostOptions) -> float:
-    """Bandwidth of a ring over ranks ``[first, first + r)``: its slowest link (B1 inside one node, else B2)."""
-    return _ring_bandwidth(topology.span(first, r), opts)
-
-
 def _ring_bandwidth(ranks: Sequence[int], opts: CostOptions) -> float:
     if opts.gpus_per_node is None:
         return opts.ar_bandwidth
@@ -192,7 +187,7 @@ def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> f
 def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) -> float:
     """``allreduce_s`` for a stage whose replicas sit on ``ranks``.
 
-    fxpipe model: one ring at ``group_bandwidth``. PipeDream model, as its
+    fxpipe model: one ring at its slowest link (``_ring_bandwidth``). PipeDream model, as its
     hierarchical optimizer charges a stage spread over whole nodes: a ring
     inside each node at B1 (``4(c-1)P/(B1·c)``, c ranks in the fullest node)
     plus a ring of the full weights across the n nodes at B2
@@ -249,27 +244,24 @@ def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
                                bandwidth=pick(opts.bandwidth, opts.intra_bw))
 
 
-def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, first_rank: int = 0,
-                 r_in=None, r_out=None):
-    """THE stage time of both cost models; every solver derives its numbers from it.
+def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions):
+    """THE stage time of both cost models on a flat network; every solver derives its numbers from it.
 
     ``compute`` (s, fwd+bwd, summed over the stage), ``params`` (weight bytes
     the stage holds, shared weights once), ``cut_in``/``cut_out`` (bytes
-    crossing the boundary before/after it), ``r`` replicas, and ``r_in`` /
-    ``r_out`` the neighbours' replicas (default ``r``: then the stage is charged
-    ``2A/(B·r)`` for each of its cuts, and the maximum over stages equals the
-    bottleneck with ``min(r_b, r_b+1)``). ``first_rank``: the stage's first
-    device: on a two-level machine (``opts.gpus_per_node``) the all-reduce and
-    the cuts are charged the links they cross (scalars only there). Works on numpy arrays elementwise (the chain DP calls it on
-    thousands of stages at once).
+    crossing the boundary before/after it), ``r`` replicas. Each cut is
+    charged ``2A/(B·r)`` here, so the maximum over stages equals the bottleneck
+    with ``min(r_b, r_b+1)``. Works on numpy arrays elementwise (the chain DP
+    calls it on thousands of stages at once). A two-level machine is scored by
+    ``evaluate`` (placement-aware); the solvers search it under the flat
+    models of ``flat_bound``, so passing such options here is a mistake.
     """
     if opts.gpus_per_node is not None:
-        return _placed_stage_time(float(compute), float(params), float(cut_in), float(cut_out), int(r), opts,
-                                  first_rank, r if r_in is None else r_in, r if r_out is None else r_out)
+        raise FxpipeError("partition: stage_time_s takes flat options; score a two-level machine with "
+                          "evaluate, or search it under flat_bound(opts, fast)")
     r_arr = np.asarray(r, dtype=float)
-    before = 2.0 * np.asarray(cut_in, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_in is None else r_in))
-    after = 2.0 * np.asarray(cut_out, dtype=float) / (opts.bandwidth * np.minimum(r_arr, r if r_out is None else r_out))
-    out = combine_stage_time(compute, r_arr, _allreduce(params, r_arr, opts), np.maximum(before, after))
+    cuts = 2.0 * np.maximum(np.asarray(cut_in, dtype=float), np.asarray(cut_out, dtype=float)) / (opts.bandwidth * r_arr)
+    out = combine_stage_time(compute, r_arr, _allreduce(params, r_arr, opts), cuts)
     return float(out) if out.ndim == 0 else out
 
 
@@ -279,16 +271,7 @@ def combine_stage_time(compute, r, allreduce, comm):
     return np.maximum(np.asarray(compute, dtype=float) / r + allreduce, comm)
 
 
-def _placed_stage_time(compute: float, params: float, cut_in: float, cut_out: float, r: int, opts: CostOptions,
-                       first_rank: int, r_in: int, r_out: int) -> float:
-    """``stage_time_s`` on a two-level machine, the stage on ranks ``[first_rank, first_rank + r)``
-    and its neighbours contiguous before and after it (``topology.py``)."""
-    before = cut_at(cut_in, first_rank - r_in, r_in, r, opts) if cut_in else 0.0
-    after = cut_at(cut_out, first_rank, r, r_out, opts) if cut_out else 0.0
-    return float(combine_stage_time(compute, r, allreduce_at(params, first_rank, r, opts), max(before, after)))
-
-
-def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, first_rank: int = 0) -> np.ndarray:
+def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) -> np.ndarray:
     """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
 
     Relies on two properties of ``stage_time_s`` (both models have them; a
@@ -313,7 +296,7 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     sel = np.unravel_index(where, C.shape)
 
     def time_at(s, index):
-        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, first_rank)
+        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts)
 
     first = time_at(sel, lo[sel]) <= T
     out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]

@@ -1,4 +1,8 @@
-"""``partition(graph, devices, **options)``: segment DP, else coarsen, warm start, CP-SAT; map back, score.
+"""``partition(graph, devices, **options)``: segment DP, else downset DP or CP-SAT; map back, score.
+
+A two-level machine (``gpus_per_node``) takes its own path (``_placed``):
+the segment DP on the two flat models that bracket it, then the
+placement-aware downset DP or CP-SAT.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -46,7 +50,7 @@ class PartitionResult:
     units: int  # what the solver saw after coarsening
     heuristic_s: Optional[float] = None  # the warm start's bottleneck
     trace: List[tuple] = field(default_factory=list)
-    method: str = "CP-SAT"  # or "downset DP" (exact, see passes/partition/downsets.py)
+    method: str = "CP-SAT"  # or "segment DP" (segments.py, chain.py) or "downset DP" (downsets.py)
     hierarchical: Optional[Dict[str, object]] = None  # PipeDream's level-by-level answer (pipedream model, G set)
 
     @property
@@ -165,16 +169,16 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     and the higher bound are kept.
     """
     chained = _placed_chain(graph, opts, start, deadline) if solver == "auto" else None
-    if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
-        return chained
-    try:
-        other = _placed_general(graph, fine, opts, start, deadline, workers, coarsen_above, solver,
-                                downset_limit, progress)
-    except InfeasibleError:
-        if chained is None:
-            raise
-        return chained
-    return _better(chained, other)
+    result = chained
+    if chained is None or (chained.status != "OPTIMAL" and deadline - time.monotonic() >= 0.5):
+        try:
+            result = _better(chained, _placed_general(graph, fine, opts, start, deadline, workers,
+                                                      coarsen_above, solver, downset_limit, progress))
+        except InfeasibleError:
+            if chained is None:
+                raise
+    result.hierarchical = _pipedream_levels(graph, opts)  # once, for the answer given
+    return result
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
@@ -188,9 +192,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
     placed, best = min(scored, key=lambda x: x[0].bottleneck_s)
     result = dataclasses.replace(
-        best, stages=placed.stages, bottleneck_s=placed.bottleneck_s, options=opts,
-        bound_s=min(fast.bound_s, placed.bottleneck_s), wall_s=time.monotonic() - start,
-        hierarchical=_pipedream_levels(graph, opts))
+        best, stages=placed.stages, bottleneck_s=placed.bottleneck_s, objective_s=placed.bottleneck_s,
+        options=opts, bound_s=min(fast.bound_s, placed.bottleneck_s), wall_s=time.monotonic() - start)
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
 
@@ -302,7 +305,7 @@ def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResu
         bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
         objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
-        method=method, hierarchical=_pipedream_levels(graph, opts),
+        method=method,
     )
 
 

@@ -15,8 +15,10 @@ arithmetic: zero compute, no weights, zero output bytes) are folded away: one
 with a single producer joins it (it can always sit in its producer's stage:
 moving it there keeps the plan convex and changes no cost), one with no
 producer among the placed nodes is left out like a model input (the mapping
-back puts it with its first consumer). This is exact, and it removes most of
-the small branches that would multiply the downsets.
+back puts it with its first consumer). That folding is exact, and it removes
+most of the small branches that would multiply the downsets. ``folded_units``
+also folds nodes of tiny but nonzero cost and drops dead nodes' compute; what
+that could cost is taken off the bound (``fold_margin``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -36,7 +35,6 @@ from passes.partition import CostOptions, evaluate, partition
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
-_BLOCK = re.compile(r"blocks[._](\d+)[._]")
 
 
 def profiled_gpt() -> CostGraph:
