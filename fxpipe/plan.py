@@ -9,7 +9,7 @@ parallelism (all devices replicas of one stage), both under the same cost model.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
@@ -66,6 +66,18 @@ class Plan:
         return {n: s.index for s in self.stages for n in s.nodes}
 
     # ------------------------------------------------------------ JSON
+    def cost_options(self, **overrides: object) -> CostOptions:
+        """The ``CostOptions`` the plan was made under (as ``CostOptions.as_dict`` saved them), with ``overrides``.
+
+        A two-level machine derives its all-reduce bandwidth, so the resolved
+        rate ``as_dict`` writes is left out there.
+        """
+        known = {f.name for f in fields(CostOptions)}
+        saved = {k: v for k, v in self.options.items() if k in known}
+        if saved.get("gpus_per_node") is not None:
+            saved.pop("allreduce_bandwidth", None)
+        return CostOptions(**{**saved, **overrides})
+
     def to_json(self) -> dict:
         data = asdict(self)
         data["schema"] = PLAN_SCHEMA

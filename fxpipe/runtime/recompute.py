@@ -98,8 +98,7 @@ def auto_stages(split: Any, memory: Optional[int], log: Callable[[str], None] = 
     ``memory`` no stage recomputes. A stage still over ``memory`` with
     recomputation is logged, not refused (the prediction is an estimate).
     """
-    from passes.partition.costmodel import (CostOptions, evaluate, recompute_choice, recompute_cost,
-                                            stage_input_bytes)
+    from passes.partition.costmodel import evaluate, recompute_choice, recompute_cost, stage_input_bytes
 
     plan, graph = getattr(split, "plan", None), getattr(split, "profile", None)
     if memory is None:
@@ -108,8 +107,7 @@ def auto_stages(split: Any, memory: Optional[int], log: Callable[[str], None] = 
     if plan is None or graph is None:
         raise FxpipeError("--recompute auto needs the plan and profile of a split made in this run; "
                           "drop --split, or use --recompute all")
-    keys = ("devices", "bandwidth", "cost_model", "schedule", "microbatches", "optimizer_state", "replication")
-    opts = CostOptions(**{k: plan.options[k] for k in keys if k in plan.options}, memory=memory)
+    opts = plan.cost_options(memory=memory)
     assignment, replicas = plan.assignment(), [s.replicas for s in plan.stages]
     choice = recompute_choice(graph, assignment, replicas, opts)
     for j, s in enumerate(evaluate(graph, assignment, replicas, opts).stages):

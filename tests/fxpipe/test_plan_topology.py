@@ -1,4 +1,5 @@
 """`--gpus-per-node`: the one-line error, the node of every rank in the table, JSON and split report."""
+import pytest
 import json
 from pathlib import Path
 
@@ -57,3 +58,20 @@ def test_train_takes_the_two_level_options(capsys):
     assert main(["train", str(gpt), "--devices", "3", "--gpus-per-node", "2", "--intra-bandwidth", "1e11"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--devices 3 is not a multiple of --gpus-per-node 2" in err and "Traceback" not in err
+
+
+def test_cost_options_round_trip_keeps_the_machine():
+    """A saved plan's options rebuild the machine it was planned for (two-level included), so what
+    re-scores it (--recompute auto, the recompute bench) sees the same costs as the planner."""
+    from passes.costgraph import CostGraph
+    from passes.partition import evaluate, partition
+    from fxpipe.plan import plan_from_result
+
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    for machine in ({}, {"gpus_per_node": 4, "intra_bandwidth": 1e10}):
+        res = partition(g, 8, time_limit=10, **machine)
+        plan = Plan.from_json(json.loads(json.dumps(plan_from_result(res, g).to_json())))
+        opts = plan.cost_options()
+        assert opts.gpus_per_node == machine.get("gpus_per_node")
+        again = evaluate(g, plan.assignment(), [s.replicas for s in plan.stages], opts)
+        assert again.bottleneck_s == pytest.approx(res.bottleneck_s, rel=1e-12)

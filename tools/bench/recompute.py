@@ -61,11 +61,10 @@ def _split(args: argparse.Namespace, folder: str) -> Any:
 
 def _predicted(result: Any, recompute: bool) -> List[float]:
     """MiB per stage the cost model predicts, minus one copy of the weights (loaded before the mark)."""
-    from passes.partition.costmodel import CostOptions, evaluate, recompute_cost, stage_input_bytes
+    from passes.partition.costmodel import evaluate, recompute_cost, stage_input_bytes
 
     plan, graph = result.plan, result.profile
-    keys = ("devices", "bandwidth", "cost_model", "schedule", "microbatches", "optimizer_state", "replication")
-    opts = CostOptions(**{k: plan.options[k] for k in keys if k in plan.options})
+    opts = plan.cost_options()
     assignment, replicas = plan.assignment(), [s.replicas for s in plan.stages]
     out = []
     for j, s in enumerate(evaluate(graph, assignment, replicas, opts).stages):
