@@ -107,7 +107,6 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     from fxpipe.runtime import payload
     from fxpipe.runtime.launch import failed, finish, launch, prepare, worker_command
     from fxpipe.runtime.loop import TrainConfig
-    from fxpipe.runtime.precision import check_precision
     from fxpipe.runtime.preflight import PreflightError
 
     payload.guard_reentry()
@@ -120,7 +119,6 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
                       optimizer=_optimizer_name(optimizer, isinstance(model, str)),
                       lr=lr if lr is not None else (0.01 if optimizer == "sgd" else 0.001),
                       checkpoint=checkpoint, resume=resume, timeout_s=timeout, **cfg_options)
-    check_precision(cfg.precision, cfg.schedule)  # before any worker starts
     source = _source(model, batches, loss_fn, (example_inputs, example_targets), tuple(leaf_modules), concrete_args,
                      cfg.microbatches)
     own = run_dir is None

@@ -38,7 +38,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import inspect
-import operator
 import types
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 

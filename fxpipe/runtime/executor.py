@@ -82,7 +82,6 @@ class Executor:
         self.tracer = tracer or Tracer(rank, enabled=False)
         self.inflight: Dict[int, _InFlight] = {}
         self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
-        self.on_backward: Optional[Callable[[int], None]] = None  # called with the global mb after B
         self.on_step: Optional[Callable[[], None]] = None  # called after every optimizer step
         # called before every optimizer step with the STEP's global mb (-1: flush/gpipe): lr, clipping
         self.before_step: Optional[Callable[[int], None]] = None
@@ -93,7 +92,7 @@ class Executor:
         self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
-        self.precision, self.recompute, self.scaler = precision, recompute, scaler
+        self.recompute, self.scaler = recompute, scaler
         self._autocast = lambda: autocast(precision, p2p.device)
         self._wire_dtypes = {w.tag: p2p.dtype_of(w) for w in p2p.wires if w.tensor is not None
                              and w.src_stage == stage} if precision != "fp32" else {}
@@ -231,8 +230,6 @@ class Executor:
         state.box.inbox.clear()
         if not state.box.grad_out:  # nothing to send back (or zeros): drop the microbatch now
             self.inflight.pop(g, None)
-        if self.on_backward is not None:
-            self.on_backward(g)
 
     def _allreduce(self, a: Action, g: int) -> None:
         self.reducer()

@@ -8,9 +8,9 @@ its peers fail with that), else the first at all. torchrun's own report, and
 any traceback, go to ``workers.log`` in the run folder, not to the screen.
 
 The line says which rank, which stage, which action (``step 2, forward of
-microbatch 5``) and what went wrong. The action is read from the executor's
-frame in the traceback (its loop variables ``a`` and ``g``), so the hot loop
-keeps no bookkeeping for the rare case that it fails.
+microbatch 5``) and what went wrong. ``Executor.run`` marks an exception with
+the action it escaped from (``mark_action``) only when one is raised, so the hot
+loop keeps no bookkeeping for the rare case that it fails.
 """
 from __future__ import annotations
 

@@ -66,11 +66,8 @@ class GradReducer:
     def __init__(self, groups: Groups, master: Dict[str, nn.Parameter], local_of: Dict[str, str],
                  scale: float) -> None:
         """``master``: the stage's parameters by the names ``named_parameters()`` keeps; ``local_of``:
-        original name -> one of those names (a tensor held under two names is reduced once)."""
-        stray = {n: local_of[n] for _, _, names in groups.tied for n in names
-                 if n in local_of and local_of[n] not in master}
-        if stray:  # found here, not as a KeyError in the middle of an all-reduce that its peers wait in
-            raise ValueError(f"tied parameters map to names the stage does not keep: {stray}")
+        original name -> one of those names (a tensor held under two names is reduced once; the
+        caller maps every tied name to the name ``named_parameters()`` keeps)."""
         self.groups = groups
         self.master = master
         self.scale = scale

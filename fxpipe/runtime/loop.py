@@ -21,9 +21,8 @@ Reporting: see ``fxpipe.runtime.report``.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -36,7 +35,8 @@ from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
 from fxpipe.runtime.precision import LossScaler, check_precision
-from fxpipe.runtime.recompute import recomputes
+from fxpipe.runtime.recompute import RECOMPUTE, recomputes
+from passes.errors import FxpipeError
 from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
@@ -59,7 +59,6 @@ class TrainConfig:
     checkpoint: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
-    save_dir: Optional[str] = None  # replica 0 of each stage writes stage<j>.pt here at the end
     timeout_s: float = 120.0
     log: bool = True
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fxpipe.runtime.precision)
@@ -71,8 +70,11 @@ class TrainConfig:
     min_lr: float = 0.0  # where cosine and linear decay to
 
     def __post_init__(self) -> None:
-        """Settings of clipping and the schedule with no meaning fail here, in the caller's process."""
+        """Settings with no meaning fail here, in the caller's process, before any worker starts."""
         check_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
+        check_precision(self.precision, self.schedule)
+        if self.recompute not in RECOMPUTE:
+            raise FxpipeError(f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
 
@@ -174,7 +176,6 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
         clipper = make_clipper(cfg.clip_grad_norm, layout, rank, stash.master, split.param_names[stage],
                                split.tied, stashing, device)
     tracer = Tracer(rank, enabled=bool(cfg.trace))
-    check_precision(cfg.precision, cfg.schedule)
     scaler = LossScaler(device=device) if cfg.precision == "fp16" else None
     p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
     ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
@@ -262,9 +263,6 @@ def _before_step(cfg: TrainConfig, r: _Rank, stats: StepStats, stash_reporter: O
 def _finish(cfg: TrainConfig, result: TrainResult, module: nn.Module, layout: Layout, rank: int,
             tracer: Tracer) -> TrainResult:
     result.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    if cfg.save_dir and layout.replica_of(rank) == 0:
-        os.makedirs(cfg.save_dir, exist_ok=True)
-        torch.save(result.state, os.path.join(cfg.save_dir, f"stage{result.stage}.pt"))
     if cfg.trace:
         tracer.save(rank_path(cfg.trace, rank))
     return result

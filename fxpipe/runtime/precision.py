@@ -23,8 +23,11 @@ same step (a stage stepping while another skips would desynchronise tied
 weights and replicas).
 
 Where the unscale sits (for gradient clipping): ``prepare_step`` must run
-after the gradient all-reduce and BEFORE any clipping or optimizer step;
-clip only if it returned True. ``Executor._step`` does exactly that.
+after the gradient all-reduce and BEFORE any clipping or optimizer step.
+``Executor._step`` calls it, then the learning-rate and clipping hook on every
+step (clipping is collective, so a skipped step runs it too: the gradients are
+gone then, so it scales nothing and records a norm of 0), then the optimizer
+step only if it returned True.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from typing import ContextManager, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.transport import peer_guard
 from passes.errors import FxpipeError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -103,7 +107,8 @@ class LossScaler:
             local_bad = not bool(torch.stack([g.float().abs().max() for g in grads]).isfinite().all())
         flag = torch.tensor([1.0 if local_bad else 0.0], device=self.device)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            with peer_guard("all-reduce of the fp16 inf/nan flag"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         ok = flag.item() == 0.0
         self._update(ok)
         if not ok:

@@ -27,7 +27,7 @@ _COUNTS = {"microbatches": ("--microbatches", 1), "steps": ("--steps", 1),
 
 
 def check_config(cfg: Any) -> None:
-    """Counts of at least one (the CLI checks them too; this covers ``fxpipe.runtime.launch.train`` callers)."""
+    """Counts of at least one (the CLI checks them too; this covers ``fxpipe.train`` callers, through ``launch.prepare``)."""
     for field, (option, least) in _COUNTS.items():
         value = getattr(cfg, field)
         if not isinstance(value, int) or value < least:
