@@ -76,9 +76,14 @@ def check_equivalent(model: torch.nn.Module, run_split: Callable[..., Any], name
     for a, b in zip(got_in, ref_in, strict=True):
         assert rel_err(a, b) <= tol
     grads = named_grads()
+    # A gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a shift) is
+    # float rounding noise whose relative error means nothing, so each gradient is measured against
+    # its own size but never below 1e-3 of the model's largest gradient.
+    floor = 1e-3 * max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
     for name, p in model.named_parameters():
         assert name in grads, f"no stage holds parameter {name}"
-        assert rel_err(grads[name], p.grad) <= tol, name
+        err = float((grads[name].detach() - p.grad.detach()).abs().max())
+        assert err <= tol * max(float(p.grad.abs().max()), floor), (name, err)
 
 
 def split_model_of(model: torch.nn.Module, inputs: Sequence[Any], method: str, k: int,
