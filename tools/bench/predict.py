@@ -42,9 +42,9 @@ from tabulate import tabulate
 
 from fxpipe.layout import Layout
 from fxpipe.schedule import build_schedule
+from fxpipe.show.data import load_input, load_trace
+from fxpipe.show.view import simulate_input
 from fxpipe.simulate import costs_from_plan, simulate
-from tools.show.data import load_input, load_trace
-from tools.show.view import simulate_input
 
 FXPIPE = [sys.executable, "-m", "fxpipe"]
 
