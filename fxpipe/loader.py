@@ -296,8 +296,21 @@ def _rejected(spec: ModelSpec, failed: List[Tuple[str, nn.Module, Any]], exc: Ex
     )
 
 
+def loss_problem(loss: Any) -> Optional[str]:
+    """What is wrong with ``loss_fn``'s result, or None: it must be a tensor holding one number.
+
+    The one rule for the example check at start-up and for every microbatch
+    in training: a 0-d tensor, or any shape with one element (what
+    ``backward()`` accepts without a gradient argument).
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return None
+    got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    return f"loss_fn must return a scalar tensor, got {got}"
+
+
 def _check_loss(spec: ModelSpec, outputs: Any) -> None:
     loss = _call_user(lambda: spec.loss_fn(outputs, spec.example_targets), spec.source, "loss_fn(outputs, example_targets)")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ModelLoadError(f"{spec.source}: loss_fn must return a scalar tensor, got {got}")
+    problem = loss_problem(loss)
+    if problem:
+        raise ModelLoadError(f"{spec.source}: {problem}")

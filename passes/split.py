@@ -45,7 +45,8 @@ import torch.fx
 
 from passes import comm, meta
 from passes.split_check import COMPUTE_OPS, SplitError, Versions, check_assignment, plan_versions
-from passes.split_values import ValueRun, ensure_value_meta, record_values
+from passes.split_values import ensure_value_meta, record_values
+from passes.values import ValueRun
 
 Path = Tuple[Any, ...]
 

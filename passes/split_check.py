@@ -16,7 +16,7 @@ import torch.fx
 
 from passes import meta
 from passes.errors import FxpipeError
-from passes.split_values import ValueRun
+from passes.values import ValueRun
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
 

@@ -35,8 +35,7 @@ from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
 from fxpipe.runtime.precision import LossScaler, check_precision
-from fxpipe.runtime.recompute import RECOMPUTE, recomputes
-from passes.errors import FxpipeError
+from fxpipe.runtime.recompute import check_recompute, recomputes
 from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
@@ -73,8 +72,7 @@ class TrainConfig:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
         check_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
         check_precision(self.precision, self.schedule)
-        if self.recompute not in RECOMPUTE:
-            raise FxpipeError(f"--recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        check_recompute(self.recompute)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
 
