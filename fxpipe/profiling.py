@@ -24,17 +24,20 @@ AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # as f
 def profile_model(
     spec: ModelSpec,
     device: str = "cpu",
-    repeats: int = 5,
+    repeats: int = 3,
     warmup: int = 2,
     method: str = "auto",
-    threads: Optional[int] = None,
+    threads: Optional[int] = 1,
     show_progress: bool = True,
     precision: str = "fp32",
 ) -> torch.fx.GraphModule:
     """Capture ``spec.model`` at the example microbatch and profile every node.
 
     ``threads`` sets torch's intra-op threads for the measurement (restored
-    after): on a machine shared with other work, 1 gives the steadiest times.
+    after; None keeps torch's): on a machine shared with other work, 1 gives
+    the steadiest times (each node timed in its thread's CPU time). The
+    defaults are ``fxpipe.split``'s, so ``fxpipe plan MODEL`` and ``fxpipe split``
+    time nodes alike.
     ``precision`` (fp32, bf16, fp16): profile under the autocast training will
     use (``fxpipe.runtime.precision``), so the plan sees those times and bytes.
     """
