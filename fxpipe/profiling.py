@@ -12,13 +12,12 @@ import torch
 import torch.fx
 
 from fxpipe.loader import ModelSpec
+from fxpipe.runtime.precision import precision_dtype
 from passes import meta
 from passes.capture import capture
-from passes.profile import COMPUTE_OPS, profile
-from passes.errors import FxpipeError
+from passes.profile import profile
 from passes.progress import Progress
-
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # as fxpipe.runtime.precision
+from passes.values import COMPUTE_OPS
 
 
 def profile_model(
@@ -41,8 +40,7 @@ def profile_model(
     ``precision`` (fp32, bf16, fp16): profile under the autocast training will
     use (``fxpipe.runtime.precision``), so the plan sees those times and bytes.
     """
-    if precision not in AUTOCAST:
-        raise FxpipeError(f"precision {precision!r} is not one of {', '.join(AUTOCAST)}")
+    dtype = precision_dtype(precision)
     if show_progress:
         print(f"capture: {spec.source} ({method}) ...", file=sys.stderr, flush=True)
     gm = capture(spec.model, spec.example_inputs, method=method,
@@ -58,7 +56,7 @@ def profile_model(
         torch.set_num_threads(threads)
     try:
         profile(gm, spec.example_inputs, device=device, repeats=repeats, warmup=warmup, progress=bar,
-                autocast_dtype=AUTOCAST[precision])
+                autocast_dtype=None if dtype == torch.float32 else dtype)
     finally:
         torch.set_num_threads(before)
         if bar is not None:

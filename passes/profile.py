@@ -37,11 +37,10 @@ from passes.capture_check import restore_buffers, save_buffers
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.profile_timing import Clock, grad_call_overhead, measure, time_node
-from passes.values import ValueRecorder, node_failed, value_bytes
+from passes.values import COMPUTE_OPS, ValueRecorder, node_failed, value_bytes
 
-__all__ = ["profile", "to_cost_graph", "ProfileError", "COMPUTE_OPS"]
+__all__ = ["profile", "to_cost_graph", "ProfileError"]
 
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
 ProgressFn = Callable[..., None]
 
 
@@ -238,10 +237,9 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     ``calibrate``: scale every node's forward (backward) time so that they
     sum to the whole model's measured forward (backward). Nodes timed one by
     one miss what only the whole run pays (the autograd engine walking the
-    graph, gradient accumulation, per-call dispatch between nodes): on the
-    predict benchmark's MLP the parts sum to 0.97x the whole forward and
-    0.84x the whole backward; calibrating moved that benchmark's predicted
-    step times from 0.64-0.72x measured to 0.71-1.0x. The factors go to
+    graph, gradient accumulation, per-call dispatch between nodes), so the
+    parts sum to less than the whole and a plan built on them predicts too
+    fast a pipeline (README, "Predicted against measured"). The factors go to
     ``info["calibration"]``; the node meta on ``gm`` keeps the raw timings.
     """
     meta.require(gm, meta.NodeCost, needed_by="to_cost_graph", made_by="passes.profile.profile")

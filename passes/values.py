@@ -28,8 +28,9 @@ from torch.utils import _pytree as pytree
 from passes import meta
 from passes.errors import FxpipeError
 
-__all__ = ["ValueRecorder", "ValueRun", "value_bytes", "value_spec"]
+__all__ = ["COMPUTE_OPS", "ValueRecorder", "ValueRun", "value_bytes", "value_spec"]
 
+COMPUTE_OPS = ("call_module", "call_function", "call_method")  # nodes that run code; the others pass values on
 _CONSTANT_LEAVES = (int, float, bool, str, type(None), torch.Size, torch.dtype, torch.device)
 
 

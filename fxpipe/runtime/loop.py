@@ -94,8 +94,8 @@ def make_optimizer(cfg: TrainConfig, module: nn.Module) -> torch.optim.Optimizer
     if not params:  # a stage without parameters still takes STEP actions
         params = [nn.Parameter(torch.zeros(()))]
     wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
-    # the fused kernels update every tensor in one call: on the bench's GPT stage AdamW's step takes
-    # 0.6 ms fused against 4 ms per-tensor, paid once per microbatch with stashing
+    # the fused kernels update every tensor in one call instead of looping over them in Python: several
+    # times faster for a stage of many small tensors, and with stashing the step is paid every microbatch
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
     more = cfg.optimizer_options
     if cfg.optimizer == "sgd":
