@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 import re
 import sys
 import traceback
@@ -72,14 +71,6 @@ class ModelSpec:
     batches: Optional[Callable[[], Iterator[Tuple[Any, Any]]]] = None
     source: str = ""
     has_loss_fn: bool = field(default=False)
-
-    def batch_stream(self) -> Iterator[Tuple[Tuple[Any, ...], Any]]:
-        """``batches()`` if the file has it, else the example microbatch forever."""
-        if self.batches is not None:
-            for inputs, targets in self.batches():
-                yield _as_inputs(inputs, self.source), targets
-        else:
-            yield from itertools.repeat((self.example_inputs, self.example_targets))
 
 
 def load_model(spec: str, check: bool = True) -> ModelSpec:
