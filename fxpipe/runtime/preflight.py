@@ -29,13 +29,17 @@ _COUNTS = {"microbatches": ("--microbatches", 1), "steps": ("--steps", 1),
 def check_config(cfg: Any) -> None:
     """Counts of at least one (the CLI checks them too; this covers ``fxpipe.train`` callers, through ``launch.prepare``)."""
     for field, (option, least) in _COUNTS.items():
-        value = getattr(cfg, field)
-        if not isinstance(value, int) or value < least:
-            raise PreflightError(f"{option} must be a whole number of at least {least}, got {value!r}")
+        check_count(option, getattr(cfg, field), least)
     if not cfg.timeout_s > 0:
         raise PreflightError(f"--timeout must be positive, got {cfg.timeout_s!r}")
     if cfg.resume and not cfg.checkpoint:
         raise PreflightError("--resume needs --checkpoint DIR (the folder the earlier run checkpointed into)")
+
+
+def check_count(option: str, value: Any, least: int) -> None:
+    """Raise unless ``value`` is a whole number of at least ``least``."""
+    if not isinstance(value, int) or value < least:
+        raise PreflightError(f"{option} must be a whole number of at least {least}, got {value!r}")
 
 
 def _shapes(split: Any) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:

@@ -73,13 +73,11 @@ def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
     plan = load_plan(plan_path)
     prof = Path(profile) if profile else plan_path.parent / "profile.json"
     graph = None
-    if prof.exists():
+    if prof.exists() or profile:  # a --profile that does not exist: CostGraph.load says so
         graph = CostGraph.load(prof)
         missing = [n for s in plan.stages for n in s.nodes if n not in graph.nodes]
         if missing:
             notes.append(f"{len(missing)} plan nodes are not in {prof.name} (first: {missing[0]}); graph may be partial")
-    elif profile:
-        raise FxpipeError(f"profile {profile} not found")
     else:
         notes.append(f"no profile.json next to {plan_path.name}: graph view unavailable "
                      "(show the folder `fxpipe split` wrote, or pass --profile)")
