@@ -59,14 +59,13 @@ def run(args) -> int:
 
 def _measured(trace, sim):
     """The trace cropped to one middle step, like the simulation; the whole run if it has too few steps."""
-    from fxpipe.show.data import load_trace, one_step
+    from fxpipe.show.data import Window, load_trace, one_step
 
     if not trace:
-        return None, ""
+        return Window({}, "")
     measured = load_trace(trace)
     steps = sim.microbatches if sim is not None and sim.kind == "1f1b-stash" else 1
-    cropped = one_step(measured, steps)
-    return cropped if cropped else (measured, "whole run")
+    return one_step(measured, steps) or Window(measured, "whole run")
 
 
 def _default_output(target: Path, fmt: str) -> Path:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
@@ -100,8 +100,28 @@ def _read_split(folder: Path, data: ShowInput) -> None:
             return
 
 
-def load_trace(path: str) -> Dict[int, List[list]]:
-    """Chrome trace (``fxpipe train --trace``) -> ``{rank: [[start_s, end_s, name, kind], ...]}``.
+class TraceEvent(NamedTuple):
+    """One measured action: seconds from the trace's start, its name (``F3``, ``SEND_F2>r1``), and
+    ``kind``, the timeline row it is drawn in (``trace_kind``). A tuple, so the page gets it as an array."""
+
+    start_s: float
+    end_s: float
+    name: str
+    kind: str
+
+
+Trace = Dict[int, List[TraceEvent]]  # rank -> its events in time order
+
+
+class Window(NamedTuple):
+    """Part of a trace, shifted to start at 0, and what it covers (``step 2 of 3``)."""
+
+    trace: Trace
+    note: str
+
+
+def load_trace(path: str) -> Trace:
+    """Chrome trace (``fxpipe train --trace``) -> every rank's events.
 
     Complete events (``ph: "X"``) only; ``pid`` is the rank; times start at 0.
     """
@@ -114,12 +134,12 @@ def load_trace(path: str) -> Dict[int, List[list]]:
     if not xs:
         raise FxpipeError(f"{path} has no complete ('ph': 'X') events; write it with `fxpipe train --trace`")
     t0 = min(float(e["ts"]) for e in xs)
-    ranks: Dict[int, List[list]] = {}
+    ranks: Trace = {}
     for e in xs:
         start = (float(e["ts"]) - t0) / 1e6
         end = start + float(e.get("dur", 0)) / 1e6
         name = str(e.get("name", "?"))
-        ranks.setdefault(int(e.get("pid", 0)), []).append([start, end, name, trace_kind(name)])
+        ranks.setdefault(int(e.get("pid", 0)), []).append(TraceEvent(start, end, name, trace_kind(name)))
     for evs in ranks.values():
         evs.sort()
     return ranks
@@ -141,7 +161,7 @@ def trace_kind(name: str) -> str:
     return "other"
 
 
-def one_step(trace: Dict[int, List[list]], steps: int = 1) -> Optional[Tuple[Dict[int, List[list]], str]]:
+def one_step(trace: Trace, steps: int = 1) -> Optional[Window]:
     """The middle window of ``steps`` optimizer steps of a measured trace, shifted to start at 0.
 
     A trace holds every step of a run, the simulation one step: cropping makes
@@ -151,11 +171,12 @@ def one_step(trace: Dict[int, List[list]], steps: int = 1) -> Optional[Tuple[Dic
     the trace has too few steps.
     """
     first = min(trace) if trace else None
-    ends = sorted(e[1] for e in trace.get(first, []) if e[3] == "step")
+    ends = sorted(e.end_s for e in trace.get(first, []) if e.kind == "step")
     if len(ends) < steps + 1:
         return None
     i = max(steps, len(ends) // 2)  # window ending at ends[i] is step i + 1; the first step has no start mark
     t0, t1 = ends[i - steps], ends[i]
-    out = {r: [[max(e[0], t0) - t0, min(e[1], t1) - t0, e[2], e[3]] for e in evs if e[1] > t0 and e[0] < t1]
+    out = {r: [e._replace(start_s=max(e.start_s, t0) - t0, end_s=min(e.end_s, t1) - t0)
+               for e in evs if e.end_s > t0 and e.start_s < t1]
            for r, evs in trace.items()}
-    return out, f"steps {i - steps + 1}..{i} of {len(ends)}" if steps > 1 else f"step {i + 1} of {len(ends)}"
+    return Window(out, f"steps {i - steps + 1}..{i} of {len(ends)}" if steps > 1 else f"step {i + 1} of {len(ends)}")

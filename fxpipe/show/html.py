@@ -12,7 +12,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from fxpipe.show.assets import CSS, JS
-from fxpipe.show.data import ShowInput
+from fxpipe.show.data import ShowInput, Trace
 from fxpipe.show.graph import graph_payload
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
@@ -111,7 +111,7 @@ def sim_payload(sim: Any, layout: Any) -> Dict[str, Any]:
 
 
 def render_html(data: ShowInput, sim: Any = None, layout: Any = None,
-                measured: Optional[Dict[int, List[list]]] = None, title: str = "fxpipe plan",
+                measured: Optional[Trace] = None, title: str = "fxpipe plan",
                 measured_note: str = "") -> str:
     """The page as one string. ``measured``: a trace from ``data.load_trace`` (or ``one_step``)."""
     plan = data.plan

@@ -11,7 +11,7 @@ import pytest
 from fxpipe.cli import main
 from passes.costgraph import CostGraph, CostNode
 from fxpipe.plan import plan_from_result
-from fxpipe.show.data import ShowInput, load_trace
+from fxpipe.show.data import ShowInput, TraceEvent, load_trace
 from passes.partition import CostOptions, PartitionResult, evaluate
 from fxpipe.show.graph import graph_payload
 from fxpipe.show.html import render_html
@@ -188,7 +188,7 @@ def test_cli_dot_and_errors(tmp_path, capsys):
 def test_trace_loader(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps([{"ph": "X", "pid": 1, "name": "SEND_F0>r2", "ts": 5, "dur": 2},
                                                  {"ph": "B", "pid": 0, "name": "x", "ts": 1}]))
-    assert load_trace(str(tmp_path / "t.json")) == {1: [[0.0, 2e-6, "SEND_F0>r2", "comm"]]}
+    assert load_trace(str(tmp_path / "t.json")) == {1: [TraceEvent(0.0, 2e-6, "SEND_F0>r2", "comm")]}
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(Exception, match="no complete"):
         load_trace(str(tmp_path / "bad.json"))
@@ -269,13 +269,14 @@ def test_svg_format_needs_graphviz(tmp_path, capsys):
 def test_measured_trace_is_cropped_to_one_middle_step():
     from fxpipe.show.data import one_step
 
-    trace = {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"], [2.0, 3.0, "F0", "F"], [3.0, 4.0, "STEP", "step"],
-                 [4.0, 5.5, "F0", "F"], [5.5, 6.0, "STEP", "step"]],
-             1: [[2.5, 3.5, "F0", "F"], [4.5, 5.0, "B0", "B"]]}
+    E = TraceEvent
+    trace = {0: [E(0.0, 1.0, "F0", "F"), E(1.0, 2.0, "STEP", "step"), E(2.0, 3.0, "F0", "F"),
+                 E(3.0, 4.0, "STEP", "step"), E(4.0, 5.5, "F0", "F"), E(5.5, 6.0, "STEP", "step")],
+             1: [E(2.5, 3.5, "F0", "F"), E(4.5, 5.0, "B0", "B")]}
     cropped, note = one_step(trace)
     assert note == "step 2 of 3"
-    assert cropped == {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"]], 1: [[0.5, 1.5, "F0", "F"]]}
-    assert one_step({0: [[0.0, 1.0, "F0", "F"]]}) is None
+    assert cropped == {0: [E(0.0, 1.0, "F0", "F"), E(1.0, 2.0, "STEP", "step")], 1: [E(0.5, 1.5, "F0", "F")]}
+    assert one_step({0: [E(0.0, 1.0, "F0", "F")]}) is None
 
 
 def bundled_example_graph():
