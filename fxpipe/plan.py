@@ -17,7 +17,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import PartitionResult, data_parallel, evaluate
 from passes.partition.costmodel import CostOptions
-from passes.partition.topology import nodes_of_stages
+from passes.partition.topology import node_of
 
 from fxpipe.layout import Layout
 
@@ -156,12 +156,12 @@ def plan_from_result(result: PartitionResult, graph: CostGraph, batch_size: Opti
     """Build the Plan of a partition; ``batch_size`` defaults to the profile's ``info['batch_size']`` or 1."""
     opts: CostOptions = result.options
     layout = Layout.of(result.replicas)
-    nodes = nodes_of_stages(result.replicas, opts.gpus_per_node)  # the same contiguous ranks as the layout
     stages = [
         StagePlan(index=j, nodes=list(s.nodes), replicas=s.replicas, ranks=layout.ranks(j), fwd_s=s.fwd_s,
                   bwd_s=s.bwd_s, compute_s=s.compute_s, allreduce_s=s.allreduce_s, comm_s=s.comm_s,
                   time_s=s.time_s, param_bytes=s.param_bytes, send_bytes=s.send_bytes,
-                  memory_bytes=s.memory_bytes, rank_nodes=nodes[j])
+                  memory_bytes=s.memory_bytes,
+                  rank_nodes=[node_of(rank, opts.gpus_per_node) for rank in layout.ranks(j)])
         for j, s in enumerate(result.stages)
     ]
     batch = int(batch_size or graph.info.get("batch_size", 1) or 1)

@@ -11,6 +11,11 @@ graph (the partition, the stage modules) leave it on the graph module as a
 graph-wide record: ``meta.get(gm, meta.PartitionRecord).result`` and
 ``meta.get(gm, meta.SplitRecord).result``.
 
+All three return ``modified=False``: they write node and graph metadata and
+leave the graph's nodes as they were. torch's ``PassManager`` runs its list
+again (up to ``steps`` times) while a pass reports a change, which would
+profile or partition again for nothing.
+
 Capture is not here: it turns an ``nn.Module`` into the graph the passes run
 on, so it comes before a ``PassManager`` (``passes.capture.capture``).
 """
@@ -25,7 +30,8 @@ from passes import meta
 from passes.partition import PartitionResult, apply_assignment, partition
 from passes.profile import profile, to_cost_graph
 from passes.split import SplitResult, split_stages
-from passes.split_check import COMPUTE_OPS, is_dropped
+from passes.split_check import is_dropped
+from passes.values import COMPUTE_OPS
 
 
 def _require_on_compute(gm: torch.fx.GraphModule, kind: type, needed_by: str, what: str, made_by: str) -> None:
@@ -87,14 +93,13 @@ class PartitionPass(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         partition_graph(graph_module, self.devices, **self.options)
-        return PassResult(graph_module, True)
+        return PassResult(graph_module, False)  # metadata only: the graph itself is unchanged
 
 
 class SplitPass(PassBase):
     """Cut the graph into stage modules with send/recv nodes; reads ``stage``.
 
-    The graph itself is not changed (``modified`` is False); the stages are in
-    ``meta.get(gm, meta.SplitRecord).result``.
+    The stages are in ``meta.get(gm, meta.SplitRecord).result``.
     """
 
     def __init__(self, example_inputs: Optional[Sequence[Any]] = None) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -78,7 +77,7 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
 
 
 def load_source(source: str) -> "CostGraph":
-    """A CostGraph from a profile file, or by capturing and profiling a model.
+    """A CostGraph from a profile file, or by capturing and profiling a model as ``fxpipe split`` does.
 
     A profile file loads without torch: only a model source imports it.
     """
@@ -90,14 +89,10 @@ def load_source(source: str) -> "CostGraph":
     except ImportError as exc:
         raise FxpipeError(f"plan: cannot load model {source!r} ({exc}); profile it with `fxpipe profile` "
                           "and pass the profile JSON") from exc
-    from passes.capture import capture
-    from passes.profile import profile, to_cost_graph
+    from fxpipe.profiling import profile_model
+    from passes.profile import to_cost_graph
 
-    spec = load_model(source)
-    gm = capture(spec.model, spec.example_inputs, leaf_modules=getattr(spec, "leaf_modules", ()) or (),
-                 concrete_args=getattr(spec, "concrete_args", None))
-    print(f"plan: profiling {source} ...", file=sys.stderr)
-    return to_cost_graph(profile(gm, spec.example_inputs))
+    return to_cost_graph(profile_model(load_model(source)))  # timed as `fxpipe split` times it
 
 
 def load_profile(path: Path) -> "CostGraph":

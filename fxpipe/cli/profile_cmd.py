@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from typing import TYPE_CHECKING
+from fxpipe.units import at_least
 
 if TYPE_CHECKING:
     from passes.costgraph import CostGraph
@@ -25,8 +25,8 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="model .py file or package.module:factory")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to time on (default cpu)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per node; the median is kept (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed repetitions per node; the median is kept (default 5)")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
     p.add_argument("--threads", type=int, default=1,
@@ -43,9 +43,6 @@ def run(args) -> int:
     from fxpipe.profiling import profile_model
     from passes.profile import to_cost_graph
 
-    if args.repeats < 1 or args.warmup < 0:
-        from passes.errors import FxpipeError
-        raise FxpipeError("--repeats must be at least 1 and --warmup at least 0")
     spec = load_model(args.model)
     gm = profile_model(spec, device=args.device, repeats=args.repeats, warmup=args.warmup,
                        method=args.method, threads=args.threads or None)

@@ -102,7 +102,8 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     shipped = None if isinstance(model, str) else payload.write(run_dir, {
         "batches": spec.batches, "loss_fn": spec.loss_fn, "example_inputs": spec.example_inputs,
         "example_targets": spec.example_targets}, main=cfg.optimizer.startswith("__main__:"))
-    check_first_batch(spec, cfg.microbatches)
+    if isinstance(model, str):  # fxpipe.train checked its objects' first batch where it read it
+        check_first_batch(spec, cfg.microbatches)
     kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)

@@ -10,7 +10,7 @@ shapes), the first batch of ``batches()`` has the example's shapes and dtypes
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -73,13 +73,13 @@ def _describe(values: List[Any]) -> str:
                            for x in values) + "]"
 
 
-def check_first_batch(spec: Any, microbatches: int) -> None:
-    """Microbatch 0 of ``batches()`` matches ``example_inputs`` in count, shape and dtype."""
+def check_first_batch(spec: Any, microbatches: int) -> Optional[Tuple[Tuple[Any, ...], Any]]:
+    """Microbatch 0 of ``batches()`` (None without it), checked against ``example_inputs``: count, shape, dtype."""
     if spec.batches is None:
-        return
+        return None
     example = as_tuple(spec.example_inputs)
     try:
-        inputs, _ = FromBatches(spec.batches, batch_dim(example), microbatches)(0)
+        inputs, targets = FromBatches(spec.batches, batch_dim(example), microbatches)(0)
     except FxpipeError as exc:
         raise PreflightError(f"{spec.source}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the user's generator failed: say where
@@ -93,3 +93,4 @@ def check_first_batch(spec: Any, microbatches: int) -> None:
                              f"split was made for example_inputs {_describe(list(example))}; make batches() "
                              "yield inputs with the example's shapes and dtypes (one microbatch or one step "
                              "of them), or change example_inputs and split again")
+    return inputs, targets

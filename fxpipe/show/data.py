@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
@@ -100,28 +100,6 @@ def _read_split(folder: Path, data: ShowInput) -> None:
             data.tied_stages = tuple(sorted({int(s) for st in (manifest.get("tied") or {}).values() for s in st}))
             data.links = sorted({(int(e["src"]), int(e["dst"])) for e in manifest.get("comm", [])})
             return
-
-
-def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,
-                   bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = "1f1b-flush") -> Any:
-    """A real ``Plan`` for a hand-made assignment (tests, demos), scored by the partitioner's cost model."""
-    from fxpipe.plan import plan_from_result
-    from passes.partition import CostOptions, PartitionResult, evaluate
-
-    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
-    ev = evaluate(graph, assignment, list(replicas), opts)
-    result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
-                             bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
-                             objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0, units=len(graph.nodes))
-    return plan_from_result(result, graph, batch_size)
-
-
-def plan_to_json(plan: Any) -> Dict[str, Any]:
-    if hasattr(plan, "to_json"):
-        return plan.to_json()
-    out = {k: getattr(plan, k, None) for k in PLAN_FIELDS}
-    out["stages"] = [{k: getattr(s, k, None) for k in STAGE_FIELDS} for s in plan.stages]
-    return out
 
 
 def load_trace(path: str) -> Dict[int, List[list]]:

@@ -11,7 +11,7 @@ from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import CostOptions, evaluate, partition
 from passes.partition.costmodel import allreduce_at, cut_at
-from passes.partition.topology import node_counts, nodes_of_stages, offsets, pair_load, stage_ranks
+from passes.partition.topology import node_counts, node_of, offsets, pair_load, stage_ranks
 from tests.passes.test_partition import make_graph, random_dag
 from tests.profiles import PROFILES
 
@@ -25,9 +25,9 @@ def _opts(K, G, model="fxpipe", **kw):
 def test_contiguous_placement_and_nodes():
     assert offsets([12, 1, 1, 1, 1]) == [0, 12, 13, 14, 15]
     assert stage_ranks([2, 3]) == [[0, 1], [2, 3, 4]]
-    assert nodes_of_stages([6, 2], 4) == [[0, 0, 0, 0, 1, 1], [1, 1]]
+    assert [[node_of(r, 4) for r in ranks] for ranks in stage_ranks([6, 2])] == [[0, 0, 0, 0, 1, 1], [1, 1]]
     assert node_counts(range(2, 8), 4) == [2, 4]
-    assert nodes_of_stages([3, 1], None) == [[0, 0, 0], [0]]
+    assert [[node_of(r, None) for r in ranks] for ranks in stage_ranks([3, 1])] == [[0, 0, 0], [0]]
 
 
 @pytest.mark.parametrize("rb,ra", [(1, 1), (2, 3), (4, 6), (5, 1), (3, 9)])

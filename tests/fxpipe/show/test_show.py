@@ -10,7 +10,9 @@ import pytest
 
 from fxpipe.cli import main
 from passes.costgraph import CostGraph, CostNode
-from fxpipe.show.data import ShowInput, load_trace, plan_to_json, synthetic_plan
+from fxpipe.plan import plan_from_result
+from fxpipe.show.data import ShowInput, load_trace
+from passes.partition import CostOptions, PartitionResult, evaluate
 from fxpipe.show.graph import graph_payload
 from fxpipe.show.html import render_html
 from fxpipe.show.text import render_text
@@ -34,6 +36,17 @@ def small_graph():
              ("block_conv1", "block_conv2"), ("block_conv2", "add"), ("stem_relu", "add"), ("add", "head_fc"),
              ("head_fc", "output")]
     return CostGraph(nodes, edges, param_sizes={})
+
+
+def synthetic_plan(graph: CostGraph, assignment, replicas, batch_size: int = 1, bandwidth: float = 1.25e9,
+                   microbatches: int = 4, schedule: str = "1f1b-flush"):
+    """A real ``Plan`` for a hand-made assignment, scored by the partitioner's cost model."""
+    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
+    ev = evaluate(graph, assignment, list(replicas), opts)
+    result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
+                             bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
+                             objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0, units=len(graph.nodes))
+    return plan_from_result(result, graph, batch_size)
 
 
 SMALL_ASSIGN = {"x": 0, "stem_conv": 0, "stem_relu": 0, "block_conv1": 1, "block_conv2": 1, "add": 2,
@@ -120,7 +133,7 @@ def test_drawing_script_parses(tmp_path):
 def write_outdir(folder, graph, assignment, replicas):
     folder.mkdir(parents=True, exist_ok=True)
     plan = synthetic_plan(graph, assignment, replicas, batch_size=4, microbatches=4)
-    (folder / "plan.json").write_text(json.dumps(plan_to_json(plan)))
+    (folder / "plan.json").write_text(json.dumps(plan.to_json()))
     graph.save(folder / "profile.json")
     return plan
 
@@ -152,7 +165,7 @@ def test_cli_text_view(tmp_path, capsys):
 def test_plain_plan_without_profile_says_so(tmp_path, capsys):
     g = small_graph()
     plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 1])
-    (tmp_path / "p.json").write_text(json.dumps(plan_to_json(plan)))
+    (tmp_path / "p.json").write_text(json.dumps(plan.to_json()))
     assert main(["show", str(tmp_path / "p.json")]) == 0
     page = (tmp_path / "p.html").read_text()
     assert embedded_data(page)["graph"] is None
