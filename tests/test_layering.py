@@ -8,8 +8,10 @@ any of them but nothing from ``tests``.
 
 Imports are read from the source, at any depth (a lazy import inside a
 function counts: it runs the same code, only later), except those under
-``if TYPE_CHECKING:``, which never run. ``passes`` is also checked by importing
-every module in a fresh interpreter and looking at what got loaded.
+``if TYPE_CHECKING:``, which never run. ``importlib`` calls on computed names
+(the lazy public names of ``fxpipe`` and ``passes``, the CLI's subcommands)
+are not seen; ``passes`` is therefore also checked by importing every module in
+a fresh interpreter and looking at what got loaded.
 """
 import ast
 import pathlib
