@@ -72,16 +72,17 @@ def profile(
     gm.to(dev)
     inputs = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
     _train_mode(gm)
+    clock = Clock(dev)
     saved = save_buffers(gm)
     try:
         with _autocast(dev, autocast_dtype):
-            env, fwd_s, bwd_s = _measure_all(gm, inputs, dev, repeats, warmup, progress)
+            env, fwd_s, bwd_s = _measure_all(gm, inputs, clock, repeats, warmup, progress)
     finally:
         restore_buffers(saved)
     _write_param_costs(gm, env)
     meta.put(gm, meta.ProfileInfo(
         device=str(dev), repeats=repeats, batch_size=_batch_size(inputs),
-        torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s,
+        torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s, clock=clock.name,
     ))
     return gm
 
@@ -94,11 +95,10 @@ def _autocast(dev: torch.device, dtype: Optional[torch.dtype]) -> Any:
     return torch.autocast(device_type=dev.type, dtype=dtype)
 
 
-def _measure_all(gm: torch.fx.GraphModule, inputs: Sequence[Any], dev: torch.device, repeats: int, warmup: int,
+def _measure_all(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: Clock, repeats: int, warmup: int,
                  progress: Optional[ProgressFn]) -> Tuple[Dict[torch.fx.Node, Any], float, float]:
     """Record every value, time every node, then the whole model: (values, whole fwd s, whole bwd s)."""
     env = _record_values(gm, inputs)
-    clock = Clock(dev)
     overhead = grad_call_overhead(clock)
     _time_nodes(gm, env, clock, repeats, warmup, progress, overhead)
     fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup, overhead)
@@ -256,7 +256,7 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     if meta.has(gm, meta.ProfileInfo):
         p = meta.get(gm, meta.ProfileInfo)
         info.update(device=p.device, repeats=p.repeats, batch_size=p.batch_size, torch_version=p.torch_version,
-                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s)
+                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s, clock=p.clock)
     if meta.has(gm, meta.CaptureInfo):
         info["capture_method"] = meta.get(gm, meta.CaptureInfo).method
     sizes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters()}

@@ -47,8 +47,7 @@ def run(args) -> int:
     gm = profile_model(spec, device=args.device, repeats=args.repeats, warmup=args.warmup,
                        method=args.method, threads=args.threads or None)
     graph = to_cost_graph(gm)  # what plans read: node times calibrated to the whole model's
-    clock = "cuda events" if args.device == "cuda" else ("thread CPU time" if args.threads == 1 else "wall time")
-    print(render_table(to_cost_graph(gm, calibrate=False), args.top, clock))  # the node timings as measured
+    print(render_table(to_cost_graph(gm, calibrate=False), args.top))  # the node timings as measured
     cal = graph.info.get("calibration")
     if cal:
         print(f"plans scale node times by {cal['fwd']:.2f}x forward, {cal['bwd']:.2f}x backward "
@@ -63,7 +62,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def render_table(graph: "CostGraph", top: Optional[int] = None, clock: str = "") -> str:
+def render_table(graph: "CostGraph", top: Optional[int] = None) -> str:
     """The per-node table, a totals row, and the whole-model comparison."""
     from tabulate import tabulate
 
@@ -90,7 +89,7 @@ def render_table(graph: "CostGraph", top: Optional[int] = None, clock: str = "")
     lines.append(
         f"capture: {info.get('capture_method', '?')}; device {info.get('device', '?')}, "
         f"batch {info.get('batch_size', '?')}, median of {info.get('repeats', '?')} runs"
-        + (f" ({clock})" if clock else "") + f", torch {info.get('torch_version', '?')}"
+        + (f" ({info['clock']})" if info.get("clock") else "") + f", torch {info.get('torch_version', '?')}"
     )
     return "\n".join(lines)
 
