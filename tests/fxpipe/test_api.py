@@ -2,7 +2,6 @@
 import copy
 
 import pytest
-import torch
 
 import fxpipe
 from tests.models import example
