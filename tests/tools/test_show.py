@@ -295,3 +295,16 @@ def test_times_round_before_choosing_the_unit():
 
     assert fmt_s(0.0009996) == "1 ms" and fmt_s(0.0009994) == "999 µs" and fmt_s(0.99996) == "1 s"
     assert fmt_s(0.0123) == "12.3 ms" and fmt_s(0) == "0" and fmt_s(None) == "–"
+
+
+def test_two_level_plan_is_simulated_with_its_node_links(tmp_path):
+    g = small_graph()
+    plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 2], bandwidth=1e3, gpus_per_node=2, intra_bandwidth=1e12)
+    data = ShowInput(plan=plan, graph=g, source="test")
+    sim, layout = simulate_input(data)
+    sends = {(r, e.action.peer): e.end - e.start for r, evs in sim.events.items() for e in evs
+             if e.action.kind.value == "SEND_F" and e.action.mb == 0}
+    assert sends[(0, 1)] == pytest.approx(1024 / 1e12)  # ranks 0 and 1 share node 0
+    assert sends[(1, 2)] == pytest.approx(1024 / 1e3)  # rank 2 is on node 1
+    page = render_html(data, sim, layout)
+    assert "2 devices per node" in page

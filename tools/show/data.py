@@ -8,6 +8,7 @@ the viewer keeps working on plans written by older or newer fxpipe versions.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +17,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
+from passes.partition.costmodel import DEFAULT_SCHEDULE, StagePlan
 
-STAGE_FIELDS = ("index", "nodes", "replicas", "ranks", "fwd_s", "bwd_s", "compute_s", "allreduce_s", "comm_s",
-                "time_s", "param_bytes", "send_bytes", "memory_bytes")
+STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StagePlan))
 PLAN_FIELDS = ("devices", "batch_size", "bottleneck_s", "samples_per_s", "speedup_vs_one", "speedup_vs_dp",
                "options", "solver")
 
@@ -49,7 +50,7 @@ def load_plan(path: Path) -> Any:
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Any:
-    stages = [SimpleNamespace(**{k: s.get(k, _default(k, j)) for k, j in zip(STAGE_FIELDS, [i] * 13)})
+    stages = [SimpleNamespace(**{k: s.get(k, _default(k, i)) for k in STAGE_FIELDS})
               for i, s in enumerate(data["stages"])]
     plan = SimpleNamespace(stages=stages, **{k: data.get(k) for k in PLAN_FIELDS})
     plan.options = dict(plan.options or {})
@@ -58,7 +59,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Any:
 
 
 def _default(key: str, index: int) -> Any:
-    return {"index": index, "nodes": [], "replicas": 1, "ranks": []}.get(key, 0)
+    return {"index": index, "nodes": [], "replicas": 1, "ranks": [], "rank_nodes": []}.get(key, 0)
 
 
 def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
@@ -103,12 +104,15 @@ def _read_split(folder: Path, data: ShowInput) -> None:
 
 
 def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,
-                   bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = "1f1b-flush") -> Any:
-    """A real ``Plan`` for a hand-made assignment (tests, demos), scored by the partitioner's cost model."""
+                   bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = DEFAULT_SCHEDULE,
+                   **options: Any) -> Any:
+    """A real ``Plan`` for a hand-made assignment (tests, demos), scored by the partitioner's cost model;
+    ``options``: more ``CostOptions`` (``gpus_per_node``, ``intra_bandwidth``...)."""
     from fxpipe.plan import plan_from_result
     from passes.partition import CostOptions, PartitionResult, evaluate
 
-    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
+    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule,
+                       **options)
     ev = evaluate(graph, assignment, list(replicas), opts)
     result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
                              bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
