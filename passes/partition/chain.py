@@ -308,7 +308,8 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
 
 
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
-    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
+    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage; a tied weight at its
+    floor, ``tied_floor_s``: ``evaluate`` charges its group)."""
     S = len(replicas)
     comp, par = _stage_sums(units, stage_of, S)
     tied = _stage_tied(units, stage_of, S)
