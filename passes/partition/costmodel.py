@@ -461,6 +461,13 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
     return int(min(window, cap))
 
 
+def most_in_flight(opts: CostOptions) -> int:
+    """An upper bound of ``in_flight`` on every layout of ``opts.devices`` ranks (1F1B-flush:
+    ``r_j n_j <= 2 r_j - 1 + r_{j+1} n_{j+1}``, so ``n_j < 2K``); CP-SAT's domain for the count."""
+    K, M = opts.devices, opts.num_microbatches
+    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "gpipe": M}[opts.schedule]
+
+
 def planned_microbatches(opts: CostOptions) -> Optional[int]:
     """Microbatches per action list that a plan's memory is costed for (``in_flight``); a 1F1B-stash
     run never drains, so its count is not capped by ``microbatches``."""

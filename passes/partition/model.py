@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ortools.sat.python import cp_model
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff, tied_floor_coeff
+from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
 
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
           cp_model.MODEL_INVALID: "MODEL_INVALID", cp_model.UNKNOWN: "UNKNOWN"}
@@ -217,7 +217,7 @@ class PartitionModel:
         window = self._windows(counts) if opts.schedule == "1f1b-flush" else None
         self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
         for b in range(S):
-            w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, self._most_in_flight() + 1)}
+            w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most_in_flight(opts) + 1)}
             m.Add(sum(w.values()) == self.used[b])
             self.flight.append(sum(n * v for n, v in w.items()))
             self._in_flight(b, self.flight[b], counts, window)
@@ -229,11 +229,6 @@ class PartitionModel:
                 m.Add(factor * pm + 1000 * n * am <= 1000 * limit).OnlyEnforceIf(v)
         if self.minimise_memory:
             m.Minimize(limit)
-
-    def _most_in_flight(self) -> int:
-        """An upper bound of ``costmodel.in_flight`` on any layout (flush: ``r_j n_j < 2 sum_{k>=j} r_k``)."""
-        K, M = self.opts.devices, self.opts.num_microbatches
-        return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "gpipe": M}[self.opts.schedule]
 
     def _windows(self, counts: list) -> list:
         """1F1B-flush's uncapped count per slot: ``win[b] >= 1 + r_{b+1}·win[b+1] / r_b`` as

@@ -15,7 +15,7 @@ from fxpipe.schedule import build_schedule
 from fxpipe.simulate import ActionCosts, simulate
 from passes.costgraph import CostGraph, CostNode
 from passes.partition.coarsen import build_units, model_nodes
-from passes.partition.costmodel import SCHEDULES, CostOptions, in_flight, memory_bytes
+from passes.partition.costmodel import SCHEDULES, CostOptions, in_flight, memory_bytes, most_in_flight
 from passes.partition.model import PartitionModel
 
 LAYOUTS = [reps for S in range(1, 5) for reps in itertools.product(range(1, 4), repeat=S)]
@@ -52,6 +52,7 @@ def test_schedule_builder_and_simulator_hold_what_the_cost_model_counts(schedule
             sim = simulate(built, costs, lay)
             for j in range(len(replicas)):
                 want = in_flight(j, replicas, schedule, M)
+                assert want <= most_in_flight(CostOptions(devices=sum(replicas), schedule=schedule, microbatches=M))
                 assert max(held(built[r]) for r in lay.ranks(j)) == want, (replicas, M, j)
                 assert max(sim.peak_memory[r] for r in lay.ranks(j)) == want, (replicas, M, j)
 
