@@ -32,24 +32,24 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from tools.show.data import load_input
+    from fxpipe.show.data import load_input
+    from fxpipe.show.view import simulate_input
     from passes.partition.costmodel import assignment_of
-    from tools.show.view import simulate_input
 
     data = load_input(args.target, args.profile)
     sim, layout = simulate_input(data, args.schedule, args.microbatches)
     if args.text:
-        from tools.show.text import render_text
+        from fxpipe.show.text import render_text
         print(render_text(data.plan, sim, layout, data.notes, args.width))
         return 0
     out = Path(args.output) if args.output else _default_output(Path(args.target), args.format)
     if args.format != "html":
         if data.graph is None:
             raise FxpipeError("--format dot/svg/png draws the graph, which needs profile.json; pass --profile")
-        from tools.show import graphviz
+        from fxpipe.show import graphviz
         graphviz.write(data.graph, assignment_of(data.plan.stages), out, args.format)
     else:
-        from tools.show.html import render_html
+        from fxpipe.show.html import render_html
         measured, note = _measured(args.trace, sim)
         title = f"fxpipe plan: {len(data.plan.stages)} stages on {data.plan.devices} devices"
         out.write_text(render_html(data, sim, layout, measured, title=title, measured_note=note))
@@ -61,7 +61,7 @@ def run(args) -> int:
 
 def _measured(trace, sim):
     """The trace cropped to one middle step, like the simulation; the whole run if it has too few steps."""
-    from tools.show.data import load_trace, one_step
+    from fxpipe.show.data import load_trace, one_step
 
     if not trace:
         return None, ""

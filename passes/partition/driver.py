@@ -26,10 +26,17 @@ from passes.partition.downsets import downset_dp
 from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import best_order_dp
-from passes.partition.model import PartitionModel, SolveResult
+from passes.partition.result import SolveResult
 
 
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
+
+
+def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
+    """The CP-SAT model, imported here: OR-Tools loads pandas (most of a second), and plans
+    the segment DP answers never need it."""
+    from passes.partition.model import PartitionModel
+    return PartitionModel(units, opts, minimise_memory=minimise_memory)
 
 
 class InfeasibleError(FxpipeError):
@@ -138,7 +145,7 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
                                   "raise --time-limit")
         return _result(graph, units, opts, SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, 0.0),
                        start, heuristic_s, "CP-SAT")
-    model = PartitionModel(units, opts)
+    model = _cp_sat(units, opts)
     if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
         stage_of = [chained.assignment[names[0]] for names in units.members]
         whole = all(chained.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
@@ -235,7 +242,7 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
             heuristic = heuristic if heuristic is not None else len(plans) - 1
         if not _time_for_cpsat(units, flat, deadline):
             continue
-        model = PartitionModel(units, flat)
+        model = _cp_sat(units, flat)
         if warm is not None:
             model.hint(warm[0], warm[1])
             if opts.memory is None and not units.shared:
@@ -347,7 +354,7 @@ def _raise_infeasible(units: Units, opts: CostOptions, solved: SolveResult,
     if opts.memory is None or solved.status != "INFEASIBLE":
         raise InfeasibleError(f"partition: no plan found ({solved.status}) in {solved.wall_s:.1f}s; "
                               "raise --time-limit")
-    probe = PartitionModel(units, opts, minimise_memory=True)
+    probe = _cp_sat(units, opts, minimise_memory=True)
     if warm is not None:
         probe.hint(warm[0], warm[1])
     least = probe.solve(max(0.05, deadline - time.monotonic()), workers=workers)

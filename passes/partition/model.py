@@ -37,27 +37,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ortools.sat.python import cp_model
 
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
+from passes.partition.result import SolveResult
 
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
           cp_model.MODEL_INVALID: "MODEL_INVALID", cp_model.UNKNOWN: "UNKNOWN"}
-
-
-@dataclass
-class SolveResult:
-    status: str
-    stage_of: Optional[List[int]]  # per unit
-    replicas: Optional[List[int]]
-    objective: float  # seconds (scaled model), or bytes when minimising memory
-    bound: float  # proven lower bound, same unit, rounding margin removed
-    wall_s: float
-    progress: List[tuple] = field(default_factory=list)  # (wall_s, objective) per improving solution
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):

@@ -42,9 +42,10 @@ from tabulate import tabulate
 
 from fxpipe.layout import Layout
 from fxpipe.schedule import build_schedule
+from fxpipe.show.data import load_input, load_trace
+from fxpipe.show.view import simulate_input
 from fxpipe.simulate import costs_from_plan, plan_bandwidth, simulate
-from tools.show.data import load_input, load_trace
-from tools.show.view import simulate_input
+from tools.bench.models import TinyGPT
 
 FXPIPE = [sys.executable, "-m", "fxpipe"]
 
@@ -62,9 +63,7 @@ def mlp():
 
 
 def gpt():
-    """A GPT-style stack (tests.models.TinyGPT, wider): embedding tied to the output head."""
-    from tests.models import TinyGPT
-
+    """A GPT-style stack (``models.TinyGPT``, wider): embedding tied to the output head."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, dim=128, heads=4, layers=6, ctx=64)
     return model, (torch.randint(0, 256, (8, 64)),)

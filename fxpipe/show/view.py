@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 from fxpipe.layout import Layout
 from fxpipe.simulate import SimResult, simulate_plan
 from fxpipe.validate import ScheduleError
-from tools.show.data import ShowInput
+from fxpipe.show.data import ShowInput
 
 
 def simulate_input(data: ShowInput, kind: Optional[str] = None,

@@ -10,14 +10,14 @@ import pytest
 
 from fxpipe.cli import main
 from passes.costgraph import CostGraph, CostNode
-from tools.show.data import ShowInput, load_trace, plan_to_json, synthetic_plan
-from tools.show.graph import graph_payload
-from tools.show.html import render_html
-from tools.show.text import render_text
-from tools.show.view import simulate_input
+from fxpipe.show.data import ShowInput, load_trace, plan_to_json, synthetic_plan
+from fxpipe.show.graph import graph_payload
+from fxpipe.show.html import render_html
+from fxpipe.show.text import render_text
+from fxpipe.show.view import simulate_input
 
 from tests.profiles import PROFILES
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def small_graph():
@@ -112,7 +112,7 @@ def test_groups_without_module_paths_keep_the_collapsed_graph_acyclic():
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node.js not installed")
 def test_drawing_script_parses(tmp_path):
-    from tools.show.assets import JS
+    from fxpipe.show.assets import JS
     (tmp_path / "v.js").write_text(JS)
     subprocess.run(["node", "--check", str(tmp_path / "v.js")], check=True)
 
@@ -231,7 +231,7 @@ def test_page_script_expands_and_collapses_groups(tmp_path):
 
 
 def test_split_manifest_gives_tied_stages_and_links(tmp_path):
-    from tools.show.data import load_input
+    from fxpipe.show.data import load_input
     from fxpipe.actions import Kind
 
     write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [1, 1, 1])
@@ -254,7 +254,7 @@ def test_svg_format_needs_graphviz(tmp_path, capsys):
 
 
 def test_measured_trace_is_cropped_to_one_middle_step():
-    from tools.show.data import one_step
+    from fxpipe.show.data import one_step
 
     trace = {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"], [2.0, 3.0, "F0", "F"], [3.0, 4.0, "STEP", "step"],
                  [4.0, 5.5, "F0", "F"], [5.5, 6.0, "STEP", "step"]],
@@ -291,7 +291,7 @@ def test_bundled_example_page():
 
 
 def test_times_round_before_choosing_the_unit():
-    from tools.show.html import fmt_s
+    from fxpipe.show.html import fmt_s
 
     assert fmt_s(0.0009996) == "1 ms" and fmt_s(0.0009994) == "999 µs" and fmt_s(0.99996) == "1 s"
     assert fmt_s(0.0123) == "12.3 ms" and fmt_s(0) == "0" and fmt_s(None) == "–"

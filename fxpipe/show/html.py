@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional
 
 from passes.partition.costmodel import assignment_of
 
-from tools.show.assets import CSS, JS
-from tools.show.data import ShowInput
-from tools.show.graph import graph_payload
+from fxpipe.show.assets import CSS, JS
+from fxpipe.show.data import ShowInput
+from fxpipe.show.graph import graph_payload
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#2f4b7c", "#a05195", "#d45087", "#665191", "#ffa600", "#003f5c"]
