@@ -16,9 +16,11 @@ lists the executor runs. Model, chosen to match the runtime:
 - ``ALLREDUCE`` starts when the last member of its group arrives and takes the
   largest ``allreduce_s`` in the group (a plan's: its replicas' all-reduce
   plus the sync of tied weights, ``costmodel.tied_sync_s``);
-- memory on a rank = parameter bytes x live weight versions (the current one
-  plus those stashed for microbatches in flight) + activation bytes x
-  microbatches in flight (forward done, backward not yet).
+- memory on a rank is the cost model's (``costmodel.device_memory_bytes``)
+  with the counts the run reaches: parameter bytes x (live weight versions,
+  the current one plus those stashed for microbatches in flight, + the extra
+  copies) + activation bytes x microbatches in flight (forward done, backward
+  not yet).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from passes.partition.costmodel import (DEFAULT_SCHEDULE, CostOptions, activation_bytes, assignment_of,
-                                        link_bandwidth, tied_stages as tied_stages_of)
+                                        device_memory_bytes, link_bandwidth, tied_stages as tied_stages_of)
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
@@ -55,6 +57,7 @@ class ActionCosts:
     param_bytes: int = 0
     activation_bytes: int = 0  # kept from F m until B m
     step_s: float = 0.0
+    extra_copies: float = 0.0  # weight-sized buffers besides the versions (a plan's: gradients + optimizer state)
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,8 @@ class _Clock:
     def _memory(self, rank: int, c: ActionCosts) -> None:
         inflight = self.flight[rank]
         versions = len(set(inflight.values()) | {self.version[rank]})
-        self.peak[rank] = max(self.peak[rank], c.param_bytes * versions + c.activation_bytes * len(inflight))
+        now = device_memory_bytes(c.param_bytes, c.activation_bytes, versions, len(inflight), c.extra_copies)
+        self.peak[rank] = max(self.peak[rank], now)
 
 
 def _result(schedule, sim: _Clock, samples: int) -> SimResult:
@@ -244,10 +248,12 @@ def link_bytes(graph, stage_of: Mapping[str, int]) -> Dict[Tuple[int, int], int]
 def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int, int]]]:
     """``ActionCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
 
-    Times, all-reduce (tied weights included) and activation bytes are the
-    plan's. With the profile, bytes per link come from the graph; without
-    it, each stage's ``send_bytes`` goes to the next stage.
+    Times, all-reduce (tied weights included), activation bytes and the
+    weight copies besides the versions are the plan's. With the profile, bytes
+    per link come from the graph; without it, each stage's ``send_bytes`` goes
+    to the next stage.
     """
+    extra = 1.0 + plan_options(plan).optimizer_state  # a gradient buffer and the optimizer state
     S = len(plan.stages)
     if graph is not None:
         per_link = link_bytes(graph, assignment_of(plan.stages))
@@ -260,18 +266,22 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int
         sends = {b: n for (a, b), n in per_link.items() if a == j}
         costs.append(ActionCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
                                  allreduce_s=float(s.allreduce_s), param_bytes=int(s.param_bytes),
-                                 activation_bytes=int(acts[j])))
+                                 activation_bytes=int(acts[j]), extra_copies=extra))
     links = sorted(per_link) if per_link or S == 1 else [(j, j + 1) for j in range(S - 1)]
     return costs, links
+
+
+def plan_options(plan) -> CostOptions:
+    """The ``CostOptions`` a plan (or a stand-in with its fields) was made under."""
+    return CostOptions.from_dict({"devices": plan.devices, **(getattr(plan, "options", None) or {})})
 
 
 def plan_bandwidth(plan) -> Bandwidth:
     """The channels' bytes/s as the plan's cost model charges them (``costmodel.link_bandwidth``);
     unlimited when the plan names no bandwidth."""
-    saved = dict(getattr(plan, "options", {}) or {})
-    if not saved.get("bandwidth"):
+    if not (getattr(plan, "options", None) or {}).get("bandwidth"):
         return math.inf
-    opts = CostOptions.from_dict({"devices": plan.devices, **saved})
+    opts = plan_options(plan)
     if opts.gpus_per_node is None:
         return opts.bandwidth
     return lambda rank, peer: link_bandwidth(rank, peer, opts)

@@ -481,10 +481,17 @@ def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> i
     return 1
 
 
+def device_memory_bytes(param_bytes: float, act_bytes: float, versions: int, flight: int, extra_copies: float) -> int:
+    """THE bytes one device holds: weights × (``versions`` kept + ``extra_copies``: one gradient buffer
+    and the optimizer state) + activations × ``flight`` microbatches (the simulator passes what it runs)."""
+    return int(round(param_bytes * (versions + extra_copies) + act_bytes * flight))
+
+
 def memory_bytes(param_bytes: int, act_bytes: int, stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    weights = param_bytes * (weight_versions(stage, replicas, opts) + 1 + opts.optimizer_state)
+    """``device_memory_bytes`` of stage ``stage`` as the plan's schedule runs it."""
     flight = in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
-    return int(round(weights + act_bytes * flight))
+    return device_memory_bytes(param_bytes, act_bytes, weight_versions(stage, replicas, opts), flight,
+                               1 + opts.optimizer_state)
 
 
 def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:

@@ -93,3 +93,20 @@ def test_cpsat_memory_constraint_uses_the_cost_models_count(schedule, M):
         cap = None if schedule == "1f1b-stash" else M  # a stash run never drains: its plans are costed uncapped
         want = [in_flight(j, replicas, schedule, cap) for j in range(len(replicas))]
         assert _cpsat_in_flight(replicas, schedule, M) == want, replicas
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("replicas", [(1, 2, 1), (2, 1), (1, 1, 1, 1), (1, 3, 2)])
+def test_simulated_peak_memory_is_the_plans_memory(schedule, replicas):
+    from fxpipe.show.data import synthetic_plan
+    from fxpipe.simulate import simulate_plan
+
+    S = len(replicas)
+    nodes = [CostNode("x", "placeholder", "x", 0.0, 0.0, 8, 0, is_input=True)]
+    nodes += [CostNode(f"n{i}", "call_function", "f", 1.0, 2.0, 1000 * (i + 1), 100 * (i + 1)) for i in range(S)]
+    g = CostGraph({n.name: n for n in nodes}, [("x", "n0")] + [(f"n{i}", f"n{i + 1}") for i in range(S - 1)])
+    assign = {"x": 0, **{f"n{i}": i for i in range(S)}}
+    plan = synthetic_plan(g, assign, replicas, microbatches=12, schedule=schedule)
+    sim, _ = simulate_plan(plan, graph=g)
+    for s in plan.stages:
+        assert max(sim.peak_memory[r] for r in s.ranks) == s.memory_bytes, (s.index, s.memory_bytes)
