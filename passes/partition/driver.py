@@ -155,7 +155,9 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
         model.hint(warm[0], warm[1])
         if opts.memory is None and not units.shared:
             model.upper_bound(warm[2])
-    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None else -math.inf
+    # a tied weight's sync is only floored in the model, so its objective meeting the bound proves nothing
+    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None and not units.shared \
+        else -math.inf
     solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
