@@ -248,10 +248,10 @@ def link_bytes(graph, stage_of: Mapping[str, int]) -> Dict[Tuple[int, int], int]
 def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int, int]]]:
     """``ActionCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
 
-    Times, all-reduce (tied weights included), activation bytes and the
-    weight copies besides the versions are the plan's. With the profile, bytes
-    per link come from the graph; without it, each stage's ``send_bytes`` goes
-    to the next stage.
+    Times, all-reduce (tied weights included) and the weight copies besides
+    the versions are the plan's. With the profile, bytes per link and
+    activation bytes come from the graph; without it, each stage's
+    ``send_bytes`` goes to the next stage and the activations are the plan's.
     """
     extra = 1.0 + plan_options(plan).optimizer_state  # a gradient buffer and the optimizer state
     S = len(plan.stages)
