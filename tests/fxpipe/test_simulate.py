@@ -187,7 +187,7 @@ def test_flush_keeps_replicated_pipelines_at_full_rate(replicas):
 
 
 def test_pipedream_count_starves_a_replicated_middle_stage():
-    # why 1f1b-flush holds one more microbatch at the input stage of 1-2-1 (see schedule.in_flight)
+    # why 1f1b-flush holds one more microbatch at the input stage of 1-2-1 (see costmodel.in_flight)
     from fxpipe.schedule import in_flight
     lay = Layout.of([1, 2, 1])
     assert [in_flight(lay, j, "1f1b-stash") for j in range(3)] == [4, 2, 1]
