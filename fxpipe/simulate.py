@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from passes.partition.costmodel import (DEFAULT_SCHEDULE, CostOptions, activation_bytes, assignment_of,
-                                        device_memory_bytes, link_bandwidth, tied_stages as tied_stages_of)
+                                        device_memory_bytes, link_bandwidth)
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
@@ -293,9 +293,8 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
-    profile; ``tied_stages`` (e.g. the split's) default to the stages the
-    profile shows sharing a weight (``costmodel.tied_stages``; none without
-    a profile); ``step_s``: per stage, the optimizer step's seconds (the plan has
+    profile; ``tied_stages`` (e.g. the split's) default to the plan's stages
+    that share a weight with another (``StagePlan.tied_bytes``); ``step_s``: per stage, the optimizer step's seconds (the plan has
     none: the optimizer is a training option); ``sim_options`` go to
     ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
@@ -316,7 +315,7 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     if kind == "1f1b-stash":
         M = _round_up_for_stash(M, layout)
     if not tied_stages:
-        tied_stages = tied_stages_of(graph, assignment_of(plan.stages)) if graph is not None else ()
+        tied_stages = [s.index for s in plan.stages if s.tied_bytes]
     schedule = build_schedule(kind, layout, M, links, tied_stages)
     sim_options.setdefault("bandwidth", plan_bandwidth(plan))
     result = simulate(schedule, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)

@@ -530,11 +530,6 @@ def tied_weights(graph: CostGraph, assignment: Mapping[str, int]) -> Dict[Tuple[
     return out
 
 
-def tied_stages(graph: CostGraph, assignment: Mapping[str, int]) -> List[int]:
-    """The stages that all-reduce a tied weight every step (what ``fxpipe.schedule`` calls ``tied_stages``)."""
-    return sorted({j for stages in tied_weights(graph, assignment) for j in stages})
-
-
 def assignment_of(stages: Iterable) -> Dict[str, int]:
     """node -> stage, from a plan's stage records (anything with ``index`` and ``nodes``)."""
     return {n: s.index for s in stages for n in s.nodes}
@@ -562,6 +557,7 @@ class StagePlan:
     memory_bytes: int  # predicted peak per device
     rank_nodes: List[int] = field(default_factory=list)  # the machine node of each rank in ``ranks``
     act_bytes: int = 0  # activations kept per microbatch in flight (activation_bytes)
+    tied_bytes: int = 0  # weights it shares with other stages, synced over all their ranks (tied_weights)
 
 
 @dataclass
@@ -632,6 +628,7 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
             allreduce_s=ar, comm_s=comm, time_s=float(combine_stage_time(fwd + bwd, r, ar, comm)),
             param_bytes=params, send_bytes=send[j], memory_bytes=memory_bytes(params, acts, j, replicas, opts),
             rank_nodes=[topology.node_of(x, opts.gpus_per_node) for x in placed[j]], act_bytes=acts,
+            tied_bytes=sum(mine.values()),
         ))
     return Evaluation(stages=stages, cut_bytes=cuts)
 

@@ -222,11 +222,13 @@ def test_tied_weight_costs_the_same_in_the_plan_and_the_simulation():
     assert [s.allreduce_s for s in plan.stages] == [pytest.approx(0.4), 0.0, pytest.approx(0.4)]
     costs, _ = costs_from_plan(plan, g)
     assert [c.allreduce_s for c in costs] == [s.allreduce_s for s in plan.stages]
-    res, sched = simulate_plan(plan, graph=g)  # the tied stages come from the profile
-    assert sched.tied_stages == (0, 2)
-    for rank in (0, 2):
-        syncs = [e.end - e.start for e in res.events[rank] if e.kind == "allreduce"]
-        assert syncs == [pytest.approx(0.4)]
+    assert [s.tied_bytes for s in plan.stages] == [400, 0, 400]
+    for graph in (g, None):  # the tied stages come from the plan, so a profile is not needed
+        res, sched = simulate_plan(plan, graph=graph)
+        assert sched.tied_stages == (0, 2)
+        for rank in (0, 2):
+            syncs = [e.end - e.start for e in res.events[rank] if e.kind == "allreduce"]
+            assert syncs == [pytest.approx(0.4)]
 
 
 def test_tied_weight_on_a_replicated_stage_syncs_over_every_rank_holding_it():
