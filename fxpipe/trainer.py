@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from passes.errors import FxpipeError
+from passes.partition.costmodel import DEFAULT_SCHEDULE
 
 _CALLED_HERE = ("model", "batches", "loss_fn", "example_inputs", "example_targets", "leaf_modules",
                 "concrete_args")
@@ -68,7 +69,7 @@ class TrainOutcome:
 
 
 def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, steps: int = 10,
-          schedule: str = "1f1b-flush", microbatches: Optional[int] = None, optimizer: Union[str, type] = "sgd",
+          schedule: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None, optimizer: Union[str, type] = "sgd",
           lr: Optional[float] = None, loss_fn: Any = None, example_inputs: Any = None,
           example_targets: Any = None, leaf_modules: Iterable[Any] = (), concrete_args: Optional[dict] = None,
           save: Optional[str] = None, checkpoint: Optional[str] = None,

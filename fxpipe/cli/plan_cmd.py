@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from passes.errors import FxpipeError
+from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 
 from fxpipe.units import parse_bandwidth, parse_memory
 
@@ -45,8 +46,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
-    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
-                   help="schedule the plan is for (memory, in-flight counts); default 1f1b-flush, as fxpipe train")
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                   help=f"schedule the plan is for (memory, in-flight counts); default {DEFAULT_SCHEDULE}, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
     p.add_argument("--replication", choices=("any", "pow2", "none"), default="any",
                    help="replicas per stage: any count, powers of two, or none (straight pipeline)")

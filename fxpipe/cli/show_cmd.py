@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from passes.errors import FxpipeError
+from passes.partition.costmodel import SCHEDULES
 
 
 def register(subparsers) -> None:
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--profile", help="profile.json / PipeDream graph.txt to draw (default: profile.json beside the plan)")
     p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace`: one middle step drawn under the simulation")
     p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
-    p.add_argument("--schedule", choices=("1f1b-flush", "1f1b-stash", "gpipe"),
+    p.add_argument("--schedule", choices=SCHEDULES,
                    help="schedule to simulate (default: the plan's)")
     p.add_argument("--microbatches", type=int, help="microbatches per step to simulate (default: the plan's)")
     p.add_argument("--format", choices=("html", "dot", "svg", "png"), default="html",
@@ -32,7 +33,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from fxpipe.show.data import load_input
-    from fxpipe.show.view import simulate_input, stage_of
+    from fxpipe.show.view import simulate_input
+    from passes.partition.costmodel import assignment_of
 
     data = load_input(args.target, args.profile)
     sim, layout = simulate_input(data, args.schedule, args.microbatches)
@@ -45,7 +47,7 @@ def run(args) -> int:
         if data.graph is None:
             raise FxpipeError("--format dot/svg/png draws the graph, which needs profile.json; pass --profile")
         from fxpipe.show import graphviz
-        graphviz.write(data.graph, stage_of(data.plan), out, args.format)
+        graphviz.write(data.graph, assignment_of(data.plan.stages), out, args.format)
     else:
         from fxpipe.show.html import render_html
         measured, note = _measured(args.trace, sim)

@@ -36,17 +36,15 @@ from fxpipe.runtime.groups import GradReducer, make_groups
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
 from fxpipe.runtime.precision import LossScaler, check_precision
 from fxpipe.runtime.recompute import check_recompute, recomputes
+from passes.partition.costmodel import DEFAULT_SCHEDULE
 from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
 
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
-
-
 @dataclass
 class TrainConfig:
-    schedule: str = "1f1b-flush"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: int = 4
     steps: int = 10
     optimizer: str = "sgd"  # or "module:Class" of a torch.optim.Optimizer (fxpipe.train(optimizer=Class))

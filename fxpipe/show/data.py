@@ -2,26 +2,19 @@
 
 ``fxpipe split`` writes an output folder with ``plan.json`` (``Plan.to_json``)
 and ``profile.json`` (``CostGraph.to_json``). A bare plan file works too; the
-view then has no graph and says so. The plan is read with ``fxpipe.plan.Plan``
-when that module is importable, else through the contract's field names, so
-the viewer keeps working on plans written by older or newer fxpipe versions.
+view then has no graph and says so. The plan is read with ``Plan.from_json``,
+the same reader the runtime uses.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
-
-STAGE_FIELDS = ("index", "nodes", "replicas", "ranks", "fwd_s", "bwd_s", "compute_s", "allreduce_s", "comm_s",
-                "time_s", "param_bytes", "send_bytes", "memory_bytes")
-PLAN_FIELDS = ("devices", "batch_size", "bottleneck_s", "samples_per_s", "speedup_vs_one", "speedup_vs_dp",
-               "options", "solver")
-
+from fxpipe.plan import Plan
 
 @dataclass
 class ShowInput:
@@ -33,32 +26,15 @@ class ShowInput:
     links: Optional[List[tuple]] = None  # from split.json when the split is there
 
 
-def load_plan(path: Path) -> Any:
-    """A ``Plan`` (or an object with its fields) from ``plan.json``."""
+def load_plan(path: Path) -> Plan:
+    """The ``Plan`` in ``plan.json``."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise FxpipeError(f"cannot read plan {path}: {exc}; pass the plan.json written by `fxpipe split`") from exc
     if not isinstance(data, dict) or "stages" not in data:
         raise FxpipeError(f"{path} is not a plan (no 'stages'); pass plan.json or the folder `fxpipe split` wrote")
-    try:
-        from fxpipe.plan import Plan
-    except ImportError:
-        return plan_from_dict(data)
     return Plan.from_json(data)
-
-
-def plan_from_dict(data: Mapping[str, Any]) -> Any:
-    stages = [SimpleNamespace(**{k: s.get(k, _default(k, j)) for k, j in zip(STAGE_FIELDS, [i] * 13)})
-              for i, s in enumerate(data["stages"])]
-    plan = SimpleNamespace(stages=stages, **{k: data.get(k) for k in PLAN_FIELDS})
-    plan.options = dict(plan.options or {})
-    plan.solver = dict(plan.solver or {})
-    return plan
-
-
-def _default(key: str, index: int) -> Any:
-    return {"index": index, "nodes": [], "replicas": 1, "ranks": []}.get(key, 0)
 
 
 def load_input(target: str, profile: Optional[str] = None) -> ShowInput:

@@ -11,6 +11,8 @@ import html
 import json
 from typing import Any, Dict, List, Optional
 
+from passes.partition.costmodel import assignment_of
+
 from fxpipe.show.assets import CSS, JS
 from fxpipe.show.data import ShowInput, Trace
 from fxpipe.show.graph import graph_payload
@@ -86,6 +88,9 @@ def _summary_html(plan: Any, sim: Any) -> str:
              ("speedup vs 1 device", f"{float(plan.speedup_vs_one or 0):.3g}×"),
              ("speedup vs data parallel", f"{float(plan.speedup_vs_dp or 0):.3g}×"),
              ("bandwidth", f"{float(opts.get('bandwidth') or 0):.3g} B/s"), ("solver", solver.get("status", "–"))]
+    if opts.get("gpus_per_node"):
+        items.insert(-1, ("inside a node", f"{float(opts.get('intra_bandwidth') or 0):.3g} B/s, "
+                                           f"{opts['gpus_per_node']} devices per node"))
     if sim is not None:
         items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} {batches_word(sim.kind)}"),
                   ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
@@ -115,7 +120,7 @@ def render_html(data: ShowInput, sim: Any = None, layout: Any = None,
                 measured_note: str = "") -> str:
     """The page as one string. ``measured``: a trace from ``data.load_trace`` (or ``one_step``)."""
     plan = data.plan
-    stage_of = {n: s.index for s in plan.stages for n in s.nodes}
+    stage_of = assignment_of(plan.stages)
     payload = {
         "palette": PALETTE, "stages": len(plan.stages),
         "graph": graph_payload(data.graph, stage_of) if data.graph is not None else None,

@@ -18,17 +18,22 @@ be scored (``evaluate``) the same way the solver scores it. On nodes of
 follow the links they use; ``hierarchical`` reproduces PipeDream's
 level-by-level optimizer for such machines, to compare with.
 """
-from passes.partition.costmodel import CostOptions, Evaluation, StageCost, data_parallel, evaluate
-from passes.partition.driver import (
-    InfeasibleError,
-    PartitionResult,
-    apply_assignment,
-    is_convex,
-    partition,
-    stderr_progress,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CostOptions", "Evaluation", "StageCost", "data_parallel", "evaluate",
-    "InfeasibleError", "PartitionResult", "apply_assignment", "is_convex", "partition", "stderr_progress",
-]
+import importlib
+from typing import Any
+
+_HOME = {
+    "CostOptions": "costmodel", "Evaluation": "costmodel", "StagePlan": "costmodel", "data_parallel": "costmodel",
+    "evaluate": "costmodel", "InfeasibleError": "driver", "PartitionResult": "driver",
+    "apply_assignment": "driver", "is_convex": "driver", "partition": "driver", "stderr_progress": "driver",
+}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """Load the solvers (OR-Tools, networkx) on first use: the cost model alone (``costmodel``: the
+    schedule names, in-flight counts) is what the CLI's parser and the runtime import."""
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

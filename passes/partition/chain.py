@@ -20,7 +20,8 @@ within the devices left is dropped (the stage only grows later), and one is
 dropped when a later point contains it with no more devices used and no more
 bytes cut (it is then at least as good a start for every later stage).
 Shared (tied) weights count once per stage: a stage holds weight p iff one of
-p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``.
+p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``;
+it shares p with another stage iff not all of them do (``costmodel.tied_floor_s``).
 """
 from __future__ import annotations
 
@@ -56,16 +57,19 @@ class ChainSolver:
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
+        self.shared_users = np.array([len(users) for _, users in units.shared.values()])
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
         self._pairs = None
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
-        params = pi - pj
+        params, tied = pi - pj, 0.0
         if self.shared_bytes.size:
-            params = params + ((si - sj) > 0.5) @ self.shared_bytes
-        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts)
+            inside = si - sj
+            params = params + (inside > 0.5) @ self.shared_bytes
+            tied = ((inside > 0.5) & (inside < self.shared_users - 0.5)) @ self.shared_bytes
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied)
 
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
@@ -186,15 +190,16 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
         return [int(r) for r in reps]
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     comp, par = _stage_sums(units, stage_of, len(reps))
+    tied = _stage_tied(units, stage_of, len(reps))
     while left > 0:
         pos = np.searchsorted(allowed, reps, side="right")
         nxt = allowed[np.minimum(pos, len(allowed) - 1)]
         usable = (pos < len(allowed)) & (nxt - reps <= left)
-        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts)
-        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts)
+        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts, tied)
+        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts, tied)
         usable &= then <= T * (1 + 1e-12)
         if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
-            jump = _first_fit_above(comp, par, reps, left, allowed, opts, T)
+            jump = _first_fit_above(comp, par, tied, reps, left, allowed, opts, T)
             if jump is None:
                 return None
             s, r = jump
@@ -209,14 +214,14 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
     return [int(r) for r in reps]
 
 
-def _first_fit_above(comp, par, reps, left: int, allowed, opts: CostOptions, T: float):
+def _first_fit_above(comp, par, tied, reps, left: int, allowed, opts: CostOptions, T: float):
     """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage within T."""
     best = None
     for s, r in enumerate(reps):
         cand = allowed[(allowed > r) & (allowed - r <= left)]
         if not cand.size:
             continue
-        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts) <= T * (1 + 1e-12))[0]
+        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts, tied[s]) <= T * (1 + 1e-12))[0]
         if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
             best = (s, int(cand[ok[0]]))
     return best
@@ -231,6 +236,16 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
         for s in {stage_of[u] for u in users}:
             par[s] += nb
     return comp, par
+
+
+def _stage_tied(units: Units, stage_of: List[int], S: int) -> np.ndarray:
+    """Weight bytes per stage that another stage holds too (``stage_time_s``'s ``tied``)."""
+    tied = np.zeros(S)
+    for _, (nb, users) in units.shared.items():
+        holders = {stage_of[u] for u in users}
+        if len(holders) > 1:
+            tied[list(holders)] += nb
+    return tied
 
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
@@ -293,10 +308,12 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
 
 
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
-    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
+    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage; a tied weight at its
+    floor, ``tied_floor_s``: ``evaluate`` charges its group)."""
     S = len(replicas)
     comp, par = _stage_sums(units, stage_of, S)
+    tied = _stage_tied(units, stage_of, S)
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
-    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts) for s in range(S))
+    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, tied[s]) for s in range(S))

@@ -24,7 +24,7 @@ from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.downsets import downset_dp
 from passes.partition.segments import build_segments, fold_margin, folded_units
-from passes.partition.costmodel import CostOptions, StageCost, evaluate, flat_bound
+from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import best_order_dp
 from passes.partition.result import SolveResult
 
@@ -47,7 +47,7 @@ class InfeasibleError(FxpipeError):
 class PartitionResult:
     assignment: Dict[str, int]
     replicas: List[int]
-    stages: List[StageCost]
+    stages: List[StagePlan]
     bottleneck_s: float
     options: CostOptions
     status: str  # OPTIMAL, FEASIBLE (time limit), or HEURISTIC (no solver answer)
@@ -155,7 +155,9 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
         model.hint(warm[0], warm[1])
         if opts.memory is None and not units.shared:
             model.upper_bound(warm[2])
-    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None else -math.inf
+    # a tied weight's sync is only floored in the model, so its objective meeting the bound proves nothing
+    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None and not units.shared \
+        else -math.inf
     solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
@@ -307,13 +309,16 @@ def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResu
             heuristic_s: Optional[float], method: str) -> PartitionResult:
     assignment = _to_nodes(graph, units, solved.stage_of)
     result = evaluate(graph, assignment, solved.replicas, opts)
-    return PartitionResult(
+    out = PartitionResult(
         assignment=assignment, replicas=list(solved.replicas), stages=result.stages,
         bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
         objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
         method=method,
     )
+    if out.status == "OPTIMAL" and out.gap > OPTIMAL_GAP and tied_weights(graph, assignment):
+        out.status = "FEASIBLE"  # the solver charged tied weights below their sync (costmodel.tied_sync_s)
+    return out
 
 
 def stderr_progress(line: str) -> None:

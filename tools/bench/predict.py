@@ -44,7 +44,7 @@ from fxpipe.layout import Layout
 from fxpipe.schedule import build_schedule
 from fxpipe.show.data import Trace, TraceEvent, load_input, load_trace
 from fxpipe.show.view import simulate_input
-from fxpipe.simulate import costs_from_plan, simulate
+from fxpipe.simulate import costs_from_plan, plan_bandwidth, simulate
 from tools.bench.models import TinyGPT
 
 FXPIPE = [sys.executable, "-m", "fxpipe"]
@@ -139,7 +139,7 @@ def replay_rate(folder: Path, schedule: str, M: int) -> float:
     costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
     sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
     sends = [e.end_s - e.start_s for evs in trace.values() for e in evs if e.name.startswith("SEND")]
-    replay = simulate(sched, costs, layout, bandwidth=float(data.plan.options.get("bandwidth") or 1e30),
+    replay = simulate(sched, costs, layout, bandwidth=plan_bandwidth(data.plan),
                       samples_per_microbatch=int(data.plan.batch_size or 1), overlap_comm=False,
                       latency_s=statistics.median(sends) if sends else 0.0)
     return pick(replay)

@@ -10,14 +10,13 @@ import pytest
 
 from fxpipe.cli import main
 from passes.costgraph import CostGraph, CostNode
-from fxpipe.plan import plan_from_result
 from fxpipe.show.data import ShowInput, TraceEvent, load_trace
-from passes.partition import CostOptions, PartitionResult, evaluate
 from fxpipe.show.graph import graph_payload
 from fxpipe.show.html import render_html
 from fxpipe.show.text import render_text
 from fxpipe.show.view import simulate_input
 
+from tests.plans import synthetic_plan
 from tests.profiles import PROFILES
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -36,17 +35,6 @@ def small_graph():
              ("block_conv1", "block_conv2"), ("block_conv2", "add"), ("stem_relu", "add"), ("add", "head_fc"),
              ("head_fc", "output")]
     return CostGraph(nodes, edges, param_sizes={})
-
-
-def synthetic_plan(graph: CostGraph, assignment, replicas, batch_size: int = 1, bandwidth: float = 1.25e9,
-                   microbatches: int = 4, schedule: str = "1f1b-flush"):
-    """A real ``Plan`` for a hand-made assignment, scored by the partitioner's cost model."""
-    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
-    ev = evaluate(graph, assignment, list(replicas), opts)
-    result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
-                             bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
-                             objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0, units=len(graph.nodes))
-    return plan_from_result(result, graph, batch_size)
 
 
 SMALL_ASSIGN = {"x": 0, "stem_conv": 0, "stem_relu": 0, "block_conv1": 1, "block_conv2": 1, "add": 2,
@@ -309,3 +297,16 @@ def test_times_round_before_choosing_the_unit():
 
     assert fmt_s(0.0009996) == "1 ms" and fmt_s(0.0009994) == "999 µs" and fmt_s(0.99996) == "1 s"
     assert fmt_s(0.0123) == "12.3 ms" and fmt_s(0) == "0" and fmt_s(None) == "–"
+
+
+def test_two_level_plan_is_simulated_with_its_node_links(tmp_path):
+    g = small_graph()
+    plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 2], bandwidth=1e3, gpus_per_node=2, intra_bandwidth=1e12)
+    data = ShowInput(plan=plan, graph=g, source="test")
+    sim, layout = simulate_input(data)
+    sends = {(r, e.action.peer): e.end - e.start for r, evs in sim.events.items() for e in evs
+             if e.action.kind.value == "SEND_F" and e.action.mb == 0}
+    assert sends[(0, 1)] == pytest.approx(1024 / 1e12)  # ranks 0 and 1 share node 0
+    assert sends[(1, 2)] == pytest.approx(1024 / 1e3)  # rank 2 is on node 1
+    page = render_html(data, sim, layout)
+    assert "2 devices per node" in page
