@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -150,7 +150,17 @@ class ChainSolver:
     # ------------------------------------------------------------ the plan
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
         """Stage per unit and replicas, walking back from the full set."""
+        chain, reps = self._walk(back)
         point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
+        stage_of = [0] * len(self.units)
+        for s in range(len(reps)):
+            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
+            for u in np.nonzero(inside)[0]:
+                stage_of[u] = s
+        return stage_of, reps
+
+    def _walk(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
+        """The points that end each stage (from the empty one) and the stages' replicas."""
         chain, reps, x = [], [], self.offsets[-1] - 1
         while True:
             j, r = (int(v) for v in back[x])
@@ -159,14 +169,11 @@ class ChainSolver:
                 break
             reps.append(r)
             x = j
-        chain.reverse()
-        reps.reverse()
-        stage_of = [0] * len(self.units)
-        for s in range(len(reps)):
-            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
-            for u in np.nonzero(inside)[0]:
-                stage_of[u] = s
-        return stage_of, reps
+        return chain[::-1], reps[::-1]
+
+    def pad(self, stage_of: List[int], replicas: List[int], T: float) -> Optional[List[int]]:
+        """Replicas spread over exactly K devices within T (``pad``)."""
+        return pad(self.units, stage_of, replicas, self.opts, T)
 
     def _members(self, point: int, point_seg) -> np.ndarray:
         a = int(point_seg[point])
@@ -249,46 +256,52 @@ def _stage_tied(units: Units, stage_of: List[int], S: int) -> np.ndarray:
 
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
-          score) -> Optional[ChainSolution]:
+          score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
+          ladder: Sequence[float] = ()) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
     spread over exactly K (``pad``) lowers the search's upper end without
     giving a plan; the answer's bound stays the highest proven-infeasible T.
+    ``solver``: the DP for one T (default the flat ``ChainSolver``; ``placed.py``
+    has the two-level one); ``tolerance``: where the bisection stops;
+    ``ladder``: the first T to try, as multiples of ``sum C / K``, before T
+    doubles (a pass that costs more is better spent near that bound).
     """
-    solver = ChainSolver(units, segments, opts)
+    solver = solver or ChainSolver(units, segments, opts)
     lo = sum(units.compute) / opts.devices * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
+    steps = [T * f for f in ladder]
     try:
-        for _ in range(64):  # find a plan: double T from sum C / K
+        for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)
             if found is _INFEASIBLE:
                 lo = T
             elif found is not _UNPADDED:
                 best, hi = found, found[2]
                 break
-            T *= 2
+            T = steps.pop(0) if steps else T * 2
         if best is None:
             return None
-        probe = True
-        while hi > lo * (1 + TOLERANCE):
+        probe = best[2] < T * (1 - tolerance)  # a plan found at T with no slack: bisect at once
+        while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
-                T = max(hi / (1 + TOLERANCE), lo)
+                T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
-            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - TOLERANCE)
+            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - tolerance)
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:
                 hi = T
-            else:
-                best, hi = found, min(found[2], T)
+            else:  # on a two-level machine a plan may score above T (``placed.py`` charges cuts at their cheapest)
+                best, hi = min(best, found, key=lambda f: f[2]), min(found[2], T)
     except DeadlineExceeded:
         if best is None:
             return None
     bound = min(lo, best[2])
-    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + TOLERANCE))
+    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + tolerance))
 
 
 _INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
@@ -301,19 +314,25 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
     if need > opts.devices:
         return _INFEASIBLE
     stage_of, reps = solver.plan(back)
-    reps = pad(units, stage_of, reps, opts, T)
+    reps = solver.pad(stage_of, reps, T)
     if reps is None:
         return _UNPADDED
     return stage_of, reps, score(stage_of, reps)
+
+
+def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compute, weight bytes and the bytes crossing into each stage (``cut[s]``, s = 0..S) of a plan."""
+    comp, par = _stage_sums(units, stage_of, S)
+    cut = np.zeros(S + 1)
+    for unit, nbytes, consumers in units.producers:
+        cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
+    return comp, par, cut
 
 
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
     """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage; a tied weight at its
     floor, ``tied_floor_s``: ``evaluate`` charges its group)."""
     S = len(replicas)
-    comp, par = _stage_sums(units, stage_of, S)
+    comp, par, cut = stage_totals(units, stage_of, S)
     tied = _stage_tied(units, stage_of, S)
-    cut = np.zeros(S + 1)
-    for unit, nbytes, consumers in units.producers:
-        cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
     return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, tied[s]) for s in range(S))

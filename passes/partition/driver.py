@@ -27,6 +27,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import best_order_dp
 from passes.partition.result import SolveResult
+from passes.partition import placed
 
 
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
@@ -191,18 +192,21 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
-    """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
-    model: no placement makes a link faster) and at the SLOWER one (its plans place well); the plan
-    that scores best placed is kept, with the fast model's bound."""
+    """The segment DP that knows node boundaries (``placed.py``) where it applies; else the segment DP
+    under the flat model at the FASTER bandwidth (its bound is a bound of the placed model: no
+    placement makes a link faster) and at the SLOWER one (its plans place well), the plan that scores
+    best placed kept, with the fast model's bound."""
+    if placed.supports(opts):
+        return _chain(graph, opts, start, deadline)
     fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)
     if fast is None:
         return None
     slow = _chain(graph, flat_bound(opts, fast=False), start, deadline)
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
-    placed, best = min(scored, key=lambda x: x[0].bottleneck_s)
+    ev, best = min(scored, key=lambda x: x[0].bottleneck_s)
     result = dataclasses.replace(
-        best, stages=placed.stages, bottleneck_s=placed.bottleneck_s, objective_s=placed.bottleneck_s,
-        options=opts, bound_s=min(fast.bound_s, placed.bottleneck_s), wall_s=time.monotonic() - start)
+        best, stages=ev.stages, bottleneck_s=ev.bottleneck_s, objective_s=ev.bottleneck_s,
+        options=opts, bound_s=min(fast.bound_s, ev.bottleneck_s), wall_s=time.monotonic() - start)
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
 
@@ -294,8 +298,13 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
-    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
-    found = chain_solve(units, segs, opts, deadline, score)
+    if opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
+        score = lambda stage_of, reps: placed.placed_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
+                            placed.TOLERANCE, placed.LADDER)
+    else:
+        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None
     bound = max(found.bound - fold_margin(segs, folded), 0.0)

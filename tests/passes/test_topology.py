@@ -10,7 +10,9 @@ import pytest
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import CostOptions, evaluate, partition
+from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.costmodel import allreduce_at, cut_at
+from passes.partition.downsets import downset_dp
 from passes.partition.topology import node_counts, node_of, offsets, pair_load, stage_ranks
 from tests.passes.test_partition import make_graph, random_dag
 from tests.profiles import PROFILES
@@ -106,9 +108,13 @@ def _brute_force(g: CostGraph, opts: CostOptions) -> float:
 def test_exact_dp_matches_brute_force(model, seed):
     g = _chain(7, seed)
     opts = _opts(6, 2, model)
+    best = _brute_force(g, opts)
+    exact = downset_dp(build_units(g, opts, [[n] for n in model_nodes(g, opts)]), opts)
+    assert exact is not None and exact[2] == pytest.approx(best, rel=1e-9)
+    # the fxpipe model is answered by the segment DP (placed.py) when it proves its plan within 0.1 %
     res = partition(g, 6, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, cost_model=model)
-    assert res.method == "downset DP" and res.status == "OPTIMAL"
-    assert res.bottleneck_s == pytest.approx(_brute_force(g, opts), rel=1e-9)
+    assert res.method == ("segment DP" if model == "fxpipe" else "downset DP") and res.status == "OPTIMAL"
+    assert best * (1 - 1e-9) <= res.bottleneck_s <= best * (1 + 1e-3) and res.bound_s <= best * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
 
 
