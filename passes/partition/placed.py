@@ -33,10 +33,9 @@ cases with the flat models.
 """
 from __future__ import annotations
 
-import functools
 import math
 import time
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -47,7 +46,8 @@ from passes.partition.segments import Segment
 
 _EPS = 1e-12
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
-LADDER = (1.005, 1.02, 1.08, 1.3)  # first T tried, times sum C / K: two-level optima sit close above it
+LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3)  # first T tried, times sum C / K: optima sit close above it,
+# and a T far below one fails fast (prefixes that cannot finish are dropped)
 
 
 def supports(opts: CostOptions) -> bool:
@@ -112,9 +112,9 @@ def cut_floors(A_in, A_out, T: float, opts: CostOptions):
 class _Sources:
     """Look-up tables of a set of source points' rows ``dev[:, m]`` (see the module docstring).
 
-    ``window[s, lo, hi]``: min over offsets lo <= m <= hi of ``dev - m`` (the
-    first rank of the node the prefix ends in), with its offset; a stage in
-    one node from there ends at that rank plus its end offset.
+    ``prefix[s, w, hi]``: min over offsets w <= m <= hi (w = 0 or 1) of
+    ``dev - m`` (the first rank of the node the prefix ends in), with its
+    offset; a stage in one node from there ends at that rank plus its end offset.
     ``cross[s, q]`` (q = 1 .. G+1): fewest devices after a node-crossing stage of at
     least q replicas, ``min_m max(dev_m + q, node_m + G + 1)``, with its offset.
     """
@@ -129,28 +129,11 @@ class _Sources:
         self.cross_at = after.argmin(axis=2)
         self.cross = np.take_along_axis(after, self.cross_at[:, :, None], axis=2)[:, :, 0]
 
-    @functools.cached_property
-    def _windows(self):
-        n, G = self.dev.shape[0], self.G
-        window = np.full((n, G, G), self.inf, dtype=np.int64)
-        at = np.zeros((n, G, G), dtype=np.int64)
-        lo = np.arange(G)
-        window[:, lo, lo], at[:, lo, lo] = self.base, lo[None, :]
-        for span in range(1, G):  # window [lo, lo + span] from [lo, lo + span - 1] and the next offset
-            lo = np.arange(G - span)
-            prev, cur = window[:, lo, lo + span - 1], self.base[:, lo + span]
-            better = cur < prev
-            window[:, lo, lo + span] = np.where(better, cur, prev)
-            at[:, lo, lo + span] = np.where(better, lo + span, at[:, lo, lo + span - 1])
-        return window, at
-
-    @property
-    def window(self) -> np.ndarray:
-        return self._windows[0]
-
-    @property
-    def window_at(self) -> np.ndarray:
-        return self._windows[1]
+        # prefix[s, w, hi]: least (dev - m) over offsets w <= m <= hi (w = 0, 1), as (value · G + m)
+        key = self.base * G + np.arange(G)[None, :]
+        self.prefix = np.full((dev.shape[0], 2, G), self.inf * G, dtype=np.int64)
+        self.prefix[:, 0] = np.minimum.accumulate(key, axis=1)
+        self.prefix[:, 1, 1:] = np.minimum.accumulate(key[:, 1:], axis=1)
 
 
 def _crossing_start(src: _Sources, s, lo2, hi2, G: int, K: int):
@@ -179,10 +162,19 @@ def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = Fa
     mhi = t - np.concatenate([st.lo1_end[:, None], np.broadcast_to(lo1[:, None], (lo1.size, G - 1))], axis=1)
     mlo = np.maximum(t - hi1[:, None], 0)
     mlo = np.where(t < st.in_start[:, None], np.maximum(mlo, 1), mlo)
-    idx = (s * (G * G))[:, None] + np.minimum(mlo, G - 1) * G + np.maximum(mhi, 0)
-    val = np.where(mhi >= mlo, src.window.reshape(-1)[idx] + t, inf)
+    idx = (s * (2 * G))[:, None] + np.minimum(mlo, 1) * G + np.maximum(mhi, 0)
+    key = src.prefix.reshape(-1)[idx]
+    val = np.where(mhi >= mlo, key // G + t, inf)
     if want_from:
-        from_m = src.window_at.reshape(-1)[idx]
+        from_m = key % G
+    narrow = np.nonzero((mlo > 1).any(axis=1))[0]  # at most hi1 < G replicas in a node: rare
+    if narrow.size:
+        m = np.arange(G)[None, None, :]
+        inside = (m >= mlo[narrow][:, :, None]) & (m <= mhi[narrow][:, :, None])
+        k = np.where(inside, src.base[s[narrow]][:, None, :] * G + m, inf * G).min(axis=2)
+        val[narrow] = np.where(mhi[narrow] >= mlo[narrow], k // G + t, inf)
+        if want_from:
+            from_m[narrow] = k % G
     # across nodes, unbounded above: every count from the first one that crosses
     if crossing:
         start, start_m = _crossing_start(src, s, lo2, hi2, G, K)
@@ -218,16 +210,23 @@ class PlacedChainSolver(ChainSolver):
         super().__init__(units, segments, opts)
         self.G = int(opts.gpus_per_node)
         self.end_offset = 0
+        self._near_stages: Dict[int, tuple] = {}
 
-    def _stage_intervals(self, cj, pj, sj, cutj, ci, pi, si, cuti, T: float) -> _Stages:
-        """Replica counts of stages (j, i) by placement (``_Stages``)."""
+    def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti):
+        """Compute, weight bytes and cuts in and out of stages (j, i) (arrays that broadcast, flattened)."""
         params = pi - pj
         if self.shared_bytes.size:
             params = params + ((si - sj) > 0.5) @ self.shared_bytes
-        C, o = ci - cj, self.opts
+        C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
+        return C.ravel(), np.broadcast_to(params, C.shape).ravel(), cut_in.ravel(), cut_out.ravel()
+
+    def _stage_intervals(self, stages, T: float) -> _Stages:
+        """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``)."""
+        C, params, cut_in, cut_out = stages
+        o = self.opts
         lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
-        near, in_far, out_far = cut_floors(cutj, cuti, T, o)
+        near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
         return _Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
 
@@ -247,11 +246,17 @@ class PlacedChainSolver(ChainSolver):
             src_b = np.zeros((d, G, 3), dtype=np.int64)
             if a == 0:
                 dev[0, 0] = 0
+            # a prefix that leaves more compute than its spare devices can run within T is dropped:
+            # every later stage needs at least compute / T replicas
+            rest = _count((self.segs[-1].compute[-1] - seg.compute) / T, K)
+            rest[seg.compute >= self.segs[-1].compute[-1]] = 0
             reach = None
             if pool is not None and pool[0].size:
                 reach = self._from_pool(pool, seg, T, dev, src_b)
+                dev[dev + rest[:, None] > K] = K + 1
             if seg.sub_j.size:
                 self._inside(seg, off, T, dev, src_b)
+                dev[dev + rest[:, None] > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src_b
             pool = self._next_pool_placed(pool, reach, seg, off, dev, dev_all)
@@ -280,8 +285,8 @@ class PlacedChainSolver(ChainSolver):
         cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
         n = ids.size
         s = np.repeat(np.arange(n), d + 1)
-        ti = np.tile(np.arange(d + 1), n)
-        st = self._stage_intervals(pc[s], pp[s], ps[s], pcut[s], cc[ti], cp[ti], cs[ti], ccut[ti], T)
+        st = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
+                                                cc[None], cp[None], cs[None], ccut[None]), T)
         rows = self._dev_all_ref[ids]
         src = _Sources(rows, G, K)
         start, start_m = _crossing_start(src, s, st.lo2, st.hi2, G, K)
@@ -327,9 +332,11 @@ class PlacedChainSolver(ChainSolver):
         (as many rounds as stages fit in one segment, plus one)."""
         K, G = self.opts.devices, self.G
         j, i = seg.sub_j, seg.sub_i
-        st = self._stage_intervals(
-            seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-            seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i], T)
+        key = id(seg)
+        if key not in self._near_stages:  # the same for every T
+            self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i])
+        st = self._stage_intervals(self._near_stages[key], T)
         starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]  # sub_i is sorted
         targets = i[starts]
         while True:
