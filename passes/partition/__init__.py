@@ -15,7 +15,8 @@ warm-started by the best plan so far and bounded by the segment DP's bound.
 The cost models live in ``costmodel`` as plain functions, so any assignment can
 be scored (``evaluate``) the same way the solver scores it. On nodes of
 ``gpus_per_node`` devices, ``topology`` places stages on ranks and the costs
-follow the links they use; ``hierarchical`` reproduces PipeDream's
+follow the links they use (``placed`` runs the segment DP with each stage's
+offset within its node in the state); ``hierarchical`` reproduces PipeDream's
 level-by-level optimizer for such machines, to compare with.
 """
 from __future__ import annotations

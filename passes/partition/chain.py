@@ -33,6 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from passes.partition.coarsen import Units
+from passes.partition.heuristic import Solution
 from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
 from passes.partition.segments import Segment
 
@@ -278,30 +279,30 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             if found is _INFEASIBLE:
                 lo = T
             elif found is not _UNPADDED:
-                best, hi = found, found[2]
+                best, hi = found, found.objective
                 break
             T = steps.pop(0) if steps else T * 2
         if best is None:
             return None
-        probe = best[2] < T * (1 - tolerance)  # a plan found at T with no slack: bisect at once
+        probe = best.objective < T * (1 - tolerance)  # a plan found at T with no slack: bisect at once
         while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
-            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - tolerance)
+            probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance)
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:
                 hi = T
             else:  # on a two-level machine a plan may score above T (``placed.py`` charges cuts at their cheapest)
-                best, hi = min(best, found, key=lambda f: f[2]), min(found[2], T)
+                best, hi = min(best, found, key=lambda f: f.objective), min(found.objective, T)
     except DeadlineExceeded:
         if best is None:
             return None
-    bound = min(lo, best[2])
-    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + tolerance))
+    bound = min(lo, best.objective)
+    return ChainSolution(*best, bound, best.objective <= bound * (1 + tolerance))
 
 
 _INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
@@ -317,7 +318,7 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
     reps = solver.pad(stage_of, reps, T)
     if reps is None:
         return _UNPADDED
-    return stage_of, reps, score(stage_of, reps)
+    return Solution(stage_of, reps, score(stage_of, reps))
 
 
 def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

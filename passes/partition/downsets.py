@@ -144,7 +144,7 @@ def _walk_back(choice, masks, n, i, m, value) -> Solution:
         for u in range(n):
             if (mask >> u) & 1:
                 stage_of[u] = s
-    return stage_of, replicas, value
+    return Solution(stage_of, replicas, value)
 
 
 # ------------------------------------------------------------ two-level machine
@@ -190,7 +190,7 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
         for u in range(n):
             if (mask >> u) & 1:
                 stage_of[u] = s
-    return stage_of, list(reversed(replicas)), value
+    return Solution(stage_of, list(reversed(replicas)), value)
 
 
 def _placement_tables(opts: CostOptions, R: List[int]):
