@@ -47,7 +47,7 @@ def _chain_graph(n: int, seed: int) -> CostGraph:
 
 def _cases():
     for seed in range(6):
-        for K, G in ((4, 2), (8, 4), (8, 2), (6, 3), (4, 4)):
+        for K, G in ((4, 2), (8, 4), (8, 2), (6, 3), (4, 4), (4, 1)):
             yield seed, K, G
 
 
