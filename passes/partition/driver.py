@@ -307,7 +307,7 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
         found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None
-    bound = max(found.bound - fold_margin(segs, folded), 0.0)
+    bound = max(found.bound - fold_margin(units, folded), 0.0)
     solved = SolveResult("FEASIBLE", found.stage_of, found.replicas, found.objective, bound, time.monotonic() - start)
     result = _result(graph, units, opts, solved, start, None, "segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
