@@ -28,7 +28,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import SolveResult
-from passes.partition import placed
+from passes.partition import placed, stage_count
 
 
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
@@ -285,12 +285,12 @@ def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
 def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
-    Not used with a memory limit (not modelled there) or with replication
-    ``none`` on exactly K devices (the DP minimises devices; padding needs
-    replicas). Nearly free nodes fold into their producers first
+    Not used with a memory limit (not modelled there). Replication ``none`` on
+    exactly K devices counts stages instead of devices (``stage_count.py``).
+    Nearly free nodes fold into their producers first
     (``segments.folded_units``); the bound is lowered by what that can cost.
     """
-    if opts.memory is not None or (opts.replication == "none" and not opts.fewer_devices):
+    if opts.memory is not None:
         return None
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
@@ -298,7 +298,12 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
-    if opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
+    if opts.replication == "none" and not opts.fewer_devices:
+        if not stage_count.applies(opts, units):
+            return None
+        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
+    elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         score = lambda stage_of, reps: placed.placed_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
