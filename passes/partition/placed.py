@@ -17,14 +17,17 @@ bandwidth (``_intervals``: compute/r plus the ring, ``(C - a)/r + a`` with
 B1 interval and end at offset m + r; the others use the B2 interval, and when
 it is unbounded above they reach every count from its start on, so one number
 per pair (``_crossing_start``) yields all G offsets. Both steps are table
-look-ups per (source point, offset), so a pass costs about G times the flat
-one, not G².
+look-ups per (source point, offset), so a pass costs G times fewer steps
+than trying every offset pair.
 
-Cuts are charged at B1 on both sides (``r >= 2A/(B1·T)``), the cheapest any
-placement can make them: T infeasible is still a proof, and the plan found is
-scored placed by the caller (``costmodel.evaluate``). Where no cut limits the
-bottleneck (activations are small against the weights' all-reduce) the plan
-meets T and the bound is exact.
+Each cut is charged the least any placement allows (``cut_floors``: B2 on a
+side with a rank whose partners all sit in other nodes, else B1): T
+infeasible is still a proof, and the plan found is scored placed by the
+caller (``costmodel.evaluate``). Where no cut limits the bottleneck
+(activations are small against the weights' all-reduce) the plan meets T and
+the bound is exact. A prefix that leaves more compute than its spare devices
+can run within T (every later stage needs compute / T replicas) is dropped,
+so a T far below the optimum fails within a few segments.
 
 Used for the fxpipe cost model with replication ``any`` (PipeDream's
 hierarchical all-reduce depends on how a crossing stage splits over nodes,
