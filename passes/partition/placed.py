@@ -44,7 +44,7 @@ import numpy as np
 
 from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, stage_totals
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_at, cut_at
+from passes.partition.costmodel import CostOptions, allreduce_at, cut_at, tied_sync_s
 from passes.partition.segments import Segment
 
 _EPS = 1e-12
@@ -59,9 +59,15 @@ def supports(opts: CostOptions) -> bool:
             and opts.memory is None)
 
 
-def _intervals(C, P, T: float, bandwidth: float, K: int):
+def _intervals(C, P, T: float, bandwidth: float, K: int, tied=0.0):
     """Per stage (arrays), the replica counts ``[lo, hi]`` whose compute and ring (at ``bandwidth``)
-    meet T (``lo > hi``: none); ``hi`` is K when unbounded."""
+    meet T (``lo > hi``: none); ``hi`` is K when unbounded.
+
+    ``tied``: the part of P another stage holds too. Its sync runs over at
+    least the stage's ranks and one more (``costmodel.tied_sync_s``), so one
+    replica pays at least ``tied / bandwidth`` for it (a ring of two), and r
+    replicas at least what their own ring costs; with that r = 1 may fail
+    where r = 2 meets T, and the counts stay an interval."""
     a = 2.0 * P / bandwidth
     with np.errstate(divide="ignore", invalid="ignore"):
         falling = C >= a  # (C - a)/r + a falls with r (r = 1 gives C)
@@ -70,7 +76,9 @@ def _intervals(C, P, T: float, bandwidth: float, K: int):
         most = np.where(T >= a, np.inf, (a - C) / (a - T))
         hi = np.where(falling, np.inf, np.where(C <= T, most, -np.inf))
     hi = np.floor(np.minimum(hi * (1 + _EPS), K))
-    return _count(lo, K), np.maximum(hi, -1.0).astype(np.int64)
+    lo = _count(lo, K)
+    lo = np.where((lo == 1) & (C + np.asarray(tied, dtype=float) / bandwidth > T), 2, lo)
+    return lo, np.maximum(hi, -1.0).astype(np.int64)
 
 
 def _count(x, K: int) -> np.ndarray:
@@ -216,18 +224,22 @@ class PlacedChainSolver(ChainSolver):
         self._near_stages: Dict[int, tuple] = {}
 
     def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti):
-        """Compute, weight bytes and cuts in and out of stages (j, i) (arrays that broadcast, flattened)."""
-        params = pi - pj
+        """Compute, weight bytes, cuts in and out, and weight bytes another stage holds too, of stages
+        (j, i) (arrays that broadcast, flattened)."""
+        params, tied = pi - pj, np.zeros(1)
         if self.shared_bytes.size:
-            params = params + ((si - sj) > 0.5) @ self.shared_bytes
+            inside = si - sj
+            params = params + (inside > 0.5) @ self.shared_bytes
+            tied = ((inside > 0.5) & (inside < self.shared_users - 0.5)) @ self.shared_bytes
         C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
-        return C.ravel(), np.broadcast_to(params, C.shape).ravel(), cut_in.ravel(), cut_out.ravel()
+        flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
+        return C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied)
 
     def _stage_intervals(self, stages, T: float) -> _Stages:
         """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``)."""
-        C, params, cut_in, cut_out = stages
+        C, params, cut_in, cut_out, tied = stages
         o = self.opts
-        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)
+        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices, tied)  # one replica never crosses nodes
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
@@ -439,8 +451,17 @@ def placed_bottleneck(units: Units, stage_of: List[int], replicas: List[int], op
     S = len(replicas)
     comp, par, cut = stage_totals(units, stage_of, S)
     reps = np.asarray(replicas, dtype=np.int64)
-    times = _placed_times(comp, par, reps, opts)
     firsts = np.concatenate([[0], np.cumsum(reps)[:-1]])
+    ranks = [list(range(f, f + r)) for f, r in zip(firsts, reps)]
+    sync = np.zeros(S)  # weights tied across stages: synced over every rank of every stage holding them
+    for nbytes, users in units.shared.values():
+        holders = sorted({stage_of[u] for u in users})
+        if len(holders) > 1:
+            group = [x for h in holders for x in ranks[h]]
+            for h in holders:
+                par[h] -= nbytes
+                sync[h] += tied_sync_s(nbytes, ranks[h], group, opts)
+    times = _placed_times(comp, par, reps, opts) + sync
     for b in range(S - 1):
         if cut[b + 1] > 0:
             c = cut_at(cut[b + 1], int(firsts[b]), int(reps[b]), int(reps[b + 1]), opts)
