@@ -222,25 +222,76 @@ class PlacedChainSolver(ChainSolver):
         self.G = int(opts.gpus_per_node)
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
+        self.tied_to_last, self.tied_to_first = self._ends_tied()
 
-    def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti):
-        """Compute, weight bytes, cuts in and out, and weight bytes another stage holds too, of stages
-        (j, i) (arrays that broadcast, flattened)."""
-        params, tied = pi - pj, np.zeros(1)
+    def _ends_tied(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Per shared weight: whether the last stage holds it whatever the plan (its users include the
+        last unit with compute, which every other unit with compute precedes), and whether the first
+        stage does (its users include the first unit with compute, which precedes every other one;
+        the DP gives the first stage compute)."""
+        units, n = self.units, len(self.units)
+        work = [u for u in range(n) if units.has_compute[u]]
+        if not work or not units.shared:
+            return np.zeros(len(units.shared), dtype=bool), np.zeros(len(units.shared), dtype=bool)
+        succ: List[List[int]] = [[] for _ in range(n)]
+        pred: List[List[int]] = [[] for _ in range(n)]
+        for a, b in units.edges:
+            succ[a].append(b)
+            pred[b].append(a)
+
+        def closure(start: int, nxt) -> set:
+            seen, todo = {start}, [start]
+            while todo:
+                for v in nxt[todo.pop()]:
+                    if v not in seen:
+                        seen.add(v)
+                        todo.append(v)
+            return seen
+
+        first, last = work[0], work[-1]
+        first_ok = set(work) <= closure(first, succ)
+        last_ok = set(work) <= closure(last, pred)
+        users = [set(u) for _, u in units.shared.values()]
+        return (np.array([last_ok and last in u for u in users]), np.array([first_ok and first in u for u in users]))
+
+    def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti, first=False, last=False):
+        """Compute, weight bytes, cuts in and out, weight bytes another stage holds too, and of those the
+        bytes synced across nodes for sure, of stages (j, i) (arrays that broadcast, flattened);
+        ``first``/``last``: the stage starts at the empty point / ends at the full one.
+
+        With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
+        different nodes, so a weight both hold (``_ends_tied``) is synced at B2 over at least r + 1 ranks.
+        """
+        params, tied, far = pi - pj, np.zeros(1), np.zeros(1)
         if self.shared_bytes.size:
             inside = si - sj
             params = params + (inside > 0.5) @ self.shared_bytes
-            tied = ((inside > 0.5) & (inside < self.shared_users - 0.5)) @ self.shared_bytes
+            shared = (inside > 0.5) & (inside < self.shared_users - 0.5)
+            tied = shared @ self.shared_bytes
+            if self.opts.devices > self.G and not self.opts.fewer_devices:
+                ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
+                far = (shared & ends) @ self.shared_bytes
         C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
         flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
-        return C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied)
+        return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied), flat(far),
+                flat(np.asarray(first)))
 
     def _stage_intervals(self, stages, T: float) -> _Stages:
         """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``)."""
-        C, params, cut_in, cut_out, tied = stages
+        C, params, cut_in, cut_out, tied, far, first = stages
         o = self.opts
         lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices, tied)  # one replica never crosses nodes
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
+        some = np.nonzero(far > 0)[0]
+        if some.size:  # a ring of r + 1 ranks at B2 no longer has the shape a/r + b: try every count
+            r = np.arange(1, o.devices + 1, dtype=float)[None, :]
+            own = (params[some] - far[some])[:, None]
+            for bw, lo, hi in ((o.intra_bw, lo1, hi1), (o.bandwidth, lo2, hi2)):
+                t = C[some, None] / r + 2.0 * (r - 1) / r * own / bw + 2.0 * r / (r + 1) * far[some, None] / o.bandwidth
+                ok = t <= T * (1 + 1e-12)
+                lo[some] = np.where(ok.any(axis=1), ok.argmax(axis=1) + 1, o.devices + 1)
+                hi[some] = np.where(ok.any(axis=1), o.devices - ok[:, ::-1].argmax(axis=1), -1)
+        lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_ends_tied``)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
         return _Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
@@ -300,8 +351,11 @@ class PlacedChainSolver(ChainSolver):
         cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
         n = ids.size
         s = np.repeat(np.arange(n), d + 1)
+        ends = np.zeros(d + 1, dtype=bool)
+        ends[d - 1] = seg is self.segs[-1]
         st = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
-                                                cc[None], cp[None], cs[None], ccut[None]), T)
+                                                cc[None], cp[None], cs[None], ccut[None],
+                                                (ids == 0)[:, None], ends[None, :]), T)
         rows = self._dev_all_ref[ids]
         src = _Sources(rows, G, K)
         start, start_m = _crossing_start(src, s, st.lo2, st.hi2, G, K)
@@ -350,7 +404,9 @@ class PlacedChainSolver(ChainSolver):
         key = id(seg)
         if key not in self._near_stages:  # the same for every T
             self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i])
+                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
+                                                  (j == 0) & (off == 0),
+                                                  (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
         st = self._stage_intervals(self._near_stages[key], T)
         starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]  # sub_i is sorted
         targets = i[starts]
