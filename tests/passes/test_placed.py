@@ -153,3 +153,26 @@ def test_tied_weights_scored_as_evaluate_scores_them(K, G):
     stage_of = [res.assignment[names[0]] for names in units.members]
     assert placed_bottleneck(units, stage_of, res.replicas, opts) == pytest.approx(res.bottleneck_s, rel=1e-9)
     assert res.bound_s <= res.bottleneck_s
+
+
+def _tied_chain(seed: int, tied_bytes: int) -> CostGraph:
+    """A chain whose first and last compute nodes share one weight (an embedding tied to a head)."""
+    g = _chain_graph(7, seed)
+    nodes = dict(g.nodes)
+    for name in ("n1", "n5"):
+        nodes[name] = dataclasses.replace(nodes[name], params=("w",), param_bytes=0)
+    return CostGraph(nodes=nodes, edges=list(g.edges), param_sizes={"w": tied_bytes})
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("tied_bytes", [10**6, 10**8])
+def test_tied_first_and_last_bound_below_brute_force(seed, tied_bytes):
+    """Every split and replica count scored by evaluate (the tied weight synced over both stages'
+    ranks, across nodes): the DP's bound, with the first and last stage floored at B2, stays below."""
+    from tests.passes.test_topology import _brute_force
+
+    g = _light_cuts(_tied_chain(seed, tied_bytes), 1e-3)
+    opts = _opts(4, 2)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    best = _brute_force(g, opts)
+    assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
