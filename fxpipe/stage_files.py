@@ -305,11 +305,11 @@ def _annotate(stages: List[torch.fx.GraphModule], edges: List[CommEdge]) -> None
     by_tag = {e.tag: e for e in edges}
     for stage in stages:
         for n in stage.graph.nodes:
-            kind = "recv" if n.target is comm.recv else "send" if n.target is comm.send else None
-            tag = (n.args[0] if kind == "recv" else n.args[1]) if kind else None
+            direction = "recv" if n.target is comm.recv else "send" if n.target is comm.send else None
+            tag = (n.args[0] if direction == "recv" else n.args[1]) if direction else None
             if tag in by_tag:
                 e = by_tag[tag]
-                meta.put(n, meta.CommInfo(kind, e.tag, e.src_stage, e.dst_stage, e.value))
+                meta.put(n, meta.CommInfo(direction, e.tag, e.src_stage, e.dst_stage, e.value))
 
 
 def _retie(stages: List[torch.fx.GraphModule], names: List[Dict[str, str]], tied: Dict[str, List[int]]) -> None:

@@ -34,24 +34,19 @@ from passes.split_check import is_dropped
 from passes.values import COMPUTE_OPS
 
 
-def _require_on_compute(gm: torch.fx.GraphModule, kind: type, needed_by: str, what: str, made_by: str) -> None:
-    """Raise ``MissingMetadataError`` unless every compute node carries ``kind``."""
-    missing = [n.name for n in gm.graph.nodes
-               if n.op in COMPUTE_OPS and not is_dropped(n) and not meta.has(n, kind)]
-    if missing:
-        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
-        raise meta.MissingMetadataError(
-            f"{needed_by} needs {what}: run {made_by} first "
-            f"({len(missing)} nodes have no '{kind.KEY}' record: {shown})")
+def _not_computing(node: torch.fx.Node) -> bool:
+    """Nodes no pass annotates: get_attr, and what the split leaves out."""
+    return node.op not in COMPUTE_OPS or is_dropped(node)
 
 
 def require_costs(gm: torch.fx.GraphModule) -> None:
-    _require_on_compute(gm, meta.NodeCost, "partition", "costs", "profile (passes.profile.profile or ProfilePass)")
+    meta.require(gm, meta.NodeCost, needed_by="partition", what="costs",
+                 made_by="profile (passes.profile.profile or ProfilePass)", exempt=_not_computing)
 
 
 def require_stages(gm: torch.fx.GraphModule) -> None:
-    _require_on_compute(gm, meta.StageAssign, "split", "stages",
-                        "partition (passes.infra.partition_graph or PartitionPass)")
+    meta.require(gm, meta.StageAssign, needed_by="split", what="stages",
+                 made_by="partition (passes.infra.partition_graph or PartitionPass)", exempt=_not_computing)
 
 
 def partition_graph(gm: torch.fx.GraphModule, devices: int, **options: Any) -> PartitionResult:

@@ -33,7 +33,7 @@ from fxpipe.runtime.clipping import GradClipper, make_clipper
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
-from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
+from fxpipe.runtime.lr_schedule import LRScheduleError, check_lr_schedule, lr_at, set_lr
 from fxpipe.runtime.precision import LossScaler, check_precision
 from fxpipe.runtime.recompute import check_recompute, recomputes
 from passes.partition.costmodel import DEFAULT_SCHEDULE
@@ -68,7 +68,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
-        check_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
+        check_lr_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
         check_precision(self.precision, self.schedule)
         check_recompute(self.recompute)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -76,7 +76,7 @@ class TrainConfig:
 
     def lr_of(self, step: int) -> float:
         """The learning rate of 0-based ``step``."""
-        return lr_at(step, lr=self.lr, steps=self.steps, kind=self.lr_schedule, warmup=self.warmup_steps,
+        return lr_at(step, lr=self.lr, steps=self.steps, lr_schedule=self.lr_schedule, warmup=self.warmup_steps,
                      min_lr=self.min_lr)
 
     def to_json(self) -> Dict[str, Any]:
