@@ -6,11 +6,15 @@ lists the executor runs. Model, chosen to match the runtime:
 
 - ``F m`` / ``B m`` take the stage's per-microbatch ``fwd_s`` / ``bwd_s``
   (one device; a replica runs whole microbatches, so no division by ``r``);
+  on a rank whose list has ``W`` actions, ``B m`` takes ``bwd_s - wgrad_s``
+  and ``W m`` takes ``wgrad_s``;
 - a send is posted and the rank moves on (``isend``); the bytes travel over
   the (sender, receiver) channel at ``bandwidth`` after ``latency_s``, one
   message at a time per channel; with ``overlap_comm=False`` the sender waits
   for its transfer (a blocking send);
-- a receive waits until its message arrived: that wait is a bubble;
+- a receive is posted where it stands (``irecv``); the ``F m`` / ``B m``
+  that uses the message waits until it arrived: that wait is a bubble;
+- posting a send or a receive costs its rank ``post_s`` of its own time;
 - ``ALLREDUCE`` starts when the last member of its group arrives and takes the
   largest ``allreduce_s`` in the group;
 - memory on a rank = parameter bytes x live weight versions (the current one
@@ -29,7 +33,7 @@ from fxpipe.layout import Layout
 from fxpipe.validate import ScheduleError, execution_order, reduce_groups
 
 
-BUSY = ("compute", "allreduce", "step", "send_blocking")  # event kinds that are work, not bubble
+BUSY = ("compute", "allreduce", "step", "send_blocking", "post", "recv")  # event kinds that are work, not bubble
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,14 @@ class StageCosts:
     send_bytes: Mapping[int, int] = field(default_factory=dict)  # destination stage -> activation bytes
     allreduce_s: float = 0.0
     param_bytes: int = 0
-    activation_bytes: int = 0  # kept from F m until B m
+    activation_bytes: int = 0  # kept from F m until B m (W m when the backward is split)
     step_s: float = 0.0
+    wgrad_s: Optional[float] = None  # the weight-gradient share of bwd_s; None: half
+
+    @property
+    def w_s(self) -> float:
+        """Seconds of ``W m``: ``wgrad_s``, or half the backward (a matmul's dX and dW cost the same flops)."""
+        return self.bwd_s / 2 if self.wgrad_s is None else min(self.wgrad_s, self.bwd_s)
 
 
 @dataclass(frozen=True)
@@ -81,17 +91,18 @@ class SimResult:
 def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCosts], layout: Layout, *,
              bandwidth: float = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
              samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
-             overhead_s: float = 0.0) -> SimResult:
+             overhead_s: float = 0.0, post_s: float = 0.0) -> SimResult:
     """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage).
 
-    ``overhead_s`` is added to every forward and backward: the runtime's own
-    cost per action (Python dispatch, autograd bookkeeping), which profiles of
-    single operators do not see.
+    ``overhead_s`` is added to every forward, backward and weight-gradient
+    action: the runtime's own cost per action (Python dispatch, autograd
+    bookkeeping), which profiles of single operators do not see. ``post_s``:
+    the time a rank spends posting one send or receive.
     """
     if len(costs) != layout.num_stages:
         raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
     tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
-    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s)
+    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s)
     for step in execution_order(schedule, reduce_groups(layout, tied)):
         if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
             sim.barrier(step.ranks, step.action)
@@ -103,10 +114,12 @@ def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCost
 class _Clock:
     """Per-rank clocks, channel availability, message arrivals and memory."""
 
-    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s) -> None:
+    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
-        self.overhead_s = overhead_s
+        self.overhead_s, self.post_s = overhead_s, post_s
+        self.split = {r for r, acts in schedule.items() if any(a.kind is Kind.W for a in acts)}
+        self.posted: Dict[Tuple[int, bool, int], List[tuple]] = {}  # (rank, forward?, mb) -> message keys
         self.t = {r: 0.0 for r in schedule}
         self.events: Dict[int, List[Event]] = {r: [] for r in schedule}
         self.channel_free: Dict[Tuple[int, int], float] = {}
@@ -125,12 +138,19 @@ class _Clock:
 
     def run(self, rank: int, a: Action) -> None:
         c = self.stage(rank)
+        split = rank in self.split
         if a.kind is Kind.F:
+            self._wait_messages(rank, a)
             self._add(rank, c.fwd_s + self.overhead_s, a, "compute")
             self.flight[rank][a.mb] = self.version[rank]
             self._memory(rank, c)
         elif a.kind is Kind.B:
-            self._add(rank, c.bwd_s + self.overhead_s, a, "compute")
+            self._wait_messages(rank, a)
+            self._add(rank, c.bwd_s - (c.w_s if split else 0.0) + self.overhead_s, a, "compute")
+            if not split:
+                self.flight[rank].pop(a.mb, None)
+        elif a.kind is Kind.W:
+            self._add(rank, c.w_s + self.overhead_s, a, "compute")
             self.flight[rank].pop(a.mb, None)
         elif a.kind is Kind.STEP:
             self._add(rank, c.step_s, a, "step")
@@ -150,6 +170,8 @@ class _Clock:
         return int(self.costs[peer].send_bytes.get(me, 0))
 
     def _send(self, rank: int, a: Action) -> None:
+        if self.post_s:
+            self._add(rank, self.post_s, a, "post")
         start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
         wire = self._nbytes(rank, a) / self.bandwidth if self.bandwidth > 0 else 0.0
         arrive = start + self.latency_s + wire
@@ -162,9 +184,16 @@ class _Clock:
             self._add(rank, arrive - start, a, "send_blocking")
 
     def _recv(self, rank: int, a: Action) -> None:
-        arrive = self.arrival[(a.kind is Kind.RECV_F, a.mb, a.peer, rank)]
-        wait = max(0.0, arrive - self.t[rank])
-        self._add(rank, wait, a, "wait" if wait > 0 else "recv")
+        self.posted.setdefault((rank, a.kind is Kind.RECV_F, a.mb), []).append((a.kind is Kind.RECV_F, a.mb,
+                                                                                   a.peer, rank))
+        self._add(rank, self.post_s, a, "recv")
+
+    def _wait_messages(self, rank: int, a: Action) -> None:
+        """Before ``F m`` / ``B m``: wait until every message posted for it has arrived."""
+        keys = self.posted.pop((rank, a.kind is Kind.F, a.mb), ())
+        arrive = max((self.arrival[k] for k in keys), default=0.0)
+        if arrive > self.t[rank]:
+            self._add(rank, arrive - self.t[rank], a, "wait")
 
     def barrier(self, ranks: Sequence[int], a: Action) -> None:
         start = max(self.t[r] for r in ranks)
@@ -198,7 +227,8 @@ def _result(schedule, sim: _Clock, samples: int) -> SimResult:
 
 def _steady_rate(sim: _Clock, samples: int) -> Optional[float]:
     """Samples/s from the input stage's backward completions in the middle half of the run."""
-    ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B)
+    ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B
+             and e.kind == "compute")
     if len(ends) < 4:
         return None
     lo, hi = len(ends) // 4, (3 * len(ends)) // 4

@@ -42,7 +42,7 @@ from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
 
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1")
 
 
 @dataclass
@@ -213,11 +213,13 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if stashing else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
+    blocking = sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
         current[0] = first
         if n not in cache:
-            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages)[rank]
+            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages,
+                             blocking)[rank]
         if reporter is not None and stashing:
             reporter.expect(cache[n], first * M)
         r.ex.run(cache[n], base=first * M)

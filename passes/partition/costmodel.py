@@ -54,7 +54,7 @@ from passes.errors import FxpipeError
 from passes.partition import topology
 
 COST_MODELS = ("fxpipe", "pipedream")
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1")
 REPLICATION = ("any", "pow2", "none")
 
 
@@ -348,6 +348,8 @@ def in_flight(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
         return per_replica
     if opts.schedule == "1f1b-flush":
         return min(pipeline, per_replica)
+    if opts.schedule == "zb-h1":  # W deferred: every stage holds what the input stage holds under 1F1B
+        return min(math.ceil(sum(replicas) / replicas[0]), per_replica)
     return pipeline
 
 

@@ -32,13 +32,26 @@ def test_gpipe_has_the_same_bubble_as_flush_on_equal_stages():
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
 
 
+@pytest.mark.parametrize("S,M", [(2, 4), (3, 8), (4, 4), (4, 8), (5, 16)])
+def test_zb_h1_bubble_is_the_papers_formula(S, M):
+    """Qi et al.: with F = B = W, ZB-H1's bubble is (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W)."""
+    lay = Layout.of([1] * S)
+    costs = [StageCosts(1.0, 2.0, activation_bytes=1)] * S  # B and W take 1.0 each
+    zb = simulate(build_schedule("zb-h1", lay, M, chain(S)), costs, lay)
+    flush = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), costs, lay)
+    assert zb.step_s == pytest.approx(3 * M + (S - 1) * 1.0)
+    assert flush.step_s == pytest.approx(3 * M + (S - 1) * 3.0)
+    # same peak activation memory as 1F1B: every stage holds what the input stage holds there
+    assert max(zb.peak_memory.values()) == max(flush.peak_memory.values()) == min(S, M)
+
+
 def test_stash_has_no_bubble_in_steady_state():
     S, M = 4, 24
     lay = Layout.of([1] * S)
     res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [StageCosts(1.0, 2.0)] * S, lay)
     # steady state: from the first backward of the input stage to its last forward
-    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0))
-    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1))
+    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0) and e.kind == "compute")
+    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1) and e.kind == "compute")
     assert f_last.start - b0.start > 10 * 3.0
     for rank in range(S):
         assert res.idle_s(rank, b0.start, f_last.start) == pytest.approx(0.0, abs=1e-9)
@@ -105,7 +118,7 @@ def test_every_builtin_schedule_runs_to_the_end(kind, replicas):
 
 def test_deadlocked_schedule_is_refused_by_the_simulator():
     lay = Layout.of([1, 1])
-    broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 SEND_F0>r1 B0 STEP".split()],
+    broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 B0 SEND_F0>r1 STEP".split()],
               1: [Action.parse(t) for t in "RECV_F0<r0 F0 B0 SEND_B0>r0 STEP".split()]}
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(broken, [StageCosts(1, 1)] * 2, lay)
