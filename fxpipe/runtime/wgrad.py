@@ -13,12 +13,12 @@ wait. Both halves use the ordinary autograd graph of the forward:
   to parameters only: a node that could reach a received value would be on
   the path itself).
 - ``WeightGrad.run`` restarts the engine at each such node with its
-  recorded gradient, asking only for its off-path edges, so the node computes
-  its weight outputs and nothing of the input path runs twice; then one
-  backward from all those edges accumulates into the parameters' ``.grad``.
-  One engine call per such node keeps the input path out of each call: from
-  one node, the path below it would lead to the next node's parameters.
-- Where two such nodes share an off-path node (a parameter used by two
+  recorded gradient, asking only for the parameters below its off-path
+  edges (into their ``.grad``), so the node computes its weight outputs and
+  nothing of the input path runs twice. One engine call per such node keeps
+  the input path out of each call: from one node, the path below it would
+  lead to the next node's parameters.
+- Where two off-path edges lead to a common node (a parameter used by two
   operations on the input path, a transpose taken once and used twice), a
   call from the upper node would run the input path down to the lower one
   and count its share twice. Then ``W`` runs the backward from the roots
@@ -39,41 +39,31 @@ from torch.autograd.graph import GradientEdge, Node
 
 
 class WeightGrad:
-    """The weight-gradient half of one microbatch's backward, ready to run once."""
+    """The weight-gradient half of one microbatch's backward, ready to run once.
 
-    def __init__(self, frontier: Dict[Node, List[Tuple[Node, int]]], captured: Dict[Node, tuple],
+    ``frontier``: node -> the leaf tensors (parameters) below its off-path
+    edges; ``captured``: node -> the gradients that reached it in ``B``.
+    ``from_roots``: the overlapping case, run from ``roots`` instead.
+    """
+
+    def __init__(self, frontier: Dict[Node, List[torch.Tensor]], captured: Dict[Node, tuple],
                  roots: List[Tuple[torch.Tensor, torch.Tensor]], from_roots: bool = False) -> None:
         self.frontier, self.captured, self.roots = frontier, captured, roots
         self.from_roots = from_roots
 
     def run(self) -> None:
-        edges, grads = self._from_roots() if self.from_roots else self._from_frontier()
-        edges += [r for r, _ in self.roots if not self.from_roots]
-        grads += [g for _, g in self.roots if not self.from_roots]
-        if edges:
-            torch.autograd.backward(edges, grads)
+        if self.from_roots:
+            leaves = list({id(v): v for vs in self.frontier.values() for v in vs}.values())
+            torch.autograd.backward([r for r, _ in self.roots], [g for _, g in self.roots], inputs=leaves)
+        else:
+            for node, leaves in self.frontier.items():
+                starts = [(GradientEdge(node, i), g) for i, g in enumerate(self.captured.get(node) or ())
+                          if g is not None]
+                if starts and leaves:
+                    torch.autograd.backward([e for e, _ in starts], [g for _, g in starts], inputs=leaves)
+            if self.roots:
+                torch.autograd.backward([r for r, _ in self.roots], [g for _, g in self.roots])
         self.frontier, self.captured, self.roots = {}, {}, []
-
-    def _from_frontier(self) -> Tuple[list, list]:
-        edges: list = []
-        grads: list = []
-        for node, off in self.frontier.items():
-            starts = [(GradientEdge(node, i), g) for i, g in enumerate(self.captured.get(node) or ()) if g is not None]
-            if not starts:
-                continue
-            wanted = [GradientEdge(child, nr) for child, nr in off]
-            got = torch.autograd.grad([e for e, _ in starts], wanted, [g for _, g in starts], retain_graph=True,
-                                      allow_unused=True)
-            edges += [e for e, g in zip(wanted, got) if g is not None]
-            grads += [g for g in got if g is not None]
-        return edges, grads
-
-    def _from_roots(self) -> Tuple[list, list]:
-        """The parameters' gradients from the roots again: the input path runs a second time."""
-        leaves = list({id(v): v for off in self.frontier.values() for c, _ in off
-                       for v in _leaves(c)}.values())
-        torch.autograd.backward([r for r, _ in self.roots], [g for _, g in self.roots], inputs=leaves)
-        return [], []
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -100,38 +90,34 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     finally:
         for h in hooks:
             h.remove()
-    if _overlap(frontier, on_path):  # see the module docstring: restarting at each node would double count
-        return list(got), WeightGrad(frontier, {}, list(zip(roots, grads)), from_roots=True)
+    leaves, overlap = _leaves_below(frontier, on_path)
+    if overlap:  # see the module docstring: restarting at each node would double count
+        return list(got), WeightGrad(leaves, {}, list(zip(roots, grads)), from_roots=True)
     off_roots = [(r, g) for r, g in zip(roots, grads) if r.grad_fn is None or not on_path[r.grad_fn][0]]
-    return list(got), WeightGrad(frontier, captured, off_roots)
+    return list(got), WeightGrad(leaves, captured, off_roots)
 
 
-def _overlap(frontier: Dict[Node, List[Tuple[Node, int]]], graph: Dict[Node, Tuple[bool, tuple]]) -> bool:
-    """Whether two off-path edges of the frontier lead to a common node (then one would count the other's share)."""
+def _leaves_below(frontier: Dict[Node, List[Tuple[Node, int]]], graph: Dict[Node, Tuple[bool, tuple]]
+                  ) -> Tuple[Dict[Node, List[torch.Tensor]], bool]:
+    """Per frontier node, the leaves below its off-path edges; and whether two edges reach a common node."""
     owner: Dict[Node, int] = {}
-    edges = [c for off in frontier.values() for c, _ in off]
-    for i, child in enumerate(edges):
-        stack = [child]
-        while stack:
-            n = stack.pop()
-            if owner.setdefault(n, i) != i:
-                return True
-            stack.extend(c for c, _ in graph[n][1] if c is not None and owner.get(c) != i)
-    return False
-
-
-def _leaves(node: Node) -> List[torch.Tensor]:
-    """The tensors whose gradient accumulators lie at or below ``node``."""
-    out, stack, seen = [], [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if hasattr(n, "variable"):
-            out.append(n.variable)
-        stack.extend(c for c, _ in n.next_functions if c is not None)
-    return out
+    leaves: Dict[Node, List[torch.Tensor]] = {}
+    overlap = False
+    i = 0
+    for node, off in frontier.items():
+        mine = leaves[node] = []
+        for child, _ in off:
+            i += 1
+            stack = [child]
+            while stack:
+                n = stack.pop()
+                if owner.setdefault(n, i) != i:
+                    overlap = True
+                    continue
+                if hasattr(n, "variable"):
+                    mine.append(n.variable)
+                stack.extend(c for c, _ in graph[n][1] if c is not None and owner.get(c) != i)
+    return leaves, overlap
 
 
 def _recorder(store: Dict[Node, tuple], node: Node):
