@@ -31,6 +31,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.validate import ScheduleError, execution_order, reduce_groups
+from passes.partition.costmodel import default_microbatches
 
 
 BUSY = ("compute", "allreduce", "step", "send_blocking", "post", "recv")  # event kinds that are work, not bubble
@@ -322,7 +323,8 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     opts = dict(getattr(plan, "options", {}) or {})
     kind = kind or opts.get("schedule") or "1f1b-flush"
     layout = Layout.of([s.replicas for s in plan.stages])
-    M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
+    M = max(int(microbatches or opts.get("microbatches")
+                or default_microbatches(layout.world_size, kind, opts.get("memory"))), max(layout.replicas))
     if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
         M = max(M, 4 * layout.world_size)
     costs, found = costs_from_plan(plan, graph)

@@ -121,7 +121,8 @@ class CostOptions:
 
     @property
     def num_microbatches(self) -> int:
-        return self.microbatches if self.microbatches is not None else self.devices
+        return self.microbatches if self.microbatches is not None else default_microbatches(
+            self.devices, self.schedule, self.memory)
 
     def allowed_replicas(self) -> List[int]:
         if self.replication == "none":
@@ -332,6 +333,20 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) 
         lo2 = np.where((lo2 < hi2) & ~good, mid + 1, lo2)
     out[sel] = allowed[hi2]
     return out
+
+
+def default_microbatches(devices: int, schedule: str, memory: Optional[int] = None) -> int:
+    """Microbatches per step when none are asked for: ``4 x devices``, so the 1F1B bubble
+    ``(S-1)/(M+S-1)`` stays under 20 % on any number of stages ``S <= devices``.
+
+    1F1B (flush, stash) and ZB-H1 keep at most a pipeline's depth of microbatches in
+    flight whatever ``M`` is, so a longer step costs no memory. GPipe keeps all ``M``:
+    with a memory limit it stays at ``devices`` (a larger step could make the plan
+    infeasible); say ``--microbatches`` to choose.
+    """
+    if schedule == "gpipe" and memory is not None:
+        return devices
+    return 4 * devices
 
 
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
