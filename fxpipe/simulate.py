@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from fxpipe import sharing
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.validate import ScheduleError, execution_order, reduce_groups
@@ -92,30 +93,38 @@ class SimResult:
 def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCosts], layout: Layout, *,
              bandwidth: float = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
              samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
-             overhead_s: float = 0.0, post_s: float = 0.0) -> SimResult:
+             overhead_s: float = 0.0, post_s: float = 0.0, cores: Optional[int] = None) -> SimResult:
     """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage).
 
     ``overhead_s`` is added to every forward, backward and weight-gradient
     action: the runtime's own cost per action (Python dispatch, autograd
     bookkeeping), which profiles of single operators do not see. ``post_s``:
-    the time a rank spends posting one send or receive.
+    the time a rank spends posting one send or receive. ``cores``: CPU cores
+    the ranks share (``fxpipe.sharing``); None: one device per rank.
     """
     if len(costs) != layout.num_stages:
         raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
     tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
-    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s)
-    for step in execution_order(schedule, reduce_groups(layout, tied)):
-        if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
-            sim.barrier(step.ranks, step.action)
-        else:
-            sim.run(step.ranks[0], step.action)
+    order = list(execution_order(schedule, reduce_groups(layout, tied)))
+    stretch: Dict[Tuple[int, int], float] = {}
+    shared = cores is not None and len(schedule) > cores
+    for _ in range(sharing.ROUNDS if shared else 1):
+        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s, stretch)
+        for step in order:
+            if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
+                sim.barrier(step.ranks, step.action)
+            else:
+                sim.run(step.ranks[0], step.action)
+        if shared:
+            stretch = sharing.slowdown(sim.events, cores, BUSY, stretch)
     return _result(schedule, sim, samples_per_microbatch)
 
 
 class _Clock:
     """Per-rank clocks, channel availability, message arrivals and memory."""
 
-    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s) -> None:
+    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s,
+                 stretch) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
         self.overhead_s, self.post_s = overhead_s, post_s
@@ -128,11 +137,16 @@ class _Clock:
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
         self.peak = {r: 0 for r in schedule}
+        self.stretch = stretch  # (rank, n-th busy event) -> slowdown from sharing cores
+        self.busy_n = {r: 0 for r in schedule}
 
     def stage(self, rank: int) -> StageCosts:
         return self.costs[self.layout.stage_of(rank)]
 
     def _add(self, rank: int, dur: float, action: Action, kind: str) -> None:
+        if kind in BUSY:
+            dur *= self.stretch.get((rank, self.busy_n[rank]), 1.0)
+            self.busy_n[rank] += 1
         start = self.t[rank]
         self.t[rank] = start + dur
         self.events[rank].append(Event(rank, start, start + dur, action, kind))

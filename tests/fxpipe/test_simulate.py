@@ -264,3 +264,28 @@ def test_a_big_stage_is_timed_on_a_sample_and_scaled(monkeypatch):
     assert stepcost.stage_step_s(stage, TrainConfig()) == 4.0 and seen == [1040]
     monkeypatch.setattr(stepcost, "SAMPLE_NUMEL", 10**6)
     assert stepcost.stage_step_s(stage, TrainConfig()) == 1.0 and seen[-1] == 4160
+
+
+def test_ranks_sharing_cores_run_no_faster_than_the_cores_allow():
+    S, M = 4, 16
+    lay = Layout.of([1] * S)
+    sched = build_schedule("1f1b-flush", lay, M, chain(S))
+    costs = [StageCosts(1.0, 2.0)] * S
+    alone = simulate(sched, costs, lay)
+    assert simulate(sched, costs, lay, cores=4).step_s == pytest.approx(alone.step_s)  # a core per rank: no change
+    two = simulate(sched, costs, lay, cores=2)
+    work = S * M * 3.0
+    # two cores do the work of four ranks: at least half of it in sequence, and a rank alone in the bubble
+    # (warm-up, cool-down) runs at full speed, so less than twice the one-core-per-rank time
+    assert work / 2 <= two.step_s < 2 * alone.step_s
+    assert two.step_s == pytest.approx(work / 2, rel=0.1)
+    one = simulate(sched, costs, lay, cores=1)
+    assert one.step_s == pytest.approx(work, rel=0.02)
+
+
+def test_posting_a_message_costs_the_rank_time():
+    lay = Layout.of([1, 1])
+    sched = build_schedule("1f1b-flush", lay, 4, chain(2))
+    base = simulate(sched, [StageCosts(1.0, 2.0)] * 2, lay).step_s
+    posted = simulate(sched, [StageCosts(1.0, 2.0)] * 2, lay, post_s=0.01).step_s
+    assert base < posted <= base + 0.01 * sum(a.is_send or a.is_recv for acts in sched.values() for a in acts)
