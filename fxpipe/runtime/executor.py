@@ -209,6 +209,7 @@ class Executor:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
             self.stash.backward_done(g)
         state.loss, state.tokens = None, ()
+        state.box.received.clear()  # its edges point back at the mailbox: a cycle only the collector would free
         if state.wgrad is None:  # the weight half may still need the gradients received for B
             state.box.grad_in.clear()
         state.box.inbox.clear()
@@ -224,7 +225,6 @@ class Executor:
         for tag, grad in zip(tags, grads):
             if grad is not None:
                 box.grad_out[tag] = grad
-        box.received.clear()
 
     def _weight_grad(self, a: Action, g: int) -> None:
         if g not in self._input_done:

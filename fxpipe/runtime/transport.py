@@ -27,7 +27,9 @@ False), so polling cannot free them: the executor calls ``release_sends``
 with a microbatch old enough that every peer has certainly posted the
 matching receive (see ``Executor``), and the wait returns at once.
 Receives are waited lazily, right before the forward or backward that needs
-them, so a receive posted early overlaps with compute.
+them, so a receive posted early overlaps with compute. On CPU the posts
+themselves go through one thread (``fxpipe.runtime.poster``): gloo can hold
+the caller for milliseconds while posting.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.poster import poster
 from passes.comm import MailboxTransport
 from passes.errors import FxpipeError
 from passes.meta import TensorMeta, ValueMeta
@@ -117,7 +120,7 @@ class P2P:
     """Point-to-point mover for one rank. ``on_wait`` lets the tracer time waits."""
 
     def __init__(self, wires: Sequence[Wire], device: torch.device, timeout_s: float,
-                 on_wait: Optional[Callable[[str], Any]] = None) -> None:
+                 on_wait: Optional[Callable[[str], Any]] = None, threaded: bool = True) -> None:
         self.wires = list(wires)
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
@@ -128,6 +131,7 @@ class P2P:
         self._dtypes: Dict[int, torch.dtype] = {w.index: torch_dtype(w.tensor.dtype) for w in self.wires
                                                 if w.tensor is not None}
         self._grads = {w.index for w in self.wires if w.carries_grad}
+        self._poster = poster() if device.type == "cpu" and threaded else None
 
     def _tag(self, wire: Wire, mb: int, code: int) -> int:
         return (((mb % _TAG_WINDOW) * len(self.wires) + wire.index) << 2) | code
@@ -165,7 +169,13 @@ class P2P:
         self._sends.append((mb, self._post(dist.isend, t, peer, tag), t))
 
     def _post(self, op: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int) -> Any:
-        """Post an ``isend``/``irecv``: gloo raises at once when the peer's connection is already gone."""
+        """Post an ``isend``/``irecv`` (on CPU through the poster thread, ``fxpipe.runtime.poster``).
+
+        gloo raises at once when the peer's connection is already gone; through
+        the poster that error comes out of the handle's wait instead.
+        """
+        if self._poster is not None:
+            return self._poster.post(op, buf, peer, tag=tag)
         try:
             return op(buf, peer, tag=tag)
         except RuntimeError as exc:
