@@ -109,8 +109,8 @@ class Executor:
         self._split = any(a.kind is Kind.W for a in actions)
         self._input_done: set = set()  # microbatches past B and before W
         if self._split and self.recompute:
-            raise ExecutorError("a schedule with W actions (zb-h1) cannot recompute activations: the weight "
-                                "half would need them after the recomputed ones are gone; use --recompute none")
+            raise ExecutorError("a schedule with W actions (zb-h1) with recomputation is not supported yet; "
+                                "use --recompute none")
         tracing = self.tracer.enabled
         for handler, a in self._program(actions):
             g = base + a.mb if a.mb >= 0 else -1

@@ -114,3 +114,11 @@ def test_a_peer_gone_before_posting_is_a_transport_error_naming_it(monkeypatch) 
     with pytest.raises(TransportError, match="all-reduce of gradients: lost a peer"):
         with peer_guard("all-reduce of gradients"):
             closed()
+
+
+def test_zb_h1_with_recompute_is_refused_in_the_callers_process() -> None:
+    from fxpipe.runtime.loop import TrainConfig
+    from passes.errors import FxpipeError
+
+    with pytest.raises(FxpipeError, match="--schedule zb-h1 with --recompute is not supported"):
+        TrainConfig(schedule="zb-h1", recompute="all")
