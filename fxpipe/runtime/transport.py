@@ -125,7 +125,7 @@ class P2P:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.on_wait = on_wait
-        self._sends: List[Tuple[int, Any, torch.Tensor]] = []  # (microbatch, work, tensor), posting order
+        self._sends: List[Tuple[int, Any, torch.Tensor, int]] = []  # (microbatch, work, tensor, peer), in order
         self._recvs: Dict[Tuple[int, str], List[_Pending]] = {}
         self._pairs: Dict[Tuple[int, int], List[Wire]] = {}  # per-microbatch lookups, computed once
         self._dtypes: Dict[int, torch.dtype] = {w.index: torch_dtype(w.tensor.dtype) for w in self.wires
@@ -166,7 +166,7 @@ class P2P:
     # ------------------------------------------------------------ sends
     def _isend(self, t: torch.Tensor, peer: int, tag: int, mb: int) -> None:
         t = t.detach().to(self.device).contiguous()
-        self._sends.append((mb, self._post(dist.isend, t, peer, tag), t))
+        self._sends.append((mb, self._post(dist.isend, t, peer, tag), t, peer))
 
     def _post(self, op: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int) -> Any:
         """Post an ``isend``/``irecv`` (on CPU through the poster thread, ``fxpipe.runtime.poster``).
@@ -216,16 +216,16 @@ class P2P:
         ``upto`` so. The list holds a few microbatches' sends, so the scan is short.
         """
         keep = []
-        for mb, work, t in self._sends:
-            if mb <= upto:
-                self._wait(work, f"a send of microbatch {mb}", -1)
+        for send in self._sends:
+            if send[0] <= upto:
+                self._wait(send[1], f"a send of microbatch {send[0]}", send[3])
             else:
-                keep.append((mb, work, t))
+                keep.append(send)
         self._sends = keep
 
     def wait_sends(self) -> None:
-        for _, work, _ in self._sends:
-            self._wait(work, "a send", -1)
+        for mb, work, _, peer in self._sends:
+            self._wait(work, f"a send of microbatch {mb}", peer)
         self._sends.clear()
 
     # ------------------------------------------------------------ receives
