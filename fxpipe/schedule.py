@@ -2,7 +2,7 @@
 
 A schedule is decided here once, as plain lists, so the executor, the
 validator and the simulator all walk the same instructions (the torchgpipe
-``clock_cycles`` idea). Building happens in two steps:
+``clock_cycles`` idea). Building happens in three steps:
 
 1. *compute order*: for each rank, the order of its ``F m`` / ``B m`` (and
    ``W m``: 1F1B, GPipe or ZB-H1), plus where ``ALLREDUCE`` / ``STEP`` go;

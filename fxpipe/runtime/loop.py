@@ -5,7 +5,7 @@ directly from spawned processes. It reads the split (duck-typed: ``stages``,
 ``stage_inputs``, ``comm``, ``param_names``, ``tied``, ``links``), so
 hand-written stage modules that follow the ``passes.comm`` contract run too.
 
-Steps. ``1f1b-flush`` and ``gpipe`` repeat one step's action list. With
+Steps. ``1f1b-flush``, ``gpipe`` and ``zb-h1`` repeat one step's action list. With
 ``1f1b-stash`` a "step" is ``M`` minibatches, each with its own update, and
 the pipeline does not drain between steps: one action list covers the run
 up to the next checkpoint (or the end), where it drains so the checkpoint
