@@ -9,6 +9,10 @@ written by hand in tests.
 Kinds:
 - ``F m`` / ``B m``: forward / backward of microbatch (or minibatch) ``m`` on
   this rank's stage;
+- ``W m``: the weight-gradient half of ``m``'s backward. In a list that has
+  ``W`` actions, ``B m`` computes only the gradients of the stage's inputs
+  (what the previous stage waits for) and ``W m`` the parameters' gradients
+  (zero-bubble schedules, ``zb-h1``); in a list without, ``B m`` does both;
 - ``SEND_F m >peer`` / ``RECV_F m <peer``: activations of ``m`` to/from rank
   ``peer`` (every value tagged for that pair of stages, batched);
 - ``SEND_B m >peer`` / ``RECV_B m <peer``: gradients of those activations;
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 class Kind(enum.Enum):
     F = "F"
     B = "B"
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -68,7 +73,7 @@ class Action:
     def parse(cls, text: str) -> "Action":
         m = re.fullmatch(r"([A-Z_]+?)(\d*)(?:([<>])r(\d+))?", text.strip())
         if not m:
-            raise ValueError(f"not an action: {text!r} (examples: F3, B0, SEND_F2>r1, RECV_B2<r3, STEP)")
+            raise ValueError(f"not an action: {text!r} (examples: F3, B0, W0, SEND_F2>r1, RECV_B2<r3, STEP)")
         kind = Kind(m[1])
         mb = int(m[2]) if m[2] else -1
         peer = int(m[4]) if m[4] else -1

@@ -90,7 +90,8 @@ class Plan:
             tabulate(rows, head, tablefmt="simple"),
             f"bottleneck {self.bottleneck_s * 1e3:.3f} ms per microbatch, {self.samples_per_s:.1f} samples/s; "
             f"speedup {self.speedup_vs_one:.2f}x vs one device, {self.speedup_vs_dp:.2f}x vs data parallel "
-            f"on {self.devices} devices ({self.options.get('cost_model')} cost model)",
+            f"on {self.devices} devices ({self.options.get('cost_model')} cost model); "
+            f"{self.options.get('microbatches')} microbatches per step ({self.options.get('schedule')})",
             f"solver {solver.get('status')} ({solver.get('method', 'CP-SAT')}): bound {float(solver.get('bound_s', 0)) * 1e3:.3f} ms, "
             f"gap {float(solver.get('gap', 0)) * 100:.2f}%, {float(solver.get('wall_s', 0)):.2f} s",
         ]

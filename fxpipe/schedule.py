@@ -2,25 +2,43 @@
 
 A schedule is decided here once, as plain lists, so the executor, the
 validator and the simulator all walk the same instructions (the torchgpipe
-``clock_cycles`` idea). Building happens in two steps:
+``clock_cycles`` idea). Building happens in three steps:
 
-1. *compute order*: for each rank, the order of its ``F m`` / ``B m``
-   (1F1B or GPipe), plus where ``ALLREDUCE`` / ``STEP`` go;
+1. *compute order*: for each rank, the order of its ``F m`` / ``B m`` (and
+   ``W m``: 1F1B, GPipe or ZB-H1), plus where ``ALLREDUCE`` / ``STEP`` go;
 2. *lowering*: every compute action gets its receives right before it and its
    sends right after it, one per link, peers chosen by ``Layout.rank_for``.
    Links may skip stages (a value from stage 0 used by stage 3 travels
-   straight from the rank of stage 0 to the rank of stage 3).
+   straight from the rank of stage 0 to the rank of stage 3);
+3. *early receives*: a receive is only posted where it stands (the wait is
+   in the ``F m`` / ``B m`` that uses it, see ``fxpipe.validate``), so each
+   receive moves in front of the compute action before it: its bytes then
+   arrive while that action computes instead of after it. Receives on
+   ``blocking_links`` (values that are not tensors: the transport reads a
+   length header first, which blocks) stay in place.
 
 A 1F1B rank of stage ``j`` runs ``in_flight`` forwards before its first
 backward: the count the cost model charges memory for
 (``passes.partition.costmodel.in_flight`` says why it is what it is). The
 same order serves ``1f1b-flush`` (one step per flush) and ``1f1b-stash`` (a
 step after every backward, weights stashed per minibatch).
+
+``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) splits
+each backward in ``B m`` (input gradients: what the previous stage waits for)
+and ``W m`` (weight gradients: nobody waits for them). It keeps 1F1B's
+warm-up and B/F order and runs stage ``j``'s ``W`` a ``lag_j`` of backwards
+late, ``lag_j = max_k n_k - n_j`` (``n`` from ``in_flight``; ``j`` without
+replicas): the last stage returns gradients at the pace of ``F + B``
+instead of ``F + B + W``, and the deferred ``W`` fill the cool-down where
+1F1B waits. A microbatch's activations live from ``F m`` to ``W m``, so every
+stage holds ``max_k n_k`` microbatches: the input stage's count under 1F1B,
+the same peak. With equal ``F``, ``B``, ``W`` the bubble goes from
+``(S-1)(F+B+W)`` to ``(S-1)(F+B-W)`` (tests/fxpipe/test_simulate.py).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
@@ -38,13 +56,15 @@ def in_flight(layout: Layout, stage: int, kind: str = DEFAULT_SCHEDULE, microbat
 
 
 def build_schedule(kind: str, layout: Layout, microbatches: int,
-                   links: Sequence[Tuple[int, int]], tied_stages: Sequence[int] = ()) -> Dict[int, List[Action]]:
+                   links: Sequence[Tuple[int, int]], tied_stages: Sequence[int] = (),
+                   blocking_links: Sequence[Tuple[int, int]] = ()) -> Dict[int, List[Action]]:
     """The action list of every rank for one step of ``microbatches``.
 
     For ``1f1b-stash`` a "step" is a window of ``microbatches`` minibatches,
-    each followed by its own weight update. The result is a ``Schedule``
-    (a dict that remembers its layout, so ``validate`` knows the
-    all-reduce groups).
+    each followed by its own weight update. ``blocking_links``: links that
+    carry a non-tensor value, whose receives are not moved early. The
+    result is a ``Schedule`` (a dict that remembers its layout, so
+    ``validate`` knows the all-reduce groups).
     """
     links = _check(kind, layout, microbatches, links, tied_stages)
     tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
@@ -54,13 +74,17 @@ def build_schedule(kind: str, layout: Layout, microbatches: int,
         for replica, rank in enumerate(layout.ranks(stage)):
             mbs = list(range(replica, microbatches, layout.replicas[stage]))
             order = _compute_order(kind, layout, stage, mbs, reduce)
-            out[rank] = _lower(order, stage, layout, links)
+            out[rank] = early_receives(_lower(order, stage, layout, links), stage, layout, set(blocking_links))
     return out
 
 
 def _compute_order(kind: str, layout: Layout, stage: int, mbs: List[int], reduce: bool) -> List[Action]:
     if kind == "gpipe":
         order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
+    elif kind == "zb-h1":
+        window = in_flight(layout, stage, "1f1b-flush")
+        first = in_flight(layout, stage, "zb-h1")  # the deepest stage's window
+        order = _deferred_weights(_one_f_one_b(mbs, window), first - window)
     else:
         order = _one_f_one_b(mbs, in_flight(layout, stage, kind))  # capped by the replica's microbatches
     if kind == "1f1b-stash":
@@ -83,6 +107,48 @@ def _one_f_one_b(mbs: List[int], window: int) -> List[Action]:
         if i + warm < len(mbs):
             order.append(Action(Kind.F, mbs[i + warm]))
     return order
+
+
+def _deferred_weights(order: List[Action], lag: int) -> List[Action]:
+    """``W`` of the ``i``-th backward right after the ``(i + lag)``-th backward; the last ``lag`` at the end."""
+    backs = [a.mb for a in order if a.kind is Kind.B]
+    out: List[Action] = []
+    done = 0
+    for a in order:
+        out.append(a)
+        if a.kind is Kind.B:
+            done += 1
+            if done > lag:
+                out.append(Action(Kind.W, backs[done - lag - 1]))
+    return out + [Action(Kind.W, m) for m in backs[max(0, len(backs) - lag):]]
+
+
+def early_receives(actions: List[Action], stage: int, layout: Layout,
+                   blocking: Set[Tuple[int, int]] = frozenset()) -> List[Action]:
+    """Each receive moved in front of the compute action (F, B, W) before it, unless its link blocks.
+
+    Posting an ``irecv`` earlier changes no order the schedule fixes (the
+    wait stays in the compute that uses the message) but lets the bytes
+    arrive while the previous compute runs. Only one compute action early:
+    a receive posted further ahead holds its buffer longer for nothing.
+    """
+    out: List[Action] = []
+    last = -1  # index in ``out`` of the latest compute action
+    for a in actions:
+        if a.is_recv and last >= 0 and _link(a, stage, layout) not in blocking:
+            out.insert(last, a)
+            last += 1
+        else:
+            out.append(a)
+            if a.kind in (Kind.F, Kind.B, Kind.W):
+                last = len(out) - 1
+    return out
+
+
+def _link(a: Action, stage: int, layout: Layout) -> Tuple[int, int]:
+    """The (earlier stage, later stage) link a receive on ``stage`` uses."""
+    peer = layout.stage_of(a.peer)
+    return (peer, stage) if a.kind is Kind.RECV_F else (stage, peer)
 
 
 def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[int, int]]) -> List[Action]:

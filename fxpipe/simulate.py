@@ -6,13 +6,17 @@ lists the executor runs. Model, chosen to match the runtime:
 
 - ``F m`` / ``B m`` take the stage's per-microbatch ``fwd_s`` / ``bwd_s``
   (one device; a replica runs whole microbatches, so no division by ``r``);
+  on a rank whose list has ``W`` actions, ``B m`` takes ``bwd_s - wgrad_s``
+  and ``W m`` takes ``wgrad_s``;
 - a send is posted and the rank moves on (``isend``); the bytes travel over
   the (sender, receiver) channel at ``bandwidth`` after ``latency_s``, one
   message at a time per channel; with ``overlap_comm=False`` the sender waits
   for its transfer (a blocking send). A plan's channels run at the rate its
   cost model charges that pair of ranks (``costmodel.link_bandwidth``: inside
   or between nodes on a two-level machine);
-- a receive waits until its message arrived: that wait is a bubble;
+- a receive is posted where it stands (``irecv``); the ``F m`` / ``B m``
+  that uses the message waits until it arrived: that wait is a bubble;
+- posting a send or a receive costs its rank ``post_s`` of its own time;
 - ``ALLREDUCE`` starts when the last member of its group arrives and takes the
   largest ``allreduce_s`` in the group (a plan's: its replicas' all-reduce
   plus the sync of tied weights, ``costmodel.tied_sync_s``);
@@ -32,12 +36,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 from passes.partition.costmodel import (DEFAULT_SCHEDULE, CostOptions, activation_bytes, assignment_of,
                                         device_memory_bytes, link_bandwidth)
 
+from fxpipe import sharing
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.validate import ScheduleError, execution_order, reduce_groups
+from passes.partition.costmodel import default_microbatches
 
 
-BUSY = ("compute", "allreduce", "step", "send_blocking")  # event kinds that are work, not bubble
+BUSY = ("compute", "allreduce", "step", "send_blocking", "post", "recv")  # event kinds that are work, not bubble
 Bandwidth = Union[float, Callable[[int, int], float]]  # bytes/s, or bytes/s of the channel (rank, peer)
 
 
@@ -55,9 +61,15 @@ class ActionCosts:
     send_bytes: Mapping[int, int] = field(default_factory=dict)  # destination stage -> activation bytes
     allreduce_s: float = 0.0
     param_bytes: int = 0
-    activation_bytes: int = 0  # kept from F m until B m
+    activation_bytes: int = 0  # kept from F m until B m (W m when the backward is split)
     step_s: float = 0.0
     extra_copies: float = 0.0  # weight-sized buffers besides the versions (a plan's: gradients + optimizer state)
+    wgrad_s: Optional[float] = None  # the weight-gradient share of bwd_s; None: half
+
+    @property
+    def w_s(self) -> float:
+        """Seconds of ``W m``: ``wgrad_s``, or half the backward (a matmul's dX and dW cost the same flops)."""
+        return self.bwd_s / 2 if self.wgrad_s is None else min(self.wgrad_s, self.bwd_s)
 
 
 @dataclass(frozen=True)
@@ -96,34 +108,45 @@ class SimResult:
 def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[ActionCosts], layout: Layout, *,
              bandwidth: Bandwidth = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
              samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
-             overhead_s: float = 0.0) -> SimResult:
+             overhead_s: float = 0.0, post_s: float = 0.0, cores: Optional[int] = None) -> SimResult:
     """Run ``schedule`` against ``costs`` (one ``ActionCosts`` per stage).
 
     ``bandwidth``: bytes/s of every channel, or a function of (rank, peer).
 
-    ``overhead_s`` is added to every forward and backward: the runtime's own
-    cost per action (Python dispatch, autograd bookkeeping), which profiles of
-    single operators do not see.
+    ``overhead_s`` is added to every forward, backward and weight-gradient
+    action: the runtime's own cost per action (Python dispatch, autograd
+    bookkeeping), which profiles of single operators do not see. ``post_s``:
+    the time a rank spends posting one send or receive. ``cores``: CPU cores
+    the ranks share (``fxpipe.sharing``); None: one device per rank.
     """
     if len(costs) != layout.num_stages:
         raise ValueError(f"{len(costs)} stage costs for a layout of {layout.num_stages} stages")
     tied = getattr(schedule, "tied_stages", ()) if tied_stages is None else tied_stages
-    sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s)
-    for step in execution_order(schedule, reduce_groups(layout, tied)):
-        if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
-            sim.barrier(step.ranks, step.action)
-        else:
-            sim.run(step.ranks[0], step.action)
+    order = list(execution_order(schedule, reduce_groups(layout, tied)))
+    stretch: Dict[Tuple[int, int], float] = {}
+    shared = cores is not None and len(schedule) > cores
+    for _ in range(sharing.ROUNDS if shared else 1):
+        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s, stretch)
+        for step in order:
+            if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
+                sim.barrier(step.ranks, step.action)
+            else:
+                sim.run(step.ranks[0], step.action)
+        if shared:
+            stretch = sharing.slowdown(sim.events, cores, BUSY, stretch)
     return _result(schedule, sim, samples_per_microbatch)
 
 
 class _Clock:
     """Per-rank clocks, channel availability, message arrivals and memory."""
 
-    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s) -> None:
+    def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s,
+                 stretch) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
-        self.overhead_s = overhead_s
+        self.overhead_s, self.post_s = overhead_s, post_s
+        self.split = {r for r, acts in schedule.items() if any(a.kind is Kind.W for a in acts)}
+        self.posted: Dict[Tuple[int, bool, int], List[tuple]] = {}  # (rank, forward?, mb) -> message keys
         self.t = {r: 0.0 for r in schedule}
         self.events: Dict[int, List[Event]] = {r: [] for r in schedule}
         self.channel_free: Dict[Tuple[int, int], float] = {}
@@ -131,23 +154,35 @@ class _Clock:
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
         self.peak = {r: 0 for r in schedule}
+        self.stretch = stretch  # (rank, n-th busy event) -> slowdown from sharing cores
+        self.busy_n = {r: 0 for r in schedule}
 
     def stage(self, rank: int) -> ActionCosts:
         return self.costs[self.layout.stage_of(rank)]
 
     def _add(self, rank: int, dur: float, action: Action, kind: str) -> None:
+        if kind in BUSY:
+            dur *= self.stretch.get((rank, self.busy_n[rank]), 1.0)
+            self.busy_n[rank] += 1
         start = self.t[rank]
         self.t[rank] = start + dur
         self.events[rank].append(Event(rank, start, start + dur, action, kind))
 
     def run(self, rank: int, a: Action) -> None:
         c = self.stage(rank)
+        split = rank in self.split
         if a.kind is Kind.F:
+            self._wait_messages(rank, a)
             self._add(rank, c.fwd_s + self.overhead_s, a, "compute")
             self.flight[rank][a.mb] = self.version[rank]
             self._memory(rank, c)
         elif a.kind is Kind.B:
-            self._add(rank, c.bwd_s + self.overhead_s, a, "compute")
+            self._wait_messages(rank, a)
+            self._add(rank, c.bwd_s - (c.w_s if split else 0.0) + self.overhead_s, a, "compute")
+            if not split:
+                self.flight[rank].pop(a.mb, None)
+        elif a.kind is Kind.W:
+            self._add(rank, c.w_s + self.overhead_s, a, "compute")
             self.flight[rank].pop(a.mb, None)
         elif a.kind is Kind.STEP:
             self._add(rank, c.step_s, a, "step")
@@ -167,6 +202,8 @@ class _Clock:
         return int(self.costs[peer].send_bytes.get(me, 0))
 
     def _send(self, rank: int, a: Action) -> None:
+        if self.post_s:
+            self._add(rank, self.post_s, a, "post")
         start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
         rate = self.bandwidth(rank, a.peer) if callable(self.bandwidth) else self.bandwidth
         wire = self._nbytes(rank, a) / rate if rate > 0 else 0.0
@@ -180,9 +217,16 @@ class _Clock:
             self._add(rank, arrive - start, a, "send_blocking")
 
     def _recv(self, rank: int, a: Action) -> None:
-        arrive = self.arrival[(a.kind is Kind.RECV_F, a.mb, a.peer, rank)]
-        wait = max(0.0, arrive - self.t[rank])
-        self._add(rank, wait, a, "wait" if wait > 0 else "recv")
+        self.posted.setdefault((rank, a.kind is Kind.RECV_F, a.mb), []).append((a.kind is Kind.RECV_F, a.mb,
+                                                                                   a.peer, rank))
+        self._add(rank, self.post_s, a, "recv")
+
+    def _wait_messages(self, rank: int, a: Action) -> None:
+        """Before ``F m`` / ``B m``: wait until every message posted for it has arrived."""
+        keys = self.posted.pop((rank, a.kind is Kind.F, a.mb), ())
+        arrive = max((self.arrival[k] for k in keys), default=0.0)
+        if arrive > self.t[rank]:
+            self._add(rank, arrive - self.t[rank], a, "wait")
 
     def barrier(self, ranks: Sequence[int], a: Action) -> None:
         start = max(self.t[r] for r in ranks)
@@ -217,7 +261,8 @@ def _result(schedule, sim: _Clock, samples: int) -> SimResult:
 
 def _steady_rate(sim: _Clock, samples: int) -> Optional[float]:
     """Samples/s from the input stage's backward completions in the middle half of the run."""
-    ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B)
+    ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B
+             and e.kind == "compute")
     if len(ends) < 4:
         return None
     lo, hi = len(ends) // 4, (3 * len(ends)) // 4
@@ -303,7 +348,8 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     opts = dict(getattr(plan, "options", {}) or {})
     kind = kind or opts.get("schedule") or DEFAULT_SCHEDULE
     layout = Layout.of([s.replicas for s in plan.stages])
-    M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
+    M = max(int(microbatches or opts.get("microbatches")
+                or default_microbatches(layout.world_size, kind, opts.get("memory"))), max(layout.replicas))
     if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
         M = max(M, 4 * layout.world_size)
     costs, found = costs_from_plan(plan, graph)

@@ -3,13 +3,18 @@
 Two checks, both naming the rank and the action at fault:
 
 - *matching*: every ``SEND_F m >p`` on rank ``r`` has exactly one
-  ``RECV_F m <r`` on rank ``p`` (same for ``B``), every ``B m`` follows its
-  ``F m`` on the same rank;
+  ``RECV_F m <r`` on rank ``p`` (same for ``B``), posted before the ``F m``
+  (``B m``) that uses it; every ``B m`` follows its ``F m`` on the same rank;
+  in a list with ``W`` actions every ``B m`` has one ``W m`` after it, and
+  no ``ALLREDUCE`` or ``STEP`` comes while a ``W`` is outstanding (the
+  gradients are not complete before it);
 - *deadlock*: the lists are executed symbolically with the runtime's
-  semantics: sends are buffered (never block), a receive blocks until its send
-  ran, ``ALLREDUCE`` is a barrier of its group (the replicas of the stage, plus
-  every rank of the tied stages when the stage holds tied parameters). If no
-  rank can move, the error lists where every rank is stuck and on whom.
+  semantics: sends are buffered (never block), a receive is posted where it
+  stands and the ``F m`` / ``B m`` that uses its message blocks until the
+  send ran, ``ALLREDUCE`` is a barrier of its group (the replicas of the
+  stage, plus every rank of the tied stages when the stage holds tied
+  parameters). If no rank can move, the error lists where every rank is
+  stuck and on whom.
 
 ``execution_order`` yields one legal global order of the actions; the
 simulator replays it with times, so validator and simulator agree by
@@ -86,11 +91,10 @@ def _message_key(rank: int, a: Action) -> Tuple[str, int, int, int]:
 
 
 def check_matching(schedule: Mapping[int, Sequence[Action]]) -> None:
-    """Every message sent once and received once; every B after its F."""
+    """Every message sent once and received once, before its use; F, B, W of a microbatch in order."""
     sends: Dict[tuple, int] = {}
     recvs: Dict[tuple, int] = {}
     for rank, actions in schedule.items():
-        seen_f: Counter = Counter()
         for a in actions:
             if a.is_send or a.is_recv:
                 if a.peer not in schedule:
@@ -101,10 +105,7 @@ def check_matching(schedule: Mapping[int, Sequence[Action]]) -> None:
                     raise ScheduleError(f"rank {rank}: {a} appears twice (a message must be sent and received once)",
                                         rank, a)
                 book[key] = rank
-            elif a.kind is Kind.F:
-                seen_f[a.mb] += 1
-            elif a.kind is Kind.B and seen_f[a.mb] == 0:
-                raise ScheduleError(f"rank {rank}: {a} comes before F{a.mb} on that rank", rank, a)
+        _check_order(rank, actions)
     for key, rank in sends.items():
         if key not in recvs:
             d, mb, src, dst = key
@@ -115,6 +116,34 @@ def check_matching(schedule: Mapping[int, Sequence[Action]]) -> None:
             d, mb, src, dst = key
             raise ScheduleError(f"rank {dst}: RECV_{d}{mb}<r{src} has no matching SEND_{d}{mb}>r{dst} on rank {src}",
                                 dst, Action(Kind[f"RECV_{d}"], mb, src))
+
+
+def _check_order(rank: int, actions: Sequence[Action]) -> None:
+    """On one rank: F before B before W of each microbatch, receives before their use, W before updates."""
+    split = any(a.kind is Kind.W for a in actions)
+    received = {(a.kind, a.mb): a for a in actions if a.is_recv}
+    done: Counter = Counter()  # (kind, mb) -> count
+    waiting_w: set = set()
+    for a in actions:
+        if a.kind is Kind.B and done[(Kind.F, a.mb)] == 0:
+            raise ScheduleError(f"rank {rank}: {a} comes before F{a.mb} on that rank", rank, a)
+        if a.kind is Kind.W and (a.mb not in waiting_w):
+            raise ScheduleError(f"rank {rank}: {a} without a B{a.mb} before it that has no W yet", rank, a)
+        need = (Kind.RECV_F if a.kind is Kind.F else Kind.RECV_B, a.mb)
+        if a.kind in (Kind.F, Kind.B) and need in received and done[need] == 0:
+            raise ScheduleError(f"rank {rank}: {received[need]} comes after {a}, which needs it; "
+                                "a receive must be posted before the compute that uses it", rank, received[need])
+        if a.kind in (Kind.ALLREDUCE, Kind.STEP) and waiting_w:
+            raise ScheduleError(f"rank {rank}: {a} while the weight gradients of microbatches "
+                                f"{sorted(waiting_w)} are not computed yet (their W must come first)", rank, a)
+        if split and a.kind is Kind.B:
+            waiting_w.add(a.mb)
+        elif a.kind is Kind.W:
+            waiting_w.discard(a.mb)
+        done[(a.kind, a.mb)] += 1
+    if waiting_w:
+        raise ScheduleError(f"rank {rank}: B of microbatches {sorted(waiting_w)} has no W after it "
+                            "(a list with W actions needs one per backward)", rank, None)
 
 
 @dataclass(frozen=True)
@@ -129,28 +158,37 @@ def execution_order(schedule: Mapping[int, Sequence[Action]],
                     groups: Optional[Mapping[int, Sequence[int]]] = None) -> Iterator[Step]:
     """Yield a legal global order of all actions, or raise on deadlock.
 
-    A receive is yielded only after its send; a barrier once every member
-    stands at an ``ALLREDUCE`` (the k-th of each pairs up by position).
+    An ``F m`` / ``B m`` is yielded only after the sends of every message its
+    rank posted a receive for; a barrier once every member stands at an
+    ``ALLREDUCE`` (the k-th of each pairs up by position).
     """
     pos = {r: 0 for r in schedule}
-    sent = set()
+    sent: set = set()
+    posted: Dict[Tuple[int, str, int], list] = {}  # (rank, direction, mb) -> message keys it waits for
     left = sum(len(a) for a in schedule.values())
     while left:
         moved = False
         for rank in sorted(schedule):
-            for step in _advance(rank, schedule, pos, sent, groups):
+            for step in _advance(rank, schedule, pos, sent, posted, groups):
                 moved = True
                 left -= len(step.ranks)
                 yield step
         if not moved:
-            raise _deadlock(schedule, pos, groups)
+            raise _deadlock(schedule, pos, groups, sent, posted)
 
 
-def _advance(rank, schedule, pos, sent, groups) -> Iterator[Step]:
+def _needs(rank: int, a: Action, posted, sent) -> list:
+    """The messages the compute ``a`` still waits for (none for other actions)."""
+    if a.kind not in (Kind.F, Kind.B):
+        return []
+    return [k for k in posted.get((rank, a.kind.value, a.mb), ()) if k not in sent]
+
+
+def _advance(rank, schedule, pos, sent, posted, groups) -> Iterator[Step]:
     actions = schedule[rank]
     while pos[rank] < len(actions):
         a = actions[pos[rank]]
-        if a.is_recv and _message_key(rank, a) not in sent:
+        if _needs(rank, a, posted, sent):
             return
         if a.kind is Kind.ALLREDUCE and groups is not None:
             members = tuple(groups.get(rank, (rank,)))
@@ -162,6 +200,9 @@ def _advance(rank, schedule, pos, sent, groups) -> Iterator[Step]:
             continue
         if a.is_send:
             sent.add(_message_key(rank, a))
+        elif a.is_recv:
+            key = _message_key(rank, a)
+            posted.setdefault((rank, key[0], a.mb), []).append(key)
         pos[rank] += 1
         yield Step((rank,), a)
 
@@ -171,7 +212,7 @@ def _at_allreduce(rank, schedule, pos) -> bool:
     return pos.get(rank, 0) < len(actions) and actions[pos[rank]].kind is Kind.ALLREDUCE
 
 
-def _deadlock(schedule, pos, groups) -> ScheduleError:
+def _deadlock(schedule, pos, groups, sent, posted) -> ScheduleError:
     lines = []
     first: Optional[Tuple[int, Action]] = None
     for rank in sorted(schedule):
@@ -180,15 +221,15 @@ def _deadlock(schedule, pos, groups) -> ScheduleError:
             continue
         a = schedule[rank][pos[rank]]
         first = first or (rank, a)
-        lines.append(f"  rank {rank}: blocked at action #{pos[rank]} {a}{_waiting_on(rank, a, schedule, pos, groups)}")
+        lines.append(f"  rank {rank}: blocked at action #{pos[rank]} {a}{_waiting_on(rank, a, schedule, pos, groups, sent, posted)}")
     return ScheduleError("deadlock: no rank can move\n" + "\n".join(lines),
                          first[0] if first else None, first[1] if first else None)
 
 
-def _waiting_on(rank, a, schedule, pos, groups) -> str:
-    if a.is_recv:
-        d = "F" if a.kind is Kind.RECV_F else "B"
-        return f" (waits for SEND_{d}{a.mb}>r{rank} on rank {a.peer})"
+def _waiting_on(rank, a, schedule, pos, groups, sent, posted) -> str:
+    missing = _needs(rank, a, posted, sent)
+    if missing:
+        return "".join(f" (waits for SEND_{d}{mb}>r{dst} on rank {src})" for d, mb, src, dst in missing)
     if a.kind is Kind.ALLREDUCE and groups is not None:
         missing = [m for m in groups.get(rank, (rank,)) if not _at_allreduce(m, schedule, pos)]
         return f" (barrier waits for ranks {missing})"

@@ -119,7 +119,7 @@ class _SendFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
-        grad = ctx.box.grad_in.pop(ctx.tag, None)
+        grad = ctx.box.grad_in.get(ctx.tag)  # kept until the owner clears it: a split backward may run this twice
         if grad is None:
             raise CommError(f"backward of send('{ctx.tag}'): its gradient was not received")
         return grad, None, None
@@ -152,6 +152,9 @@ class MailboxTransport:
     receiving stage must not change what the sender's graph saved.
     ``owns_inbox=True`` says every inbox tensor is a buffer nobody else
     holds (a runtime's receive buffer), so the stage gets it without a copy.
+    ``received`` keeps, per tag, the autograd edge of each received tensor
+    that needs a gradient, taken before the stage can modify it in place: a
+    runtime that computes input gradients alone asks autograd for these.
     """
 
     def __init__(self, owns_inbox: bool = False) -> None:
@@ -160,6 +163,7 @@ class MailboxTransport:
         self.outbox: Dict[str, Any] = {}
         self.grad_in: Dict[str, torch.Tensor] = {}
         self.grad_out: Dict[str, torch.Tensor] = {}
+        self.received: Dict[str, Any] = {}  # tag -> torch.autograd.graph.GradientEdge
 
     def send(self, tag: str, value: Any, dst: int) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
@@ -177,5 +181,7 @@ class MailboxTransport:
         value = self.inbox.pop(tag)
         if isinstance(value, torch.Tensor) and requires_grad and torch.is_grad_enabled():
             anchor = torch.zeros((), requires_grad=True)
-            return _RecvFn.apply(anchor, value, self, tag)
+            out = _RecvFn.apply(anchor, value, self, tag)
+            self.received[tag] = torch.autograd.graph.get_gradient_edge(out)
+            return out
         return value

@@ -45,7 +45,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intra-bandwidth", type=parse_bandwidth, default=None,
                    help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4 x K; gpipe with --memory: K)")
     p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
                    help=f"schedule the plan is for (memory, in-flight counts); default {DEFAULT_SCHEDULE}, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")

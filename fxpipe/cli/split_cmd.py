@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     (outdir / "report.md").write_text(report(result, args.model))
     print(stage_table(result))
     print(f"\nbottleneck {result.plan.bottleneck_s * 1e3:.3f} ms per microbatch, "
-          f"{result.plan.samples_per_s:.1f} samples/s, {result.plan.speedup_vs_one:.2f}x vs one device")
+          f"{result.plan.samples_per_s:.1f} samples/s, {result.plan.speedup_vs_one:.2f}x vs one device; "
+          f"{result.plan.options.get('microbatches')} microbatches per step ({result.plan.options.get('schedule')})")
     print(f"wrote {outdir}/: stage_0.py..stage_{result.num_stages - 1}.py (+ .pt weights), split.json, "
           "plan.json, profile.json, report.md", file=sys.stderr)
     return 0

@@ -3,7 +3,8 @@
 One small handler per action kind (as a flat instruction interpreter):
 
 - ``RECV_F m`` / ``RECV_B m`` post receives into microbatch ``m``'s mailbox;
-  they are waited right before the ``F m`` / ``B m`` that needs them.
+  they are waited right before the ``F m`` / ``B m`` that needs them (the
+  schedule posts them one compute action early, ``fxpipe.schedule``).
 - ``F m`` runs the stage on the weight version the stash hands out, inside a
   ``passes.comm.MailboxTransport`` bound for ``m``; the last stage also
   computes the loss (scaled by ``1/M`` in flush and gpipe, so the step's
@@ -16,6 +17,9 @@ One small handler per action kind (as a flat instruction interpreter):
   tokens, whose backward pulls in the received gradients. After it, ``m``'s
   graph, loss and outputs are dropped: activations live from ``F m`` to
   ``B m`` only; the mailbox stays until its gradients are sent.
+- In a list with ``W`` actions (``zb-h1``), ``B m`` computes only the
+  gradients of the received values (``fxpipe.runtime.wgrad``) and keeps the
+  graph; ``W m`` computes the parameters' gradients and drops it.
 - ``SEND_F m`` / ``SEND_B m`` ship the mailbox contents (asynchronously).
   A send holds its tensor until it is waited; ``B g`` first waits the sends
   of microbatches ``<= g - lag`` (see ``send_lag``), so a long run (one
@@ -47,6 +51,7 @@ from fxpipe.runtime.recompute import recomputed
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer
 from fxpipe.runtime.transport import P2P
+from fxpipe.runtime.wgrad import WeightGrad, backward_input
 from fxpipe.schedule import in_flight
 from passes import comm
 from passes.errors import FxpipeError
@@ -66,6 +71,7 @@ class _InFlight:
     tokens: Tuple[Any, ...] = ()
     loss: Optional[torch.Tensor] = None
     forwarded: bool = False
+    wgrad: Optional[WeightGrad] = None  # between B m and W m of a split backward
 
 
 class Executor:
@@ -89,7 +95,7 @@ class Executor:
         self._versioned: set = set()  # microbatches with an optimizer step between their F and B
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
-                          Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step}
+                          Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step, Kind.W: self._weight_grad}
         self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
@@ -101,6 +107,11 @@ class Executor:
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
         self._versioned = {base + m for m in _updated_in_flight(actions)}
+        self._split = any(a.kind is Kind.W for a in actions)
+        self._input_done: set = set()  # microbatches past B and before W
+        if self._split and self.recompute:
+            raise ExecutorError("a schedule with W actions (zb-h1) with recomputation is not supported yet; "
+                                "use --recompute none")
         tracing = self.tracer.enabled
         for handler, a in self._program(actions):
             g = base + a.mb if a.mb >= 0 else -1
@@ -114,8 +125,8 @@ class Executor:
                 mark_action(exc, a, g)
                 raise
         self.p2p.wait_sends()
-        if self.inflight and any(f.loss is not None or f.tokens for f in self.inflight.values()):
-            left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens)
+        if self.inflight and any(f.loss is not None or f.tokens or f.wgrad for f in self.inflight.values()):
+            left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens or f.wgrad)
             raise ExecutorError(f"rank {self.rank}: the action list ended with microbatches {left} "
                                 "forwarded but never backwarded")
         self.inflight.clear()
@@ -129,49 +140,17 @@ class Executor:
         ``recvs``: messages posted and not yet waited.
         """
         return {"weight_versions": self.stash.versions_kept,
-                "graphs": sum(1 for f in self.inflight.values() if f.loss is not None or f.tokens),
+                "graphs": sum(1 for f in self.inflight.values() if f.loss is not None or f.tokens or f.wgrad),
                 "mailboxes": len(self.inflight), "sends": self.p2p.pending_sends,
                 "recvs": self.p2p.pending_recvs}
 
     def _program(self, actions: Sequence[Action]) -> List[Tuple[Callable[[Action, int], None], Action]]:
-        """``actions`` in execution order (early receives moved), each with its handler.
-
-        Worked out once per action list (the loop runs the same list every
-        step): per action, the run then costs one call, no lookups.
-        """
+        """Each action with its handler, worked out once per action list (the loop runs the same list every step)."""
         if self._compiled is not None and self._compiled[0] is actions:
             return self._compiled[1]
-        early = self._early_receives(actions)
-        moved = {j for js in early.values() for j in js}
-        order = []
-        for i, a in enumerate(actions):
-            order.extend(actions[j] for j in early.get(i, ()))
-            if i not in moved:
-                order.append(a)
-        program = [(self._handlers[a.kind], a) for a in order]
+        program = [(self._handlers[a.kind], a) for a in actions]
         self._compiled = (actions, program)
         return program
-
-    def _early_receives(self, actions: Sequence[Action]) -> Dict[int, List[int]]:
-        """Receives to post before compute action ``i``: those right after it, before the next compute.
-
-        Posting an ``irecv`` earlier changes no order the schedule fixes (the
-        wait stays where the schedule put the receive's use) but lets the
-        bytes arrive while ``i`` computes instead of after it. Receives of
-        non-tensor values block while posted, so they stay in place.
-        """
-        compute = [i for i, a in enumerate(actions) if a.kind in (Kind.F, Kind.B)]
-        early: Dict[int, List[int]] = {}
-        for i, k in zip(compute, compute[1:] + [len(actions)]):
-            recvs = [j for j in range(i + 1, k) if actions[j].is_recv and self._tensors_only(actions[j])]
-            if recvs:
-                early[i] = recvs
-        return early
-
-    def _tensors_only(self, a: Action) -> bool:
-        peer = self._peer_stage(a)
-        src, dst = (peer, self.stage) if a.kind is Kind.RECV_F else (self.stage, peer)
-        return self.p2p.tensors_only(src, dst)
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
@@ -223,13 +202,43 @@ class Executor:
         self.p2p.release_sends(g - self._lag)
         self.p2p.complete(g, "B")
         roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)
-        if roots:
+        if self._split:
+            self._input_done.add(g)
+        if roots and self._split:
+            self._backward_input(state, roots)
+        elif roots:
             torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
             self.stash.backward_done(g)
         state.loss, state.tokens = None, ()
-        state.box.grad_in.clear()
+        state.box.received.clear()  # its edges point back at the mailbox: a cycle only the collector would free
+        if state.wgrad is None:  # the weight half may still need the gradients received for B
+            state.box.grad_in.clear()
         state.box.inbox.clear()
-        if not state.box.grad_out:  # nothing to send back (or zeros): drop the microbatch now
+        if not state.box.grad_out and state.wgrad is None:  # nothing left to send or compute: drop it now
+            self.inflight.pop(g, None)
+
+    def _backward_input(self, state: _InFlight, roots: List[torch.Tensor]) -> None:
+        """The input half of a split backward: received values' gradients into the mailbox, the rest kept."""
+        box = state.box
+        tags = list(box.received)
+        grads, state.wgrad = backward_input(roots, [torch.ones_like(r) for r in roots],
+                                            [box.received[t] for t in tags])
+        for tag, grad in zip(tags, grads):
+            if grad is not None:
+                box.grad_out[tag] = grad
+
+    def _weight_grad(self, a: Action, g: int) -> None:
+        if g not in self._input_done:
+            raise ExecutorError(f"rank {self.rank}: {a} before B{a.mb} (global microbatch {g})")
+        self._input_done.discard(g)
+        state = self.inflight.get(g)
+        if state is None or state.wgrad is None:
+            return  # its forward left nothing to differentiate
+        state.wgrad.run()
+        state.wgrad = None
+        state.box.grad_in.clear()
+        self.stash.backward_done(g)
+        if not state.box.grad_out:
             self.inflight.pop(g, None)
 
     def _allreduce(self, a: Action, g: int) -> None:
@@ -264,7 +273,7 @@ class Executor:
         # A missing state means B left no gradient to return: the peer gets zeros.
         box = state.box if state is not None else comm.MailboxTransport()
         self.p2p.send_backward(box, g, self.stage, self._peer_stage(a), a.peer)
-        if state is not None and not box.grad_out:
+        if state is not None and not box.grad_out and state.wgrad is None:
             self.inflight.pop(g, None)
 
     def _recv_b(self, a: Action, g: int) -> None:

@@ -175,27 +175,30 @@ def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
 
     Printed before training and again beside the measured rate at the end, so a
     user sees at once how far the cost model is from this machine. On CPU the
-    optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``);
-    on GPUs it is left out (timing it would need the workers' devices).
+    optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``),
+    the cost of posting a message is measured (``fxpipe.runtime.postcost``)
+    and ranks beyond the core count share cores (``fxpipe.sharing``: workers
+    run one thread each then, ``launch``); on GPUs all three are left out.
     """
     if split.plan is None:
         return None
+    from fxpipe.runtime.postcost import posting_cost_s
     from fxpipe.runtime.stepcost import step_costs
     from fxpipe.simulate import simulate_split
 
-    steps = None if torch.cuda.is_available() else step_costs(split, cfg)
+    cpu = not torch.cuda.is_available()
+    steps = step_costs(split, cfg) if cpu else None
+    cores = os.cpu_count() or 1
+    extra = {"post_s": posting_cost_s(), "cores": cores} if cpu else {}
     try:
-        sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps)
+        sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, **extra)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None
     with_step = "optimizer step included" if steps else "optimizer step not included"
+    shared = f"; {world} ranks share {cores} cores" if cpu and world > cores else ""
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
-         f"simulated from the profile, {with_step}; bubble {sim.bubble_fraction:.0%})")
-    cores = os.cpu_count() or 1
-    if steps is not None and world > cores:
-        _log(f"note: {world} ranks share {cores} CPU cores here; the prediction gives every rank its own "
-             "core, so expect a lower measured rate")
+         f"simulated from the profile, {with_step}{shared}; bubble {sim.bubble_fraction:.0%})")
     return sim.samples_per_s
 
 

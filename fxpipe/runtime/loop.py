@@ -5,7 +5,7 @@ directly from spawned processes. It reads the split (duck-typed: ``stages``,
 ``stage_inputs``, ``comm``, ``param_names``, ``tied``, ``links``), so
 hand-written stage modules that follow the ``passes.comm`` contract run too.
 
-Steps. ``1f1b-flush`` and ``gpipe`` repeat one step's action list. With
+Steps. ``1f1b-flush``, ``gpipe`` and ``zb-h1`` repeat one step's action list. With
 ``1f1b-stash`` a "step" is ``M`` minibatches, each with its own update, and
 the pipeline does not drain between steps: one action list covers the run
 up to the next checkpoint (or the end), where it drains so the checkpoint
@@ -70,7 +70,7 @@ class TrainConfig:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
         check_lr_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
         check_precision(self.precision, self.schedule)
-        check_recompute(self.recompute)
+        check_recompute(self.recompute, self.schedule)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
 
@@ -209,11 +209,13 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if stashing else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
+    blocking = sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
         current[0] = first
         if n not in cache:
-            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages)[rank]
+            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages,
+                             blocking)[rank]
         if reporter is not None and stashing:
             reporter.expect(cache[n], first * M)
         r.ex.run(cache[n], base=first * M)

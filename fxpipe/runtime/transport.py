@@ -27,7 +27,9 @@ False), so polling cannot free them: the executor calls ``release_sends``
 with a microbatch old enough that every peer has certainly posted the
 matching receive (see ``Executor``), and the wait returns at once.
 Receives are waited lazily, right before the forward or backward that needs
-them, so a receive posted early overlaps with compute.
+them, so a receive posted early overlaps with compute. On CPU the posts
+themselves go through one thread (``fxpipe.runtime.poster``): gloo can hold
+the caller for milliseconds while posting.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 
+from fxpipe.runtime.poster import poster
 from passes.comm import MailboxTransport
 from passes.errors import FxpipeError
 from passes.meta import TensorMeta, ValueMeta
@@ -117,17 +120,18 @@ class P2P:
     """Point-to-point mover for one rank. ``on_wait`` lets the tracer time waits."""
 
     def __init__(self, wires: Sequence[Wire], device: torch.device, timeout_s: float,
-                 on_wait: Optional[Callable[[str], Any]] = None) -> None:
+                 on_wait: Optional[Callable[[str], Any]] = None, threaded: bool = True) -> None:
         self.wires = list(wires)
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.on_wait = on_wait
-        self._sends: List[Tuple[int, Any, torch.Tensor]] = []  # (microbatch, work, tensor), posting order
+        self._sends: List[Tuple[int, Any, torch.Tensor, int]] = []  # (microbatch, work, tensor, peer), in order
         self._recvs: Dict[Tuple[int, str], List[_Pending]] = {}
         self._pairs: Dict[Tuple[int, int], List[Wire]] = {}  # per-microbatch lookups, computed once
         self._dtypes: Dict[int, torch.dtype] = {w.index: torch_dtype(w.tensor.dtype) for w in self.wires
                                                 if w.tensor is not None}
         self._grads = {w.index for w in self.wires if w.carries_grad}
+        self._poster = poster() if device.type == "cpu" and threaded else None
 
     def _tag(self, wire: Wire, mb: int, code: int) -> int:
         return (((mb % _TAG_WINDOW) * len(self.wires) + wire.index) << 2) | code
@@ -162,10 +166,16 @@ class P2P:
     # ------------------------------------------------------------ sends
     def _isend(self, t: torch.Tensor, peer: int, tag: int, mb: int) -> None:
         t = t.detach().to(self.device).contiguous()
-        self._sends.append((mb, self._post(dist.isend, t, peer, tag), t))
+        self._sends.append((mb, self._post(dist.isend, t, peer, tag), t, peer))
 
     def _post(self, op: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int) -> Any:
-        """Post an ``isend``/``irecv``: gloo raises at once when the peer's connection is already gone."""
+        """Post an ``isend``/``irecv`` (on CPU through the poster thread, ``fxpipe.runtime.poster``).
+
+        gloo raises at once when the peer's connection is already gone; through
+        the poster that error comes out of the handle's wait instead.
+        """
+        if self._poster is not None:
+            return self._poster.post(op, buf, peer, tag=tag)
         try:
             return op(buf, peer, tag=tag)
         except RuntimeError as exc:
@@ -206,16 +216,16 @@ class P2P:
         ``upto`` so. The list holds a few microbatches' sends, so the scan is short.
         """
         keep = []
-        for mb, work, t in self._sends:
-            if mb <= upto:
-                self._wait(work, f"a send of microbatch {mb}", -1)
+        for send in self._sends:
+            if send[0] <= upto:
+                self._wait(send[1], f"a send of microbatch {send[0]}", send[3])
             else:
-                keep.append((mb, work, t))
+                keep.append(send)
         self._sends = keep
 
     def wait_sends(self) -> None:
-        for _, work, _ in self._sends:
-            self._wait(work, "a send", -1)
+        for mb, work, _, peer in self._sends:
+            self._wait(work, f"a send of microbatch {mb}", peer)
         self._sends.clear()
 
     # ------------------------------------------------------------ receives

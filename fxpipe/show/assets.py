@@ -42,10 +42,10 @@ function fb(n){ n = +n; var u = ['B','KiB','MiB','GiB','TiB'], i = 0;
   return (i ? n.toPrecision(3) : Math.round(n)) + ' ' + u[i]; }
 
 /* ---------------------------------------------------------------- timelines */
-var KCOL = {F:'#8ab6e6', B:'#2f5f9e', wait:'#f6c6c0', allreduce:'#f28e2b', step:'#b07aa1',
+var KCOL = {F:'#8ab6e6', B:'#2f5f9e', W:'#59a14f', wait:'#f6c6c0', allreduce:'#f28e2b', step:'#b07aa1',
             send_blocking:'#9e9e9e', comm:'#bdbdbd', other:'#d0d0d0'};
 function legend(){
-  var items = [['F','forward'],['B','backward'],['wait','waiting for a message'],['allreduce','all-reduce'],
+  var items = [['F','forward'],['B','backward'],['W','weight gradients (zb-h1)'],['wait','waiting for a message'],['allreduce','all-reduce'],
                ['step','optimizer step']];
   var h = items.map(function(it){ return '<span><span class="sw" style="background:'+KCOL[it[0]]+'"></span>'+
     esc(it[1])+'</span>'; }).join('');
@@ -84,7 +84,7 @@ function timeline(el, title, ranks, stageOf, note, T){
       }
       var c = KCOL[kind] || KCOL.other;
       s.push('<rect x="'+x0+'" y="'+(y+3)+'" width="'+w+'" height="'+(lane-10)+'" fill="'+c+'" stroke="#fff" stroke-width="0.5">'+tip+'</rect>');
-      if (w > 16 && (kind === 'F' || kind === 'B'))
+      if (w > 16 && (kind === 'F' || kind === 'B' || kind === 'W'))
         s.push('<text x="'+(x0+w/2)+'" y="'+(y+lane/2+1)+'" text-anchor="middle" fill="'+(kind==='B'?'#fff':'#123')+'">'+esc(e[2])+'</text>');
     });
   });

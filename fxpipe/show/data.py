@@ -132,8 +132,8 @@ def trace_kind(name: str) -> str:
         return "allreduce"
     if n.startswith(("STEP", "OPT")):
         return "step"
-    if n[:1] in ("F", "B") and n[1:2].isdigit():
-        return "F" if n[0] == "F" else "B"
+    if n[:1] in ("F", "B", "W") and n[1:2].isdigit():
+        return n[0]
     return "other"
 
 

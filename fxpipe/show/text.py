@@ -13,7 +13,7 @@ from tabulate import tabulate
 
 from fxpipe.show.html import batches_word, fmt_bytes, fmt_s, stage_rows
 
-FILL = {"F": ".", "B": ":", "wait": "~", "allreduce": "A", "step": "|", "send_blocking": ">"}
+FILL = {"F": ".", "B": ":", "W": "=", "wait": "~", "allreduce": "A", "step": "|", "send_blocking": ">"}
 
 
 def stage_table(plan: Any) -> str:
@@ -40,13 +40,13 @@ def ascii_timeline(sim: Any, layout: Any, width: int = 100) -> str:
             b = min(b, width)
             for c in range(a, b):
                 row[c] = FILL[kind]
-            if kind in ("F", "B"):
+            if kind in ("F", "B", "W"):
                 label = str(e.action)[: max(0, b - a)]
                 row[a:a + len(label)] = list(label)
         mem = fmt_bytes(sim.peak_memory.get(rank, 0))
         lines.append(f"r{rank:<3} s{layout.stage_of(rank):<2} |{''.join(row)}| peak {mem}")
     lines.append(f"{'':8} 0{'':{width - 2}}{fmt_s(T)}")
-    lines.append("legend: F<m>.... forward  B<m>:::: backward  ~ wait  A all-reduce  | step  (blank: idle)")
+    lines.append("legend: F<m>.... forward  B<m>:::: backward  W<m>==== weight gradients  ~ wait  A all-reduce  | step  (blank: idle)")
     return "\n".join(lines)
 
 

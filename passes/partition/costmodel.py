@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # only annotations: the CLI's parser imports this module for 
     from passes.costgraph import CostGraph, CostNode
 
 COST_MODELS = ("fxpipe", "pipedream")
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")  # the one list: the CLI, the runtime and show read it
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1")  # the one list: the CLI, the runtime and show read it
 DEFAULT_SCHEDULE = "1f1b-flush"  # equals single-device training with gradient accumulation
 REPLICATION = ("any", "pow2", "none")
 
@@ -147,7 +147,8 @@ class CostOptions:
 
     @property
     def num_microbatches(self) -> int:
-        return self.microbatches if self.microbatches is not None else self.devices
+        return self.microbatches if self.microbatches is not None else default_microbatches(
+            self.devices, self.schedule, self.memory)
 
     def allowed_replicas(self) -> List[int]:
         if self.replication == "none":
@@ -416,6 +417,20 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     return out
 
 
+def default_microbatches(devices: int, schedule: str, memory: Optional[int] = None) -> int:
+    """Microbatches per step when none are asked for: ``4 x devices``, so the 1F1B bubble
+    ``(S-1)/(M+S-1)`` stays under 20 % on any number of stages ``S <= devices``.
+
+    1F1B (flush, stash) and ZB-H1 keep at most a pipeline's depth of microbatches in
+    flight whatever ``M`` is, so a longer step costs no memory. GPipe keeps all ``M``:
+    with a memory limit it stays at ``devices`` (a larger step could make the plan
+    infeasible); say ``--microbatches`` to choose.
+    """
+    if schedule == "gpipe" and memory is not None:
+        return devices
+    return 4 * devices
+
+
 def counts_comm(node: CostNode, opts: CostOptions) -> bool:
     """Whether a node's output costs bandwidth when it crosses a boundary."""
     return opts.cost_model == "pipedream" or not node.is_input
@@ -443,6 +458,9 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
       and equals it without replicas (Megatron's warm-up ``S - j - 1`` plus
       one). On 1-2-1 the input stage holds 5, not 4: with 4 the middle stage
       starves and the pipeline runs at 2/3 of its rate.
+    - ``zb-h1``: 1F1B-flush's order with each ``W`` deferred until the stage
+      has run as many backwards as the deepest stage's window: every stage
+      holds ``max_k n_k`` of 1F1B-flush, the input stage's count.
     """
     r = replicas[stage]
     cap = math.inf if microbatches is None else math.ceil(microbatches / r)
@@ -453,19 +471,27 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
     if schedule == "1f1b-stash":
         window = math.ceil(sum(replicas[stage:]) / r)
     elif schedule == "1f1b-flush":
-        window = 1
-        for j in range(len(replicas) - 2, stage - 1, -1):
-            window = 1 + math.ceil(replicas[j + 1] * window / replicas[j])
+        window = _flush_window(stage, replicas)
+    elif schedule == "zb-h1":  # a microbatch's activations live until its deferred W
+        window = max(_flush_window(k, replicas) for k in range(len(replicas)))
     else:
         raise FxpipeError(f"partition: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     return int(min(window, cap))
+
+
+def _flush_window(stage: int, replicas: Sequence[int]) -> int:
+    """1F1B-flush's forwards before the first backward, uncapped (``in_flight`` says why)."""
+    window = 1
+    for j in range(len(replicas) - 2, stage - 1, -1):
+        window = 1 + math.ceil(replicas[j + 1] * window / replicas[j])
+    return window
 
 
 def most_in_flight(opts: CostOptions) -> int:
     """An upper bound of ``in_flight`` on every layout of ``opts.devices`` ranks (1F1B-flush:
     ``r_j n_j <= 2 r_j - 1 + r_{j+1} n_{j+1}``, so ``n_j < 2K``); CP-SAT's domain for the count."""
     K, M = opts.devices, opts.num_microbatches
-    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "gpipe": M}[opts.schedule]
+    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "zb-h1": min(2 * K, M), "gpipe": M}[opts.schedule]
 
 
 def planned_microbatches(opts: CostOptions) -> Optional[int]:

@@ -203,7 +203,7 @@ class PartitionModel:
         limit = m.NewIntVar(0, 10**12, "mem") if self.minimise_memory else int(opts.memory // unit)
         self.mem_var = limit
         counts = [sum(r * y for r, y in self.y[k].items()) for k in range(S)]
-        window = self._windows(counts) if opts.schedule == "1f1b-flush" else None
+        window = self._windows(counts) if opts.schedule in ("1f1b-flush", "zb-h1") else None
         self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
         for b in range(S):
             w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most_in_flight(opts) + 1)}
@@ -243,7 +243,8 @@ class PartitionModel:
                 m.Add(r * nflight >= sum(counts[b:])).OnlyEnforceIf(y)
             else:  # the smaller of the window and the microbatches the replica gets
                 pipeline = m.NewBoolVar(f"pipe{b}_{r}")
-                m.Add(nflight >= window[b]).OnlyEnforceIf([y, pipeline])
+                for k in (range(len(window)) if opts.schedule == "zb-h1" else (b,)):  # zb-h1: the deepest window
+                    m.Add(nflight >= window[k]).OnlyEnforceIf([y, pipeline])
                 m.Add(nflight >= per_replica).OnlyEnforceIf([y, pipeline.Not()])
 
     def _mem_unit(self) -> float:

@@ -34,10 +34,12 @@ def step_lengths(schedule, replicas):
 
 
 def held(actions):
-    """The most microbatches a rank's list has run forward and not yet backward."""
+    """The most microbatches a rank's list has run forward and not yet backward (zb-h1: its ``W``,
+    the backward's second half, which still needs the activations)."""
+    done = "W" if any(a.kind.value == "W" for a in actions) else "B"
     now = most = 0
     for a in actions:
-        now += {"F": 1, "B": -1}.get(a.kind.value, 0)
+        now += {"F": 1, done: -1}.get(a.kind.value, 0)
         most = max(most, now)
     return most
 

@@ -17,25 +17,25 @@ def parse(text):
 def test_flush_two_stages_three_microbatches():
     s = build_schedule("1f1b-flush", Layout.of([1, 1]), 3, [(0, 1)])
     assert table(s) == {
-        0: "F0 SEND_F0>r1 F1 SEND_F1>r1 RECV_B0<r1 B0 F2 SEND_F2>r1 RECV_B1<r1 B1 RECV_B2<r1 B2 STEP",
-        1: "RECV_F0<r0 F0 B0 SEND_B0>r0 RECV_F1<r0 F1 B1 SEND_B1>r0 RECV_F2<r0 F2 B2 SEND_B2>r0 STEP",
+        0: "F0 SEND_F0>r1 RECV_B0<r1 F1 SEND_F1>r1 B0 RECV_B1<r1 F2 SEND_F2>r1 RECV_B2<r1 B1 B2 STEP",
+        1: "RECV_F0<r0 F0 RECV_F1<r0 B0 SEND_B0>r0 F1 RECV_F2<r0 B1 SEND_B1>r0 F2 B2 SEND_B2>r0 STEP",
     }
 
 
 def test_gpipe_all_forwards_then_all_backwards():
     s = build_schedule("gpipe", Layout.of([1, 1]), 2, [(0, 1)])
     assert table(s) == {
-        0: "F0 SEND_F0>r1 F1 SEND_F1>r1 RECV_B0<r1 B0 RECV_B1<r1 B1 STEP",
-        1: "RECV_F0<r0 F0 RECV_F1<r0 F1 B0 SEND_B0>r0 B1 SEND_B1>r0 STEP",
+        0: "F0 SEND_F0>r1 RECV_B0<r1 F1 SEND_F1>r1 RECV_B1<r1 B0 B1 STEP",
+        1: "RECV_F0<r0 RECV_F1<r0 F0 F1 B0 SEND_B0>r0 B1 SEND_B1>r0 STEP",
     }
 
 
 def test_stash_steps_after_every_backward():
     s = build_schedule("1f1b-stash", Layout.of([1, 1]), 3, [(0, 1)])
-    assert table(s)[0] == ("F0 SEND_F0>r1 F1 SEND_F1>r1 RECV_B0<r1 B0 STEP0 F2 SEND_F2>r1 "
-                           "RECV_B1<r1 B1 STEP1 RECV_B2<r1 B2 STEP2")
-    assert table(s)[1] == ("RECV_F0<r0 F0 B0 SEND_B0>r0 STEP0 RECV_F1<r0 F1 B1 SEND_B1>r0 STEP1 "
-                           "RECV_F2<r0 F2 B2 SEND_B2>r0 STEP2")
+    assert table(s)[0] == ("F0 SEND_F0>r1 RECV_B0<r1 F1 SEND_F1>r1 B0 STEP0 RECV_B1<r1 F2 SEND_F2>r1 "
+                           "RECV_B2<r1 B1 STEP1 B2 STEP2")
+    assert table(s)[1] == ("RECV_F0<r0 F0 RECV_F1<r0 B0 SEND_B0>r0 STEP0 F1 RECV_F2<r0 B1 SEND_B1>r0 STEP1 "
+                           "F2 B2 SEND_B2>r0 STEP2")
 
 
 def test_compute_order_four_stages_is_megatron_warmup():
@@ -54,10 +54,10 @@ def test_replicated_input_stage_round_robin_and_allreduce():
     assert in_flight(lay, 0) == 2 and in_flight(lay, 1) == 1  # ceil(3/2), PipeDream's NOAM
     s = build_schedule("1f1b-flush", lay, 4, [(0, 1)])
     assert table(s) == {
-        0: "F0 SEND_F0>r2 F2 SEND_F2>r2 RECV_B0<r2 B0 RECV_B2<r2 B2 ALLREDUCE STEP",
-        1: "F1 SEND_F1>r2 F3 SEND_F3>r2 RECV_B1<r2 B1 RECV_B3<r2 B3 ALLREDUCE STEP",
-        2: ("RECV_F0<r0 F0 B0 SEND_B0>r0 RECV_F1<r1 F1 B1 SEND_B1>r1 "
-            "RECV_F2<r0 F2 B2 SEND_B2>r0 RECV_F3<r1 F3 B3 SEND_B3>r1 STEP"),
+        0: "F0 SEND_F0>r2 RECV_B0<r2 F2 SEND_F2>r2 RECV_B2<r2 B0 B2 ALLREDUCE STEP",
+        1: "F1 SEND_F1>r2 RECV_B1<r2 F3 SEND_F3>r2 RECV_B3<r2 B1 B3 ALLREDUCE STEP",
+        2: ("RECV_F0<r0 F0 RECV_F1<r1 B0 SEND_B0>r0 F1 RECV_F2<r0 B1 SEND_B1>r1 "
+            "F2 RECV_F3<r1 B2 SEND_B2>r0 F3 B3 SEND_B3>r1 STEP"),
     }
 
 
@@ -65,13 +65,14 @@ def test_stash_replicated_stage_allreduces_every_backward():
     s = build_schedule("1f1b-stash", Layout.of([1, 2]), 2, [(0, 1)])
     assert table(s)[1] == "RECV_F0<r0 F0 B0 SEND_B0>r0 ALLREDUCE STEP0"
     assert table(s)[2] == "RECV_F1<r0 F1 B1 SEND_B1>r0 ALLREDUCE STEP1"
+    assert table(s)[0] == "F0 SEND_F0>r1 RECV_B0<r1 F1 SEND_F1>r2 RECV_B1<r2 B0 STEP0 B1 STEP1"
 
 
 def test_skip_link_goes_straight_to_the_far_stage():
     s = build_schedule("gpipe", Layout.of([1, 1, 1]), 1, [(0, 1), (1, 2), (0, 2)])
     assert table(s) == {
-        0: "F0 SEND_F0>r1 SEND_F0>r2 RECV_B0<r1 RECV_B0<r2 B0 STEP",
-        1: "RECV_F0<r0 F0 SEND_F0>r2 RECV_B0<r2 B0 SEND_B0>r0 STEP",
+        0: "RECV_B0<r1 RECV_B0<r2 F0 SEND_F0>r1 SEND_F0>r2 B0 STEP",
+        1: "RECV_F0<r0 RECV_B0<r2 F0 SEND_F0>r2 B0 SEND_B0>r0 STEP",
         2: "RECV_F0<r0 RECV_F0<r1 F0 B0 SEND_B0>r0 SEND_B0>r1 STEP",
     }
 
@@ -142,25 +143,63 @@ def test_validator_rejects_recv_of_unsent_message():
 
 
 def test_validator_reports_deadlock_with_every_blocked_rank():
-    # rank 0 waits for a gradient before sending the activation rank 1 needs
-    broken = {0: parse("F0 RECV_B0<r1 SEND_F0>r1 B0 STEP"), 1: parse("RECV_F0<r0 F0 B0 SEND_B0>r0 STEP")}
+    # rank 0 needs a gradient before it sends the activation rank 1 needs
+    broken = {0: parse("F0 RECV_B0<r1 B0 SEND_F0>r1 STEP"), 1: parse("RECV_F0<r0 F0 B0 SEND_B0>r0 STEP")}
     with pytest.raises(ScheduleError, match="deadlock") as err:
         validate(broken)
     msg = str(err.value)
-    assert "rank 0: blocked at action #1 RECV_B0<r1 (waits for SEND_B0>r0 on rank 1)" in msg
-    assert "rank 1: blocked at action #0 RECV_F0<r0 (waits for SEND_F0>r1 on rank 0)" in msg
+    assert "rank 0: blocked at action #2 B0 (waits for SEND_B0>r0 on rank 1)" in msg
+    assert "rank 1: blocked at action #1 F0 (waits for SEND_F0>r1 on rank 0)" in msg
     assert err.value.rank == 0
+
+
+def test_a_posted_receive_does_not_block():
+    # the receive is only posted: rank 0 goes on to send what rank 1 needs before it uses the gradient
+    validate({0: parse("F0 RECV_B0<r1 SEND_F0>r1 B0 STEP"), 1: parse("RECV_F0<r0 F0 B0 SEND_B0>r0 STEP")})
+
+
+def test_validator_rejects_a_receive_after_its_use():
+    with pytest.raises(ScheduleError, match=r"rank 1: RECV_F0<r0 comes after F0, which needs it"):
+        validate({0: parse("F0 SEND_F0>r1 RECV_B0<r1 B0 STEP"), 1: parse("F0 RECV_F0<r0 B0 SEND_B0>r0 STEP")})
+
+
+def test_early_receives_keep_non_tensor_links_in_place():
+    s = build_schedule("gpipe", Layout.of([1, 1]), 2, [(0, 1)], blocking_links=[(0, 1)])
+    assert table(s)[1] == "RECV_F0<r0 F0 RECV_F1<r0 F1 B0 SEND_B0>r0 B1 SEND_B1>r0 STEP"
+    assert table(s)[0] == "F0 SEND_F0>r1 F1 SEND_F1>r1 RECV_B0<r1 B0 RECV_B1<r1 B1 STEP"
+
+
+def test_zb_h1_defers_weight_gradients_by_the_stage_lag():
+    s = build_schedule("zb-h1", Layout.of([1, 1]), 4, [(0, 1)])
+    compute = {r: " ".join(str(a) for a in acts if a.kind in (Kind.F, Kind.B, Kind.W)) for r, acts in s.items()}
+    assert compute == {0: "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3",  # lag 0: W right after its B
+                       1: "F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3"}  # lag 1: the last stage returns gradients first
+    assert table(s)[1].startswith("RECV_F0<r0 F0 RECV_F1<r0 B0 SEND_B0>r0 F1 B1 SEND_B1>r0 RECV_F2<r0 W0 F2")
+    four = build_schedule("zb-h1", Layout.of([1, 1, 1, 1]), 6, [(0, 1), (1, 2), (2, 3)])
+    w_after = {r: [a.mb for a in acts if a.kind is Kind.B].index(3) for r, acts in four.items()}
+    lag = {r: sum(1 for a in acts[:next(i for i, a in enumerate(acts) if str(a) == "W0")] if a.kind is Kind.B) - 1
+           for r, acts in four.items()}
+    assert lag == {0: 0, 1: 1, 2: 2, 3: 3} and w_after == {0: 3, 1: 3, 2: 3, 3: 3}
+
+
+def test_validator_rules_for_weight_gradients():
+    with pytest.raises(ScheduleError, match=r"rank 0: W0 without a B0"):
+        validate({0: parse("F0 W0 B0 STEP")})
+    with pytest.raises(ScheduleError, match=r"rank 0: STEP while the weight gradients of microbatches \[1\]"):
+        validate({0: parse("F0 F1 B0 W0 B1 STEP W1")})
+    with pytest.raises(ScheduleError, match=r"rank 0: B of microbatches \[1\] has no W"):
+        validate({0: parse("F0 F1 B0 W0 B1")})
+    validate({0: parse("F0 F1 B0 B1 W0 W1 STEP")})
 
 
 def test_validator_catches_swapped_order_in_a_built_schedule():
     s = build_schedule("1f1b-flush", Layout.of([1, 1, 1]), 3, [(0, 1), (1, 2)])
     acts = list(s[1])
-    i = acts.index(Action.parse("RECV_B0<r2"))
-    j = acts.index(Action.parse("SEND_F0>r2"))
-    acts[i], acts[j] = acts[j], acts[i]  # wait for B0 before shipping F0
+    send = acts.pop(acts.index(Action.parse("SEND_F0>r2")))
+    acts.insert(acts.index(Action.parse("B0")) + 1, send)  # wait for B0's gradient before shipping F0
     broken = Schedule(dict(s), layout=s.layout)
     broken[1] = acts
-    with pytest.raises(ScheduleError, match=r"rank 1: blocked at action #\d+ RECV_B0<r2"):
+    with pytest.raises(ScheduleError, match=r"rank 1: blocked at action #\d+ B0 \(waits for SEND_B0>r1 on rank 2\)"):
         validate(broken)
 
 

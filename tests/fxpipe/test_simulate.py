@@ -33,13 +33,26 @@ def test_gpipe_has_the_same_bubble_as_flush_on_equal_stages():
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
 
 
+@pytest.mark.parametrize("S,M", [(2, 4), (3, 8), (4, 4), (4, 8), (5, 16)])
+def test_zb_h1_bubble_is_the_papers_formula(S, M):
+    """Qi et al.: with F = B = W, ZB-H1's bubble is (S-1)(F+B-W) against 1F1B's (S-1)(F+B+W)."""
+    lay = Layout.of([1] * S)
+    costs = [ActionCosts(1.0, 2.0, activation_bytes=1)] * S  # B and W take 1.0 each
+    zb = simulate(build_schedule("zb-h1", lay, M, chain(S)), costs, lay)
+    flush = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), costs, lay)
+    assert zb.step_s == pytest.approx(3 * M + (S - 1) * 1.0)
+    assert flush.step_s == pytest.approx(3 * M + (S - 1) * 3.0)
+    # same peak activation memory as 1F1B: every stage holds what the input stage holds there
+    assert max(zb.peak_memory.values()) == max(flush.peak_memory.values()) == min(S, M)
+
+
 def test_stash_has_no_bubble_in_steady_state():
     S, M = 4, 24
     lay = Layout.of([1] * S)
     res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [ActionCosts(1.0, 2.0)] * S, lay)
     # steady state: from the first backward of the input stage to its last forward
-    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0))
-    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1))
+    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0) and e.kind == "compute")
+    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1) and e.kind == "compute")
     assert f_last.start - b0.start > 10 * 3.0
     for rank in range(S):
         assert res.idle_s(rank, b0.start, f_last.start) == pytest.approx(0.0, abs=1e-9)
@@ -106,7 +119,7 @@ def test_every_builtin_schedule_runs_to_the_end(kind, replicas):
 
 def test_deadlocked_schedule_is_refused_by_the_simulator():
     lay = Layout.of([1, 1])
-    broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 SEND_F0>r1 B0 STEP".split()],
+    broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 B0 SEND_F0>r1 STEP".split()],
               1: [Action.parse(t) for t in "RECV_F0<r0 F0 B0 SEND_B0>r0 STEP".split()]}
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(broken, [ActionCosts(1, 1)] * 2, lay)
@@ -295,3 +308,28 @@ def test_two_level_plan_sends_inside_a_node_fast_and_between_nodes_slow():
     res, _ = simulate_plan(plan, graph=g, microbatches=1)
     wire = {e.action.peer: e.end - e.start for r in (0, 1, 2) for e in res.events[r] if e.action.kind is Kind.SEND_F}
     assert wire == {1: pytest.approx(500 / 1e9), 2: pytest.approx(500 / 1e3), 3: pytest.approx(500 / 1e9)}
+
+
+def test_ranks_sharing_cores_run_no_faster_than_the_cores_allow():
+    S, M = 4, 16
+    lay = Layout.of([1] * S)
+    sched = build_schedule("1f1b-flush", lay, M, chain(S))
+    costs = [ActionCosts(1.0, 2.0)] * S
+    alone = simulate(sched, costs, lay)
+    assert simulate(sched, costs, lay, cores=4).step_s == pytest.approx(alone.step_s)  # a core per rank: no change
+    two = simulate(sched, costs, lay, cores=2)
+    work = S * M * 3.0
+    # two cores do the work of four ranks: at least half of it in sequence, and a rank alone in the bubble
+    # (warm-up, cool-down) runs at full speed, so less than twice the one-core-per-rank time
+    assert work / 2 <= two.step_s < 2 * alone.step_s
+    assert two.step_s == pytest.approx(work / 2, rel=0.1)
+    one = simulate(sched, costs, lay, cores=1)
+    assert one.step_s == pytest.approx(work, rel=0.02)
+
+
+def test_posting_a_message_costs_the_rank_time():
+    lay = Layout.of([1, 1])
+    sched = build_schedule("1f1b-flush", lay, 4, chain(2))
+    base = simulate(sched, [ActionCosts(1.0, 2.0)] * 2, lay).step_s
+    posted = simulate(sched, [ActionCosts(1.0, 2.0)] * 2, lay, post_s=0.01).step_s
+    assert base < posted <= base + 0.01 * sum(a.is_send or a.is_recv for acts in sched.values() for a in acts)

@@ -9,11 +9,14 @@ rates:
 - *predicted*: what `fxpipe train` prints before training: the plan's
   profiled costs (node times calibrated to the whole model) through
   ``fxpipe.simulate``, plus each stage's optimizer step timed by
-  ``fxpipe.runtime.stepcost``;
+  ``fxpipe.runtime.stepcost``, the measured cost of posting a message
+  (``fxpipe.runtime.postcost``) and, with more ranks than cores, ranks
+  sharing the cores (``fxpipe.sharing``);
 - *replay*: the same simulation with each stage's forward, backward and step
   times replaced by their medians in the measured trace (waits inside them
   removed) and each send blocking its rank for the median measured send
-  time (the runtime's sends return once the bytes are handed over). It isolates the
+  time (the runtime's sends return once the bytes are handed over), cores
+  shared as in *predicted*. It isolates the
   schedule and communication model from profiling error: when *replay* is
   close and *predicted* is not, the per-node profile is what missed
   (another load on the machine, per-action overhead the node timings do not
@@ -27,6 +30,7 @@ This is a benchmark, not a test: it prints a table, nothing asserts.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -78,6 +82,9 @@ CASES = {  # name -> (factory, devices, schedule, microbatches)
     "mlp-2-gpipe": ("tools.bench.predict:mlp", 2, "gpipe", 4),
     "mlp-2-stash": ("tools.bench.predict:mlp", 2, "1f1b-stash", 4),
     "gpt-2-flush": ("tools.bench.predict:gpt", 2, "1f1b-flush", 4),
+    "mlp-2-zb": ("tools.bench.predict:mlp", 2, "zb-h1", 4),
+    "mlp-4-flush": ("tools.bench.predict:mlp", 4, "1f1b-flush", 8),  # more ranks than this machine's 2 cores
+    "gpt-4-flush": ("tools.bench.predict:gpt", 4, "1f1b-flush", 8),
 }
 
 
@@ -112,11 +119,12 @@ def busy(event: TraceEvent, waits: List[TraceEvent]) -> float:
     return max(0.0, event.end_s - event.start_s - inside)
 
 
-def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float, float]]:
-    """Per stage: median forward, backward and optimizer-step seconds in the trace, waits excluded."""
+def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float, float, float]]:
+    """Per stage: median forward, backward, optimizer-step and weight-gradient (``W``, zb-h1) seconds
+    in the trace, waits excluded."""
     out = {}
     for j in range(layout.num_stages):
-        times: Dict[str, List[float]] = {"F": [], "B": [], "step": []}
+        times: Dict[str, List[float]] = {"F": [], "B": [], "W": [], "step": []}
         for r in layout.ranks(j):
             evs = trace.get(r, [])
             waits = [e for e in evs if e.kind == "wait"]
@@ -124,7 +132,7 @@ def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float
                 if e.kind in times:
                     times[e.kind].append(busy(e, waits))
         med = {k: statistics.median(v or [0.0]) for k, v in times.items()}
-        out[j] = (med["F"], med["B"], med["step"])
+        out[j] = (med["F"], med["B"], med["step"], med["W"])
     return out
 
 
@@ -136,12 +144,13 @@ def replay_rate(folder: Path, schedule: str, M: int) -> float:
     costs, links = costs_from_plan(data.plan, data.graph)
     trace = load_trace(str(folder / "trace.json"))
     med = measured_costs(trace, layout)  # compute, waits excluded
-    costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
+    costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1] + med[j][3], step_s=med[j][2],
+                     wgrad_s=med[j][3] if schedule == "zb-h1" else None) for j, c in enumerate(costs)]
     sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
     sends = [e.end_s - e.start_s for evs in trace.values() for e in evs if e.name.startswith("SEND")]
     replay = simulate(sched, costs, layout, bandwidth=plan_bandwidth(data.plan),
                       samples_per_microbatch=int(data.plan.batch_size or 1), overlap_comm=False,
-                      latency_s=statistics.median(sends) if sends else 0.0)
+                      latency_s=statistics.median(sends) if sends else 0.0, cores=os.cpu_count() or 1)
     return pick(replay)
 
 

@@ -65,3 +65,27 @@ def test_replicated_stage_flush_and_stash() -> None:
     orders = cases.orders_of(build_schedule("1f1b-stash", layout, 8, [(0, 1)]), layout)
     want = cases.pipedream((2,), (2, 1), orders, 0.1)
     assert _rel(cases.merged_state("chain2", stash), want) <= 1e-5
+
+
+def _within_change(got: dict, want: dict, name: str, tol: float = 1e-9) -> None:
+    """Every parameter within ``tol`` of its change over the run (Frobenius norms)."""
+    start = {k: v.detach() for k, v in fakes.MODELS[name]()[0].state_dict().items()}
+    for k in want:
+        change = (want[k] - start[k]).norm().item()
+        assert change > 0, k
+        assert (got[k] - want[k]).norm().item() <= tol * change, (k, (got[k] - want[k]).norm().item(), change)
+
+
+def test_zb_h1_equals_gradient_accumulation() -> None:
+    """Split backward (B then W, W deferred by the stage's lag) on 4 stages, and with replicas, tied weights,
+    a skip link and a non-tensor value: the weights single-process accumulation gives."""
+    cfg = _cfg(schedule="zb-h1", microbatches=4, steps=3, optimizer="sgd", lr=0.1)
+    got = cases.merged_state("chain4", spawn(cases.train_case, 4, ("chain4", (1, 1, 1, 1), cfg)).ok())
+    _within_change(got, cases.accumulate("chain4", 3, 4, "sgd", 0.1), "chain4")
+    got = cases.merged_state("chain2", spawn(cases.train_case, 3, ("chain2", (2, 1), cfg)).ok())
+    _within_change(got, cases.accumulate("chain2", 3, 4, "sgd", 0.1), "chain2")
+    cfg = _cfg(schedule="zb-h1", microbatches=3, steps=3, optimizer="adamw", lr=0.01)
+    got = cases.merged_state("skip", spawn(cases.train_case, 3, ("skip", (1, 1, 1), cfg)).ok())
+    _within_change(got, cases.accumulate("skip", 3, 3, "adamw", 0.01), "skip")
+    got = cases.merged_state("tied", spawn(cases.train_case, 2, ("tied", (1, 1), cfg)).ok())
+    _within_change(got, cases.accumulate("tied", 3, 3, "adamw", 0.01), "tied")

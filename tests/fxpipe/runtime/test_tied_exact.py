@@ -14,8 +14,9 @@ Checked, in float64, after 3 steps of 4 microbatches (``1f1b-stash``: 8
 minibatches, each its own update): every parameter within 1e-9 of its change
 (``|got - want| <= 1e-9 * |want - start|``, Frobenius norms) of
 
-- ``1f1b-flush`` and ``gpipe``, SGD and AdamW: single-process training of the
-  unsplit model on the mean microbatch loss of each step;
+- ``1f1b-flush`` and ``gpipe``, SGD and AdamW, and ``zb-h1``, SGD (its split
+  backward where one weight has several users in a stage): single-process
+  training of the unsplit model on the mean microbatch loss of each step;
 - ``1f1b-stash``, SGD: ``cases.pipedream_split``, the PipeDream reference
   (weight stashing, replicas averaging, tied copies summing their stages).
 
@@ -89,7 +90,8 @@ CASES = {
 }
 LAYOUTS = [(1,), (2,), (1, 1), (1, 1, 1), (1, 2, 1)]
 RUNS = [(name, schedule, opt) for name in CASES for schedule, opts in
-        (("1f1b-flush", ("sgd", "adamw")), ("gpipe", ("sgd", "adamw")), ("1f1b-stash", ("sgd",))) for opt in opts]
+        (("1f1b-flush", ("sgd", "adamw")), ("gpipe", ("sgd", "adamw")), ("1f1b-stash", ("sgd",)),
+         ("zb-h1", ("sgd",))) for opt in opts]
 
 
 def _model(name: str) -> nn.Module:

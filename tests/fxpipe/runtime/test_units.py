@@ -104,13 +104,30 @@ def test_a_peer_gone_before_posting_is_a_transport_error_naming_it(monkeypatch) 
     monkeypatch.setattr(dist, "isend", closed)
     monkeypatch.setattr(dist, "irecv", closed)
     v = ValueMeta(TensorMeta((2,), "torch.float32", True))
-    p2p = P2P(wires_of([Edge("a", 0, 1, v)]), torch.device("cpu"), timeout_s=1.0)
+    p2p = P2P(wires_of([Edge("a", 0, 1, v)]), torch.device("cpu"), timeout_s=1.0, threaded=False)
     box = MailboxTransport()
     box.outbox["a"] = torch.ones(2)
     with pytest.raises(TransportError, match=r"lost rank 1 .*Connection closed by peer"):
         p2p.send_forward(box, 0, 0, 1, peer=1)
     with pytest.raises(TransportError, match=r"lost rank 0 "):
         p2p.recv_forward(MailboxTransport(), 0, 1, 0, peer=0)
+    # through the poster thread (the CPU default) the same error comes out of the wait, naming the peer too
+    threaded = P2P(wires_of([Edge("a", 0, 1, v)]), torch.device("cpu"), timeout_s=1.0)
+    box.outbox["a"] = torch.ones(2)
+    threaded.send_forward(box, 0, 0, 1, peer=1)
+    with pytest.raises(TransportError, match=r"a send of microbatch 0: lost rank 1 .*Connection closed by peer"):
+        threaded.wait_sends()
+    threaded.recv_forward(MailboxTransport(), 0, 1, 0, peer=0)
+    with pytest.raises(TransportError, match=r"RECV_F0: lost rank 0 .*Connection closed by peer"):
+        threaded.complete(0, "F")
     with pytest.raises(TransportError, match="all-reduce of gradients: lost a peer"):
         with peer_guard("all-reduce of gradients"):
             closed()
+
+
+def test_zb_h1_with_recompute_is_refused_in_the_callers_process() -> None:
+    from fxpipe.runtime.loop import TrainConfig
+    from passes.errors import FxpipeError
+
+    with pytest.raises(FxpipeError, match="--schedule zb-h1 with --recompute is not supported"):
+        TrainConfig(schedule="zb-h1", recompute="all")

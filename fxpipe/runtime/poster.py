@@ -1,0 +1,75 @@
+"""Posting point-to-point messages from a thread of their own, so the rank keeps computing.
+
+Measured on the 2-core machine under load, with 2 gloo ranks training the
+benchmark GPT: a ``dist.isend`` / ``dist.irecv`` call returns after 2.4 to
+5.6 ms median (90th percentile 14 to 40 ms) while using 0.17 ms of CPU: the
+calling thread sleeps inside gloo (its I/O thread holds the pair's lock) and
+the rank's next forward or backward waits for nothing. One poster thread per
+process takes the posts instead, in the order the executor makes them (so
+both sides still post in schedule order); the executor gets a handle at once
+and waits on it where it waited on gloo's work before. The thread releases
+Python's lock inside gloo, so compute goes on meanwhile.
+
+Only for gloo on CPU: NCCL posts are cheap launches onto a stream and belong
+on the caller's thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+
+class Posted:
+    """A message handed to the poster thread; ``wait`` waits for the post, then for the message."""
+
+    __slots__ = ("_done", "_work", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._work: Any = None
+        self._error: Optional[BaseException] = None
+
+    def wait(self, timeout: timedelta) -> Any:
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError(f"the message was not posted within {timeout.total_seconds():.0f} s")
+        if self._error is not None:
+            raise self._error
+        return self._work.wait(timeout)
+
+
+class Poster:
+    """One daemon thread that posts messages in the order they are given."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="fxpipe-poster", daemon=True)
+        self._thread.start()
+
+    def post(self, op: Callable[..., Any], *args: Any, **kwargs: Any) -> Posted:
+        handle = Posted()
+        self._queue.put((handle, op, args, kwargs))
+        return handle
+
+    def _loop(self) -> None:
+        while True:
+            handle, op, args, kwargs = self._queue.get()
+            try:
+                handle._work = op(*args, **kwargs)
+            except BaseException as exc:  # surfaces at the handle's wait, on the executor's thread
+                handle._error = exc
+            handle._done.set()
+
+
+_POSTER: Optional[Poster] = None
+_LOCK = threading.Lock()
+
+
+def poster() -> Poster:
+    """The process's poster thread (started on first use)."""
+    global _POSTER
+    with _LOCK:
+        if _POSTER is None:
+            _POSTER = Poster()
+        return _POSTER
