@@ -50,12 +50,12 @@ from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 __all__ = ["SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "in_flight", "validate"]
 
 
-def in_flight(layout: Layout, stage: int, kind: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None) -> int:
+def in_flight(layout: Layout, stage: int, schedule: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None) -> int:
     """Microbatches each rank of ``stage`` holds at once: ``costmodel.in_flight`` on ``layout``."""
-    return costmodel.in_flight(stage, layout.replicas, kind, microbatches)
+    return costmodel.in_flight(stage, layout.replicas, schedule, microbatches)
 
 
-def build_schedule(kind: str, layout: Layout, microbatches: int,
+def build_schedule(schedule: str, layout: Layout, microbatches: int,
                    links: Sequence[Tuple[int, int]], tied_stages: Sequence[int] = (),
                    blocking_links: Sequence[Tuple[int, int]] = ()) -> Dict[int, List[Action]]:
     """The action list of every rank for one step of ``microbatches``.
@@ -66,28 +66,28 @@ def build_schedule(kind: str, layout: Layout, microbatches: int,
     result is a ``Schedule`` (a dict that remembers its layout, so
     ``validate`` knows the all-reduce groups).
     """
-    links = _check(kind, layout, microbatches, links, tied_stages)
+    links = _check(schedule, layout, microbatches, links, tied_stages)
     tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
-    out = Schedule(kind=kind, layout=layout, microbatches=microbatches, links=links, tied_stages=tuple(sorted(tied)))
+    out = Schedule(name=schedule, layout=layout, microbatches=microbatches, links=links, tied_stages=tuple(sorted(tied)))
     for stage in range(layout.num_stages):
         reduce = layout.replicas[stage] > 1 or stage in tied
         for replica, rank in enumerate(layout.ranks(stage)):
             mbs = list(range(replica, microbatches, layout.replicas[stage]))
-            order = _compute_order(kind, layout, stage, mbs, reduce)
+            order = _compute_order(schedule, layout, stage, mbs, reduce)
             out[rank] = early_receives(_lower(order, stage, layout, links), stage, layout, set(blocking_links))
     return out
 
 
-def _compute_order(kind: str, layout: Layout, stage: int, mbs: List[int], reduce: bool) -> List[Action]:
-    if kind == "gpipe":
+def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], reduce: bool) -> List[Action]:
+    if schedule == "gpipe":
         order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
-    elif kind == "zb-h1":
+    elif schedule == "zb-h1":
         window = in_flight(layout, stage, "1f1b-flush")
         first = in_flight(layout, stage, "zb-h1")  # the deepest stage's window
         order = _deferred_weights(_one_f_one_b(mbs, window), first - window)
     else:
-        order = _one_f_one_b(mbs, in_flight(layout, stage, kind))  # capped by the replica's microbatches
-    if kind == "1f1b-stash":
+        order = _one_f_one_b(mbs, in_flight(layout, stage, schedule))  # capped by the replica's microbatches
+    if schedule == "1f1b-stash":
         stepped: List[Action] = []
         for a in order:
             stepped.append(a)
@@ -171,11 +171,11 @@ def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[in
     return actions
 
 
-def _check(kind: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]],
+def _check(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]],
            tied_stages: Sequence[int]) -> List[Tuple[int, int]]:
     """Reject requests that cannot make a valid schedule, saying what would."""
-    if kind not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
     S = layout.num_stages
@@ -191,7 +191,7 @@ def _check(kind: str, layout: Layout, microbatches: int, links: Sequence[Tuple[i
         if r > microbatches:
             raise ScheduleError(f"stage {j} has {r} replicas but the step has only {microbatches} microbatches; "
                                 f"use --microbatches >= {r} so every replica gets work")
-    if kind == "1f1b-stash":
+    if schedule == "1f1b-stash":
         _check_stash_groups(layout, microbatches, tied_stages)
     return clean
 

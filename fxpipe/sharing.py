@@ -24,7 +24,7 @@ def slowdown(events: Mapping[int, Sequence[object]], cores: int, busy: Sequence[
     replays do not swing between two timelines.
     """
     spans: Dict[int, List[Tuple[float, float]]] = {
-        r: [(e.start, e.end) for e in evs if e.kind in busy] for r, evs in events.items()}
+        r: [(e.start, e.end) for e in evs if e.activity in busy] for r, evs in events.items()}
     out: Dict[Tuple[int, int], float] = {}
     for rank, mine in spans.items():
         for n, (s, t) in enumerate(mine):

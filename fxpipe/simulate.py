@@ -43,7 +43,7 @@ from fxpipe.validate import ScheduleError, execution_order, reduce_groups
 from passes.partition.costmodel import default_microbatches
 
 
-BUSY = ("compute", "allreduce", "step", "send_blocking", "post", "recv")  # event kinds that are work, not bubble
+BUSY = ("compute", "allreduce", "step", "send_blocking", "post", "recv")  # activities that are work, not bubble
 Bandwidth = Union[float, Callable[[int, int], float]]  # bytes/s, or bytes/s of the channel (rank, peer)
 
 
@@ -74,18 +74,19 @@ class ActionCosts:
 
 @dataclass(frozen=True)
 class Event:
-    """One action on one rank's timeline. ``kind``: compute, send, recv, wait, allreduce, step."""
+    """One action on one rank's timeline and what the rank did: ``activity`` is compute, send, recv,
+    wait, allreduce, step..."""
 
     rank: int
     start: float
     end: float
     action: Action
-    kind: str
+    activity: str
 
 
 @dataclass
 class SimResult:
-    kind: str
+    schedule: str  # its name
     microbatches: int
     samples_per_microbatch: int
     events: Dict[int, List[Event]]
@@ -100,7 +101,7 @@ class SimResult:
         """Time in ``[t0, t1]`` when ``rank`` neither computes nor all-reduces."""
         busy = 0.0
         for e in self.events[rank]:
-            if e.kind in BUSY:
+            if e.activity in BUSY:
                 busy += max(0.0, min(e.end, t1) - max(e.start, t0))
         return (t1 - t0) - busy
 
@@ -160,13 +161,13 @@ class _Clock:
     def stage(self, rank: int) -> ActionCosts:
         return self.costs[self.layout.stage_of(rank)]
 
-    def _add(self, rank: int, dur: float, action: Action, kind: str) -> None:
-        if kind in BUSY:
+    def _add(self, rank: int, dur: float, action: Action, activity: str) -> None:
+        if activity in BUSY:
             dur *= self.stretch.get((rank, self.busy_n[rank]), 1.0)
             self.busy_n[rank] += 1
         start = self.t[rank]
         self.t[rank] = start + dur
-        self.events[rank].append(Event(rank, start, start + dur, action, kind))
+        self.events[rank].append(Event(rank, start, start + dur, action, activity))
 
     def run(self, rank: int, a: Action) -> None:
         c = self.stage(rank)
@@ -246,13 +247,13 @@ class _Clock:
 
 def _result(schedule, sim: _Clock, samples: int) -> SimResult:
     makespan = max([e.end for evs in sim.events.values() for e in evs] + [0.0])
-    busy = {r: sum(e.end - e.start for e in evs if e.kind in BUSY) for r, evs in sim.events.items()}
+    busy = {r: sum(e.end - e.start for e in evs if e.activity in BUSY) for r, evs in sim.events.items()}
     world = max(len(sim.events), 1)
     M = getattr(schedule, "microbatches", 0) or len({a.mb for acts in schedule.values() for a in acts
                                                      if a.kind is Kind.F})
     bubble = 1.0 - sum(busy.values()) / (world * makespan) if makespan > 0 else 0.0
     return SimResult(
-        kind=getattr(schedule, "kind", "custom"), microbatches=M, samples_per_microbatch=samples,
+        schedule=getattr(schedule, "name", "custom"), microbatches=M, samples_per_microbatch=samples,
         events=sim.events, step_s=makespan,
         samples_per_s=M * samples / makespan if makespan > 0 else math.inf,
         steady_samples_per_s=_steady_rate(sim, samples) or (M * samples / makespan if makespan > 0 else math.inf),
@@ -262,7 +263,7 @@ def _result(schedule, sim: _Clock, samples: int) -> SimResult:
 def _steady_rate(sim: _Clock, samples: int) -> Optional[float]:
     """Samples/s from the input stage's backward completions in the middle half of the run."""
     ends = sorted(e.end for r in sim.layout.ranks(0) for e in sim.events.get(r, ()) if e.action.kind is Kind.B
-             and e.kind == "compute")
+             and e.activity == "compute")
     if len(ends) < 4:
         return None
     lo, hi = len(ends) // 4, (3 * len(ends)) // 4
@@ -332,7 +333,7 @@ def plan_bandwidth(plan) -> Bandwidth:
     return lambda rank, peer: link_bandwidth(rank, peer, opts)
 
 
-def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
+def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                   tied_stages: Optional[Sequence[int]] = None, links: Optional[Sequence[Tuple[int, int]]] = None,
                   step_s: Optional[Sequence[float]] = None, **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
@@ -346,11 +347,11 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     from fxpipe.schedule import build_schedule
 
     opts = dict(getattr(plan, "options", {}) or {})
-    kind = kind or opts.get("schedule") or DEFAULT_SCHEDULE
+    schedule = schedule or opts.get("schedule") or DEFAULT_SCHEDULE
     layout = Layout.of([s.replicas for s in plan.stages])
     M = max(int(microbatches or opts.get("microbatches")
-                or default_microbatches(layout.world_size, kind, opts.get("memory"))), max(layout.replicas))
-    if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
+                or default_microbatches(layout.world_size, schedule, opts.get("memory"))), max(layout.replicas))
+    if schedule == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
         M = max(M, 4 * layout.world_size)
     costs, found = costs_from_plan(plan, graph)
     if step_s is not None:
@@ -358,17 +359,17 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
             raise ScheduleError(f"step_s has {len(step_s)} entries for a plan of {len(costs)} stages")
         costs = [dataclasses.replace(c, step_s=float(t)) for c, t in zip(costs, step_s)]
     links = list(links) if links is not None else found
-    if kind == "1f1b-stash":
+    if schedule == "1f1b-stash":
         M = _round_up_for_stash(M, layout)
     if not tied_stages:
         tied_stages = [s.index for s in plan.stages if s.tied_bytes]
-    schedule = build_schedule(kind, layout, M, links, tied_stages)
+    built = build_schedule(schedule, layout, M, links, tied_stages)
     sim_options.setdefault("bandwidth", plan_bandwidth(plan))
-    result = simulate(schedule, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)
-    return result, schedule
+    result = simulate(built, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)
+    return result, built
 
 
-def simulate_split(split_model, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
+def simulate_split(split_model, schedule: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                    **sim_options) -> SimResult:
     """Predict a run of a ``SplitModel`` (its plan, links and tied stages): what ``fxpipe train`` compares with.
 
@@ -378,7 +379,7 @@ def simulate_split(split_model, kind: Optional[str] = None, microbatches: Option
         raise ScheduleError("this split has no plan to predict from; split it with fxpipe.split / `fxpipe split`")
     tied = sorted({s for stages in (getattr(split_model, "tied", None) or {}).values() for s in stages})
     graph = graph if graph is not None else getattr(split_model, "profile", None)
-    result, _ = simulate_plan(split_model.plan, kind, microbatches, graph=graph, tied_stages=tied,
+    result, _ = simulate_plan(split_model.plan, schedule, microbatches, graph=graph, tied_stages=tied,
                               links=list(split_model.links), **sim_options)
     return result
 

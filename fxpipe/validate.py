@@ -43,10 +43,10 @@ class ScheduleError(FxpipeError):
 class Schedule(dict):
     """``{rank: [Action, ...]}`` that remembers how it was built (layout, links)."""
 
-    def __init__(self, *args, kind: str = "custom", layout: Optional[Layout] = None, microbatches: int = 0,
+    def __init__(self, *args, name: str = "custom", layout: Optional[Layout] = None, microbatches: int = 0,
                  links: Sequence[Tuple[int, int]] = (), tied_stages: Sequence[int] = (), **kw) -> None:
         super().__init__(*args, **kw)
-        self.kind = kind
+        self.name = name
         self.layout = layout
         self.microbatches = microbatches
         self.links = list(links)

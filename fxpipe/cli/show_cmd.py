@@ -66,7 +66,7 @@ def _measured(trace, sim):
     if not trace:
         return Window({}, "")
     measured = load_trace(trace)
-    steps = sim.microbatches if sim is not None and sim.kind == "1f1b-stash" else 1
+    steps = sim.microbatches if sim is not None and sim.schedule == "1f1b-stash" else 1
     return one_step(measured, steps) or Window(measured, "whole run")
 
 

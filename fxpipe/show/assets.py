@@ -53,7 +53,7 @@ function legend(){
   document.getElementById('tl-legend').innerHTML = h;
 }
 /* waits on top of compute: a measured forward or backward that blocks on its input contains the wait */
-function layer(kind){ return kind === 'wait' ? 1 : (kind === 'send' || kind === 'comm') ? 2 : 0; }
+function layer(activity){ return activity === 'wait' ? 1 : (activity === 'send' || activity === 'comm') ? 2 : 0; }
 function spanOf(ranks){
   var T = 0; Object.keys(ranks).forEach(function(r){ ranks[r].forEach(function(e){ if (e[1] > T) T = e[1]; }); });
   return T;
@@ -76,16 +76,16 @@ function timeline(el, title, ranks, stageOf, note, T){
     s.push('<text x="14" y="'+(y+lane/2+3)+'" fill="#333">rank '+r+(st === undefined ? '' : ' · s'+st)+'</text>');
     var evs = ranks[r].slice().sort(function(a, b){ return layer(a[3]) - layer(b[3]); });
     evs.forEach(function(e){
-      var x0 = L + e[0]*sx, w = Math.max((e[1]-e[0])*sx, 0.6), kind = e[3];
+      var x0 = L + e[0]*sx, w = Math.max((e[1]-e[0])*sx, 0.6), activity = e[3];
       var tip = '<title>rank '+r+' · '+esc(e[2])+' · '+fs(e[0])+' → '+fs(e[1])+' ('+fs(e[1]-e[0])+')</title>';
-      if (kind === 'send' || kind === 'comm'){
+      if (activity === 'send' || activity === 'comm'){
         s.push('<line x1="'+x0+'" y1="'+(y+lane-4)+'" x2="'+(x0+w)+'" y2="'+(y+lane-4)+'" stroke="#555" stroke-width="2">'+tip+'</line>');
         return;
       }
-      var c = KCOL[kind] || KCOL.other;
+      var c = KCOL[activity] || KCOL.other;
       s.push('<rect x="'+x0+'" y="'+(y+3)+'" width="'+w+'" height="'+(lane-10)+'" fill="'+c+'" stroke="#fff" stroke-width="0.5">'+tip+'</rect>');
-      if (w > 16 && (kind === 'F' || kind === 'B' || kind === 'W'))
-        s.push('<text x="'+(x0+w/2)+'" y="'+(y+lane/2+1)+'" text-anchor="middle" fill="'+(kind==='B'?'#fff':'#123')+'">'+esc(e[2])+'</text>');
+      if (w > 16 && (activity === 'F' || activity === 'B' || activity === 'W'))
+        s.push('<text x="'+(x0+w/2)+'" y="'+(y+lane/2+1)+'" text-anchor="middle" fill="'+(activity==='B'?'#fff':'#123')+'">'+esc(e[2])+'</text>');
     });
   });
   s.push('</svg>');
@@ -97,8 +97,8 @@ function drawTimelines(){
   var sim = D.sim, simEl = document.getElementById('tl-sim'), mEl = document.getElementById('tl-measured');
   if (!D.measured) mEl.style.display = 'none';
   var Tmax = Math.max(spanOf(sim ? sim.ranks : {}), spanOf(D.measured ? D.measured.ranks : {}));
-  if (sim) timeline(simEl, 'simulated: '+sim.kind+', '+sim.microbatches+
-                    (sim.kind === '1f1b-stash' ? ' minibatches' : ' microbatches')+', step '+fs(sim.step_s)+
+  if (sim) timeline(simEl, 'simulated: '+sim.schedule+', '+sim.microbatches+
+                    (sim.schedule === '1f1b-stash' ? ' minibatches' : ' microbatches')+', step '+fs(sim.step_s)+
                     ', bubble '+(100*sim.bubble).toFixed(1)+' %', sim.ranks, sim.stage_of_rank,
                     'peak memory per rank: '+Object.keys(sim.peak_memory).map(function(r){
                       return 'r'+r+' '+fb(sim.peak_memory[r]); }).join(', '), Tmax);
@@ -174,8 +174,8 @@ function drawGraph(){
       g.members.forEach(function(i){ var n = G.nodes[i]; f += n.fwd; b += n.bwd; pb += n.params; });
       label = '⊞ ' + g.label; tip = g.label+(g.span ? '\n'+g.span : '')+'\nstage '+g.stage+'\n'+g.members.length+' nodes\nforward '+fs(f)+
         '\nbackward '+fs(b)+'\nparameters '+fb(pb)+'\nclick to expand';
-    } else { var n = G.nodes[+id.slice(1)], kind = n.target.split('(')[0];
-      label = n.name + (kind && kind !== n.name && n.op !== 'output' ? ' ' + kind : '');
+    } else { var n = G.nodes[+id.slice(1)], fn = n.target.split('(')[0];
+      label = n.name + (fn && fn !== n.name && n.op !== 'output' ? ' ' + fn : '');
       tip = n.name+' ('+n.op+')\n'+n.target+(n.module ? '\nmodule '+n.module : '')+'\nstage '+n.stage+
         '\nforward '+fs(n.fwd)+'\nbackward '+fs(n.bwd)+'\noutput '+fb(n.out)+'\nparameters '+fb(n.params); }
     var short = label.length > 30 ? label.slice(0, 29) + '…' : label;

@@ -78,12 +78,12 @@ def _read_split(folder: Path, data: ShowInput) -> None:
 
 class TraceEvent(NamedTuple):
     """One measured action: seconds from the trace's start, its name (``F3``, ``SEND_F2>r1``), and
-    ``kind``, the timeline row it is drawn in (``trace_kind``). A tuple, so the page gets it as an array."""
+    ``activity``, the timeline row it is drawn in (``trace_activity``). A tuple, so the page gets it as an array."""
 
     start_s: float
     end_s: float
     name: str
-    kind: str
+    activity: str
 
 
 Trace = Dict[int, List[TraceEvent]]  # rank -> its events in time order
@@ -115,13 +115,13 @@ def load_trace(path: str) -> Trace:
         start = (float(e["ts"]) - t0) / 1e6
         end = start + float(e.get("dur", 0)) / 1e6
         name = str(e.get("name", "?"))
-        ranks.setdefault(int(e.get("pid", 0)), []).append(TraceEvent(start, end, name, trace_kind(name)))
+        ranks.setdefault(int(e.get("pid", 0)), []).append(TraceEvent(start, end, name, trace_activity(name)))
     for evs in ranks.values():
         evs.sort()
     return ranks
 
 
-def trace_kind(name: str) -> str:
+def trace_activity(name: str) -> str:
     """Timeline category of a trace event name (``F3``, ``B0``, ``SEND_F2>r1``, ``wait ...``)."""
     n = name.upper()
     if n.startswith(("SEND", "RECV")):
@@ -147,7 +147,7 @@ def one_step(trace: Trace, steps: int = 1) -> Optional[Window]:
     the trace has too few steps.
     """
     first = min(trace) if trace else None
-    ends = sorted(e.end_s for e in trace.get(first, []) if e.kind == "step")
+    ends = sorted(e.end_s for e in trace.get(first, []) if e.activity == "step")
     if len(ends) < steps + 1:
         return None
     i = max(steps, len(ends) // 2)  # window ending at ends[i] is step i + 1; the first step has no start mark

@@ -45,9 +45,9 @@ def fmt_bytes(n: Optional[float]) -> str:
     return str(n)
 
 
-def batches_word(kind: str) -> str:
+def batches_word(schedule: str) -> str:
     """PipeDream calls what flows through a stash pipeline minibatches (one update each)."""
-    return "minibatches" if kind == "1f1b-stash" else "microbatches"
+    return "minibatches" if schedule == "1f1b-stash" else "microbatches"
 
 
 def stage_rows(plan: Any) -> List[Dict[str, Any]]:
@@ -92,7 +92,7 @@ def _summary_html(plan: Any, sim: Any) -> str:
         items.insert(-1, ("inside a node", f"{float(opts.get('intra_bandwidth') or 0):.3g} B/s, "
                                            f"{opts['gpus_per_node']} devices per node"))
     if sim is not None:
-        items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} {batches_word(sim.kind)}"),
+        items += [("simulated schedule", f"{sim.schedule}, {sim.microbatches} {batches_word(sim.schedule)}"),
                   ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
                   ("steady-state samples/s", f"{sim.steady_samples_per_s:.4g}"),
                   ("bubble", f"{100 * sim.bubble_fraction:.1f} %")]
@@ -105,13 +105,13 @@ def sim_payload(sim: Any, layout: Any) -> Dict[str, Any]:
     for rank, evs in sim.events.items():
         rows = []
         for e in evs:
-            if e.kind == "recv" or e.end <= e.start and e.kind != "send":
+            if e.activity == "recv" or e.end <= e.start and e.activity != "send":
                 continue
-            kind = e.action.kind.value if e.kind == "compute" else e.kind
-            rows.append([e.start, e.end, str(e.action), kind])
+            activity = e.action.kind.value if e.activity == "compute" else e.activity
+            rows.append([e.start, e.end, str(e.action), activity])
         ranks[str(rank)] = rows
     return {"ranks": ranks, "stage_of_rank": {str(r): layout.stage_of(r) for r in sim.events},
-            "step_s": sim.step_s, "kind": sim.kind, "microbatches": sim.microbatches,
+            "step_s": sim.step_s, "schedule": sim.schedule, "microbatches": sim.microbatches,
             "bubble": sim.bubble_fraction, "peak_memory": {str(r): m for r, m in sim.peak_memory.items()}}
 
 

@@ -28,19 +28,19 @@ def ascii_timeline(sim: Any, layout: Any, width: int = 100) -> str:
     """One line per rank over the simulated step."""
     T = sim.step_s or 1.0
     dt = T / width
-    lines = [f"{sim.kind}: {sim.microbatches} {batches_word(sim.kind)}, step {fmt_s(sim.step_s)}, "
+    lines = [f"{sim.schedule}: {sim.microbatches} {batches_word(sim.schedule)}, step {fmt_s(sim.step_s)}, "
              f"{sim.samples_per_s:.4g} samples/s, bubble {100 * sim.bubble_fraction:.1f} %"]
     for rank in sorted(sim.events):
         row = [" "] * width
         for e in sim.events[rank]:
-            kind = e.action.kind.value if e.kind == "compute" else e.kind
-            if kind not in FILL or e.end <= e.start:
+            activity = e.action.kind.value if e.activity == "compute" else e.activity
+            if activity not in FILL or e.end <= e.start:
                 continue
             a, b = int(e.start / dt + 1e-9), max(int(e.start / dt + 1e-9) + 1, int(round(e.end / dt)))
             b = min(b, width)
             for c in range(a, b):
-                row[c] = FILL[kind]
-            if kind in ("F", "B", "W"):
+                row[c] = FILL[activity]
+            if activity in ("F", "B", "W"):
                 label = str(e.action)[: max(0, b - a)]
                 row[a:a + len(label)] = list(label)
         mem = fmt_bytes(sim.peak_memory.get(rank, 0))

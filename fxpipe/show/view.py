@@ -9,12 +9,12 @@ from fxpipe.validate import ScheduleError
 from fxpipe.show.data import ShowInput
 
 
-def simulate_input(data: ShowInput, kind: Optional[str] = None,
+def simulate_input(data: ShowInput, schedule: Optional[str] = None,
                    microbatches: Optional[int] = None) -> Tuple[Optional[SimResult], Layout]:
-    """Simulate the schedule the plan asks for (or ``kind``); a refusal becomes a note, not a crash."""
+    """Simulate the schedule the plan asks for (or ``schedule``); a refusal becomes a note, not a crash."""
     layout = Layout.of([s.replicas for s in data.plan.stages])
     try:
-        sim, _ = simulate_plan(data.plan, kind=kind, microbatches=microbatches, graph=data.graph,
+        sim, _ = simulate_plan(data.plan, schedule=schedule, microbatches=microbatches, graph=data.graph,
                                tied_stages=data.tied_stages, links=data.links)
     except ScheduleError as exc:
         data.notes.append(f"schedule not simulated: {exc}")

@@ -94,16 +94,16 @@ def link_sets(S):
     return [chain, skip, every]
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("replicas", LAYOUTS)
-def test_every_builtin_schedule_validates(kind, replicas):
+def test_every_builtin_schedule_validates(schedule, replicas):
     lay = Layout.of(replicas)
     checked = 0
     for M in (1, 2, 3, 4, 5, 8, 12):
         for links in link_sets(len(replicas)):
             for tied in ((), (0, len(replicas) - 1)):
                 try:
-                    s = build_schedule(kind, lay, M, links, tied)
+                    s = build_schedule(schedule, lay, M, links, tied)
                 except ScheduleError as exc:  # asked for something impossible: the message says why
                     assert "microbatches" in str(exc) or "minibatches" in str(exc)
                     continue

@@ -51,8 +51,8 @@ def test_stash_has_no_bubble_in_steady_state():
     lay = Layout.of([1] * S)
     res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [ActionCosts(1.0, 2.0)] * S, lay)
     # steady state: from the first backward of the input stage to its last forward
-    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0) and e.kind == "compute")
-    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1) and e.kind == "compute")
+    b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0) and e.activity == "compute")
+    f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1) and e.activity == "compute")
     assert f_last.start - b0.start > 10 * 3.0
     for rank in range(S):
         assert res.idle_s(rank, b0.start, f_last.start) == pytest.approx(0.0, abs=1e-9)
@@ -73,7 +73,7 @@ def test_communication_delays_the_consumer():
     s = build_schedule("gpipe", lay, 1, [(0, 1)])
     res = simulate(s, costs, lay, bandwidth=1000.0)  # 1 s per transfer each way
     assert res.step_s == pytest.approx(1 + 1 + 1 + 1 + 1 + 1)
-    waits = [e for e in res.events[1] if e.kind == "wait"]
+    waits = [e for e in res.events[1] if e.activity == "wait"]
     assert waits and waits[0].end - waits[0].start == pytest.approx(2.0)
     blocking = simulate(s, costs, lay, bandwidth=1000.0, overlap_comm=False)
     assert blocking.step_s == pytest.approx(res.step_s)  # nothing to overlap with here
@@ -83,7 +83,7 @@ def test_allreduce_is_a_barrier_with_its_cost():
     lay = Layout.of([2, 1])
     costs = [ActionCosts(1.0, 1.0, allreduce_s=0.5), ActionCosts(1.0, 1.0)]
     res = simulate(build_schedule("1f1b-flush", lay, 3, [(0, 1)]), costs, lay)
-    ar = [next(e for e in res.events[r] if e.kind == "allreduce") for r in (0, 1)]
+    ar = [next(e for e in res.events[r] if e.activity == "allreduce") for r in (0, 1)]
     assert ar[0].start == ar[1].start and ar[0].end - ar[0].start == pytest.approx(0.5)
 
 
@@ -100,17 +100,17 @@ def test_peak_memory_counts_stashed_versions_and_activations():
     assert gpipe.peak_memory == {j: 100 + M for j in range(S)}
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("replicas", [(1, 1, 1), (2, 1), (1, 2, 1), (3, 1), (2, 2, 1)])
-def test_every_builtin_schedule_runs_to_the_end(kind, replicas):
+def test_every_builtin_schedule_runs_to_the_end(schedule, replicas):
     lay = Layout.of(replicas)
     S = len(replicas)
     links = chain(S) + ([(0, S - 1)] if S > 2 else [])
     costs = [ActionCosts(0.1 * (j + 1), 0.2, send_bytes={b: 10 for a, b in links if a == j}, allreduce_s=0.05,
                         param_bytes=8, activation_bytes=2) for j in range(S)]
     M = 6
-    tied = (0, S - 1) if kind != "1f1b-stash" else ()  # stash refuses tied stages with unequal replicas
-    res = simulate(build_schedule(kind, lay, M, links, tied_stages=tied), costs, lay, bandwidth=1e3)
+    tied = (0, S - 1) if schedule != "1f1b-stash" else ()  # stash refuses tied stages with unequal replicas
+    res = simulate(build_schedule(schedule, lay, M, links, tied_stages=tied), costs, lay, bandwidth=1e3)
     assert math.isfinite(res.step_s) and res.step_s > 0
     done = {(r, e.action.mb) for r, evs in res.events.items() for e in evs if e.action.kind is Kind.B}
     assert len(done) == M * S
@@ -156,20 +156,20 @@ def test_simulate_plan_uses_profile_links_and_batch_size():
     assert links == [(0, 1), (0, 2), (1, 2)]
     assert costs[0].send_bytes == {1: 100, 2: 100} and costs[0].activation_bytes == 100
     res, sched = simulate_plan(plan, graph=g)
-    assert sched.kind == "1f1b-flush" and res.microbatches == 4
+    assert sched.name == "1f1b-flush" and res.microbatches == 4
     assert res.samples_per_s == pytest.approx(4 * 8 / res.step_s)
-    no_graph, _ = simulate_plan(plan, kind="gpipe", microbatches=2)
-    assert no_graph.kind == "gpipe" and no_graph.microbatches == 2
+    no_graph, _ = simulate_plan(plan, schedule="gpipe", microbatches=2)
+    assert no_graph.schedule == "gpipe" and no_graph.microbatches == 2
 
 
 def test_optimizer_step_times_lengthen_the_step_once_per_step_or_per_backward():
     g = tiny_graph()
     plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
-    base, _ = simulate_plan(plan, kind="1f1b-flush", microbatches=4, graph=g)
-    flush, _ = simulate_plan(plan, kind="1f1b-flush", microbatches=4, graph=g, step_s=[0.5, 0.5, 0.5])
+    base, _ = simulate_plan(plan, schedule="1f1b-flush", microbatches=4, graph=g)
+    flush, _ = simulate_plan(plan, schedule="1f1b-flush", microbatches=4, graph=g, step_s=[0.5, 0.5, 0.5])
     assert flush.step_s == pytest.approx(base.step_s + 0.5)  # one step at the end of the flush
-    stash0, _ = simulate_plan(plan, kind="1f1b-stash", microbatches=8, graph=g)
-    stash, _ = simulate_plan(plan, kind="1f1b-stash", microbatches=8, graph=g, step_s=[0.5, 0.5, 0.5])
+    stash0, _ = simulate_plan(plan, schedule="1f1b-stash", microbatches=8, graph=g)
+    stash, _ = simulate_plan(plan, schedule="1f1b-stash", microbatches=8, graph=g, step_s=[0.5, 0.5, 0.5])
     assert stash.step_s > stash0.step_s + 4 * 0.5  # a step after every backward
     with pytest.raises(ScheduleError, match="2 entries for a plan of 3 stages"):
         simulate_plan(plan, graph=g, step_s=[0.1, 0.1])
@@ -240,7 +240,7 @@ def test_tied_weight_costs_the_same_in_the_plan_and_the_simulation():
         res, sched = simulate_plan(plan, graph=graph)
         assert sched.tied_stages == (0, 2)
         for rank in (0, 2):
-            syncs = [e.end - e.start for e in res.events[rank] if e.kind == "allreduce"]
+            syncs = [e.end - e.start for e in res.events[rank] if e.activity == "allreduce"]
             assert syncs == [pytest.approx(0.4)]
 
 
@@ -263,7 +263,7 @@ def test_partitioner_and_simulator_charge_a_tied_weight_alike():
     assert tied == [0, 1]  # a chain emb -> mid -> head in two stages: emb and head always apart
     res, _ = simulate_plan(plan, graph=g)
     for s in plan.stages:
-        syncs = [e.end - e.start for e in res.events[s.ranks[0]] if e.kind == "allreduce"]
+        syncs = [e.end - e.start for e in res.events[s.ranks[0]] if e.activity == "allreduce"]
         assert syncs == [pytest.approx(s.allreduce_s)] and s.allreduce_s == pytest.approx(0.4)
 
 

@@ -127,10 +127,10 @@ def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float
         times: Dict[str, List[float]] = {"F": [], "B": [], "W": [], "step": []}
         for r in layout.ranks(j):
             evs = trace.get(r, [])
-            waits = [e for e in evs if e.kind == "wait"]
+            waits = [e for e in evs if e.activity == "wait"]
             for e in evs:
-                if e.kind in times:
-                    times[e.kind].append(busy(e, waits))
+                if e.activity in times:
+                    times[e.activity].append(busy(e, waits))
         med = {k: statistics.median(v or [0.0]) for k, v in times.items()}
         out[j] = (med["F"], med["B"], med["step"], med["W"])
     return out

@@ -74,8 +74,8 @@ def merge_states(param_names: List[Dict[str, str]], results: List[Dict[str, Any]
     return out
 
 
-def optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr) if kind == "sgd" else torch.optim.AdamW(params, lr=lr)
+def optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr) if name == "sgd" else torch.optim.AdamW(params, lr=lr)
 
 
 def accumulate(name: str, steps: int, M: int, opt: str, lr: float) -> Dict[str, torch.Tensor]:

@@ -186,7 +186,7 @@ def test_text_view_of_replicated_plan():
     g = CostGraph.load(PROFILES / "vgg16.txt")
     plan = synthetic_plan(g, split_by_compute(g, 2), [3, 1], batch_size=32, microbatches=6)
     d = ShowInput(plan, g, "vgg16")
-    sim, layout = simulate_input(d, kind="1f1b-stash", microbatches=6)
+    sim, layout = simulate_input(d, schedule="1f1b-stash", microbatches=6)
     text = render_text(plan, sim, layout, d.notes)
     assert "1f1b-stash: 6 minibatches" in text
     assert text.count("\nr") == 4
@@ -216,7 +216,7 @@ def test_page_script_expands_and_collapses_groups(tmp_path):
     plan = synthetic_plan(g, split_by_compute(g, 3), [2, 1, 1], batch_size=32, microbatches=8)
     d = ShowInput(plan, g, "nasnetamobile")
     sim, layout = simulate_input(d)
-    measured = {r: [[e.start, e.end, str(e.action), "F"] for e in evs if e.kind == "compute"]
+    measured = {r: [[e.start, e.end, str(e.action), "F"] for e in evs if e.activity == "compute"]
                 for r, evs in sim.events.items()}
     (tmp_path / "v.html").write_text(render_html(d, sim, layout, measured))
     subprocess.run(["node", str(Path(__file__).with_name("show_harness.js")), str(tmp_path / "v.html"),
