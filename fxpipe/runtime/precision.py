@@ -52,11 +52,11 @@ def check_precision(precision: str, schedule: str) -> None:
     """Fail before any worker starts on a combination that cannot run."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if precision == "fp16" and schedule == "1f1b-stash":
+    if precision == "fp16" and schedule in ("1f1b-stash", "2bw"):
         # each minibatch's step would need an all-rank agreement on inf/nan in the middle of the
         # pipeline (ranks step at different times there): not supported
-        raise PrecisionError("--precision fp16 (dynamic loss scaling) runs with --schedule 1f1b-flush or "
-                             "gpipe, not 1f1b-stash; use --precision bf16 with 1f1b-stash")
+        raise PrecisionError(f"--precision fp16 (dynamic loss scaling) runs with --schedule 1f1b-flush or "
+                             f"gpipe, not {schedule}; use --precision bf16 with {schedule}")
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager:
