@@ -113,6 +113,8 @@ class _Clock:
         self.arrival: Dict[tuple, float] = {}
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
+        # 2bw: batch b's forwards run on version b - 1 (fxpipe.schedule), whatever the rank is at
+        self.batch = schedule.microbatches if getattr(schedule, "kind", None) == "2bw" else None
         self.peak = {r: 0 for r in schedule}
 
     def stage(self, rank: int) -> StageCosts:
@@ -127,7 +129,7 @@ class _Clock:
         c = self.stage(rank)
         if a.kind is Kind.F:
             self._add(rank, c.fwd_s + self.overhead_s, a, "compute")
-            self.flight[rank][a.mb] = self.version[rank]
+            self.flight[rank][a.mb] = self.version[rank] if self.batch is None else max(0, a.mb // self.batch - 1)
             self._memory(rank, c)
         elif a.kind is Kind.B:
             self._add(rank, c.bwd_s + self.overhead_s, a, "compute")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from passes.errors import FxpipeError
 
+from fxpipe.schedule import KINDS
 from fxpipe.units import parse_bandwidth, parse_memory
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
-    p.add_argument("--schedule", choices=("1f1b-stash", "1f1b-flush", "gpipe"), default="1f1b-flush",
+    p.add_argument("--schedule", choices=KINDS, default="1f1b-flush",
                    help="schedule the plan is for (memory, in-flight counts); default 1f1b-flush, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
     p.add_argument("--replication", choices=("any", "pow2", "none"), default="any",

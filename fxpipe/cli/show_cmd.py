@@ -12,6 +12,8 @@ from pathlib import Path
 
 from passes.errors import FxpipeError
 
+from fxpipe.schedule import KINDS
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("show", help="view a plan: graph by stage, stage table, schedule timeline",
@@ -21,7 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("--profile", help="profile.json / PipeDream graph.txt to draw (default: profile.json beside the plan)")
     p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace`: one middle step drawn under the simulation")
     p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
-    p.add_argument("--schedule", choices=("1f1b-flush", "1f1b-stash", "gpipe"),
+    p.add_argument("--schedule", choices=KINDS,
                    help="schedule to simulate (default: the plan's)")
     p.add_argument("--microbatches", type=int, help="microbatches per step to simulate (default: the plan's)")
     p.add_argument("--format", choices=("html", "dot", "svg", "png"), default="html",

@@ -54,7 +54,7 @@ from passes.errors import FxpipeError
 from passes.partition import topology
 
 COST_MODELS = ("fxpipe", "pipedream")
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "2bw")
 REPLICATION = ("any", "pow2", "none")
 
 
@@ -348,11 +348,14 @@ def in_flight(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
         return per_replica
     if opts.schedule == "1f1b-flush":
         return min(pipeline, per_replica)
-    return pipeline
+    return pipeline  # stash and 2bw: no flush, the next step's microbatches enter behind the last ones
 
 
 def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    return in_flight(stage, replicas, opts) if opts.schedule == "1f1b-stash" else 1
+    """Weight versions a device keeps: one per minibatch in flight (stash), two (2bw), else one."""
+    if opts.schedule == "1f1b-stash":
+        return in_flight(stage, replicas, opts)
+    return 2 if opts.schedule == "2bw" else 1
 
 
 def memory_bytes(param_bytes: int, act_bytes: int, stage: int, replicas: Sequence[int], opts: CostOptions) -> int:

@@ -198,7 +198,7 @@ class PartitionModel:
             pm = self._sum_var(b, [p / unit for p in u_.param_bytes], {p: nb / unit for p, (nb, _) in u_.shared.items()}, "PM", up=True)
             am = self._sum_var(b, [a / unit for a in u_.act_bytes], {}, "AM", up=True)
             for n, v in w.items():
-                versions = n if opts.schedule == "1f1b-stash" else 1
+                versions = n if opts.schedule == "1f1b-stash" else 2 if opts.schedule == "2bw" else 1
                 factor = int(math.ceil(1000 * (versions + 1 + opts.optimizer_state)))
                 m.Add(factor * pm + 1000 * n * am <= 1000 * limit).OnlyEnforceIf(v)
         if self.minimise_memory:
@@ -212,7 +212,7 @@ class PartitionModel:
             per_replica = math.ceil(opts.num_microbatches / r)
             if opts.schedule == "gpipe":
                 m.Add(nflight >= per_replica).OnlyEnforceIf(y)
-            elif opts.schedule == "1f1b-stash":
+            elif opts.schedule in ("1f1b-stash", "2bw"):
                 m.Add(r * nflight >= sum(counts[b:])).OnlyEnforceIf(y)
             else:
                 pipeline = m.NewBoolVar(f"pipe{b}_{r}")
