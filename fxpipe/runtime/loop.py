@@ -40,6 +40,7 @@ from fxpipe.runtime.clipping import GradClipper, make_clipper
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
+from fxpipe.runtime.heap import keep_freed_memory
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_schedule, lr_at, set_lr
 from fxpipe.runtime.optim import copy_free_optimizer, is_out_of_place
 from fxpipe.runtime.precision import LossScaler, check_precision
@@ -124,16 +125,16 @@ def make_optimizer(cfg: TrainConfig, module: nn.Module, copy_free: bool = False)
     if not params:  # a stage without parameters still takes STEP actions
         params = [nn.Parameter(torch.zeros(()))]
     wd = {} if cfg.weight_decay is None else {"weight_decay": cfg.weight_decay}
-    if copy_free and cfg.optimizer in ("sgd", "adamw"):
-        plain = {"lr": cfg.lr, **({"momentum": cfg.momentum} if cfg.optimizer == "sgd" else {}), **wd,
-                 **cfg.optimizer_options}
-        opt = copy_free_optimizer(cfg.optimizer, params, plain)
-        if opt is not None:
-            return opt
     # the fused kernels update every tensor in one call: on the bench's GPT stage AdamW's step takes
     # 0.6 ms fused against 4 ms per-tensor, paid once per microbatch with stashing
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
     more = cfg.optimizer_options
+    if copy_free and cfg.optimizer in ("sgd", "adamw"):
+        plain = {"lr": cfg.lr, **({"momentum": cfg.momentum} if cfg.optimizer == "sgd" else {}), **wd, **fused,
+                 **more}
+        opt = copy_free_optimizer(cfg.optimizer, params, plain)
+        if opt is not None:
+            return opt
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, **{"lr": cfg.lr, "momentum": cfg.momentum, **wd, **fused, **more})
     if cfg.optimizer == "adamw":
@@ -234,6 +235,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     """
     if build is None:
         from fxpipe.schedule import build_schedule as build
+    keep_freed_memory()  # every step allocates the same again (fxpipe.runtime.heap)
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)

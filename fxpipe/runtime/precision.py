@@ -101,10 +101,9 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         inv = 1.0 / self.scale
         local_bad = False
-        for g in grads:
-            g.mul_(inv)
-        if grads:
-            local_bad = not bool(torch.stack([g.float().abs().max() for g in grads]).isfinite().all())
+        if grads:  # foreach: one call over the stage's gradients, not one per tensor
+            torch._foreach_mul_(grads, inv)
+            local_bad = not bool(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
         flag = torch.tensor([1.0 if local_bad else 0.0], device=self.device)
         if dist.is_available() and dist.is_initialized():
             with peer_guard("all-reduce of the fp16 inf/nan flag"):

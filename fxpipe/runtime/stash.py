@@ -91,7 +91,7 @@ class WeightStash:
         if v == self.version and not versioned:
             return run(self.module, args)
         if v == self.version:
-            self._keep()
+            self.keep_current()
         elif v not in self._versions:
             raise StashError(f"microbatch {mb} needs weight version {v}, but this stage is at version "
                              f"{self.version} and keeps {sorted(self._versions)}: the schedule runs it out of order")
@@ -105,17 +105,20 @@ class WeightStash:
     def _version_of(self, mb: int) -> int:
         return self.version if self.batch is None else max(0, mb // self.batch - 1)
 
-    def _keep(self) -> None:
-        """Make the current weights a version of their own (aliases or copies), once."""
+    def keep_current(self) -> None:
+        """Make the current weights a version of their own (aliases or copies), once; the first
+        forward after an update that needs a version of its own does it."""
         if self.version not in self._versions:
-            take = (lambda p: p.detach()) if self.copy_free else (lambda p: p.detach().clone())
+            # copy-free: ``.data`` shares the storage but not the version counter, so the optimizer's
+            # in-place work on the parameter's next tensor does not look like a write to this one
+            take = (lambda p: p.data) if self.copy_free else (lambda p: p.detach().clone())
             self._versions[self.version] = {n: take(p).requires_grad_(p.requires_grad)
                                             for n, p in self.master.items()}
 
     def before_update(self) -> None:
         """Called right before the optimizer changes the master: 2bw's next batch runs on these weights."""
         if self.stash and self.batch is not None:
-            self._keep()
+            self.keep_current()
 
     def _call_on(self, weights: Dict[str, torch.Tensor], args: Any) -> Any:
         """Call the stage with ``weights`` in its parameter slots, then put the master back.

@@ -1,7 +1,8 @@
 """Out-of-place optimizers: torch.optim's arithmetic exactly, and the old tensors left whole.
 
 ``fxpipe.runtime.optim`` must give bit-identical parameters and state to
-torch's per-tensor implementation (``foreach=False``) in float64 over several
+torch's own optimizer with the same options (per-tensor ``foreach=False``,
+and ``fused=True`` as ``make_optimizer`` builds it) in float64 over several
 steps, for every option it claims, or a stash built on it would silently
 train a different model. And it must never write a tensor it replaces: a
 stash holds those as the weights of forwards still in flight.
@@ -15,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.runtime.optim import CopyFreeAdamW, CopyFreeSGD, copy_free_optimizer, is_out_of_place
+from fxpipe.runtime.stash import WeightStash
 
 CASES = [
     ("sgd", {"lr": 0.1}),
@@ -24,7 +26,9 @@ CASES = [
     ("adamw", {"lr": 0.01}),
     ("adamw", {"lr": 0.01, "weight_decay": 0.0, "betas": (0.8, 0.95), "eps": 1e-6}),
     ("adamw", {"lr": 0.02, "weight_decay": 0.1, "maximize": True}),
+    ("adamw", {"lr": 0.01, "amsgrad": True}),
 ]
+CASES += [(name, {**options, "fused": True}) for name, options in CASES if not options.get("maximize")]
 
 
 def _model() -> nn.Module:
@@ -42,7 +46,7 @@ def _grads(model: nn.Module, step: int) -> None:
 def test_matches_torch_bit_for_bit(name: str, options: Dict[str, Any]) -> None:
     ref_model, got_model = _model(), _model()
     torch_cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
-    ref = torch_cls(ref_model.parameters(), foreach=False, **options)
+    ref = torch_cls(ref_model.parameters(), **({} if options.get("fused") else {"foreach": False}), **options)
     got = copy_free_optimizer(name, list(got_model.parameters()), options)
     assert is_out_of_place(got) and isinstance(got, torch_cls)
     for step in range(5):
@@ -59,21 +63,31 @@ def test_matches_torch_bit_for_bit(name: str, options: Dict[str, Any]) -> None:
             assert torch.equal(value, got.state[b][key]), f"{name} {options}: state {key} differs"
 
 
-@pytest.mark.parametrize("cls", [CopyFreeSGD, CopyFreeAdamW])
-def test_replaced_tensors_stay_whole_and_parameters_keep_identity(cls: type) -> None:
+@pytest.mark.parametrize("cls,options", [(CopyFreeSGD, {}), (CopyFreeSGD, {"momentum": 0.9}), (CopyFreeAdamW, {})])
+def test_a_stashed_version_survives_updates_and_backpropagates(cls: type, options: Dict[str, Any]) -> None:
+    """A forward on a copy-free version, two updates, then its backward: the gradient of the old weights."""
     model = _model()
     params = list(model.parameters())
-    opt = cls(params, lr=0.1, **({"momentum": 0.9} if cls is CopyFreeSGD else {}))
-    held = [p.detach() for p in params]  # what a stash keeps: aliases, not copies
-    before = [h.clone() for h in held]
-    versions = [h._version for h in held]  # an in-place write would bump it (autograd would then refuse)
+    opt = cls(params, lr=0.1, **options)
+    stash = WeightStash(model, stash=True, copy_free=True)
+    before = [p.detach().clone() for p in params]
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = stash.forward(0, (x,))  # a version of its own: updates come before its backward
     for step in range(2):
         _grads(model, step)
+        stash.before_update()
         opt.step()
+        stash.stepped()
     assert list(model.parameters()) == params  # the optimizer, checkpoints and reducers keep their handles
-    for h, b, v, p in zip(held, before, versions, params):
-        assert torch.equal(h, b) and h._version == v  # never written
-        assert not torch.equal(p, b)  # while the parameter did move
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))  # the master moved on
+    for p in params:
+        p.grad = None
+    out.pow(2).sum().backward()  # autograd would refuse if a saved weight had been written in place
+    stash.backward_done(0)
+    ref = _model()
+    ref(x).pow(2).sum().backward()
+    for p, q in zip(params, ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 def test_state_dict_round_trips_with_torch() -> None:
@@ -88,5 +102,5 @@ def test_state_dict_round_trips_with_torch() -> None:
 
 def test_unsupported_options_fall_back() -> None:
     params = list(_model().parameters())
-    assert copy_free_optimizer("adamw", params, {"lr": 0.1, "amsgrad": True}) is None
+    assert copy_free_optimizer("adamw", params, {"lr": 0.1, "differentiable": True}) is None
     assert copy_free_optimizer("mypkg:Opt", params, {"lr": 0.1}) is None
