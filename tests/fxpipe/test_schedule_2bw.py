@@ -89,3 +89,16 @@ def test_cost_model_counts_two_weight_versions_and_1f1b_activations():
         assert weight_versions(j, [1] * 4, opts) == 2
         assert in_flight(j, [1] * 4, opts) == in_flight(j, [1] * 4, stash) == 4 - j
     assert memory_bytes(100, 10, 0, [1] * 4, opts) == 100 * (2 + 1 + 1) + 10 * 4
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"clip_grad_norm": 1.0}, "--clip-grad-norm is not supported with --schedule 2bw"),
+    ({"resume": True, "checkpoint": "ck"}, "--resume is not supported with --schedule 2bw"),
+    ({"precision": "fp16"}, "not 2bw; use --precision bf16 with 2bw"),
+])
+def test_what_2bw_does_not_support_is_refused_in_one_line(options, message):
+    from fxpipe.runtime.loop import TrainConfig
+    from passes.errors import FxpipeError
+
+    with pytest.raises(FxpipeError, match=message):
+        TrainConfig(schedule="2bw", **options)
