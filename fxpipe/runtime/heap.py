@@ -6,9 +6,8 @@ version per update). glibc's ``malloc`` serves blocks above its mmap
 threshold (128 KiB at start) with ``mmap`` and gives them back to the kernel
 on ``free``, and trims freed memory at the top of the heap beyond 128 KiB,
 so the next allocation of that size pays page faults and the kernel's
-zeroing again: on a CPU stage of the runtime bench's MLP, an out-of-place
-AdamW step measured 23-27 ms this way and 1.4-10 ms with the memory kept
-(under load; ``tools.bench.stash``).
+zeroing again (a stage of 256 KiB weight tensors and a stash that makes a
+new version per update pays that every microbatch; README, Benchmarks).
 
 ``keep_freed_memory`` raises both thresholds (``mallopt``), so blocks up to
 ``mmap_threshold`` come from the heap and the heap is not trimmed below

@@ -20,10 +20,10 @@ format). Two ways to write the new tensors:
 - everything else (momentum, AdamW): each parameter is first rebound to a
   fresh copy of itself and torch's own step (fused where the caller asked)
   updates the copy in place: torch's arithmetic by construction, and the
-  same work as a copying stash's clone plus step. A hand-written
-  out-of-place AdamW in ``_foreach`` calls measured 2x slower than that on
-  CPU (eight passes over the weights and one dispatch per tensor per op,
-  against the fused kernel's one; ``tools.bench.stash``), so it is not used.
+  same work as a copying stash's clone plus step. (An out-of-place AdamW
+  written in ``_foreach`` calls would make eight passes over the weights
+  with one dispatch per tensor per op, against the fused kernel's one pass:
+  slower on CPU than the copy it saves.)
 """
 from __future__ import annotations
 
