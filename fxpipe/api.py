@@ -29,7 +29,8 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_me
     ``"fx"`` or ``"export"``. ``plan_options`` are the partitioner's (``bandwidth``,
     ``allreduce_bandwidth``, ``memory``, ``microbatches``, ``schedule``,
     ``cost_model``, ``replication``, ``fewer_devices``, ``optimizer_state``,
-    ``workers``, ``method``: the solver), as on ``fxpipe plan``. The result's ``.plan`` is the plan,
+    ``gpus_per_node``, ``intra_bandwidth``, ``workers``, ``solver``), as on ``fxpipe plan``.
+    The result's ``.plan`` is the plan,
     ``.profile`` the profiled cost graph. Stages share parameter objects with
     ``model`` (this process only). ``precision`` (fp32, bf16, fp16): profile
     under that autocast, so times, cut bytes and the dtypes sent between

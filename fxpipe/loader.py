@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 import re
 import sys
 import traceback
@@ -72,14 +71,6 @@ class ModelSpec:
     batches: Optional[Callable[[], Iterator[Tuple[Any, Any]]]] = None
     source: str = ""
     has_loss_fn: bool = field(default=False)
-
-    def batch_stream(self) -> Iterator[Tuple[Tuple[Any, ...], Any]]:
-        """``batches()`` if the file has it, else the example microbatch forever."""
-        if self.batches is not None:
-            for inputs, targets in self.batches():
-                yield _as_inputs(inputs, self.source), targets
-        else:
-            yield from itertools.repeat((self.example_inputs, self.example_targets))
 
 
 def load_model(spec: str, check: bool = True) -> ModelSpec:
@@ -296,8 +287,21 @@ def _rejected(spec: ModelSpec, failed: List[Tuple[str, nn.Module, Any]], exc: Ex
     )
 
 
+def loss_problem(loss: Any) -> Optional[str]:
+    """What is wrong with ``loss_fn``'s result, or None: it must be a tensor holding one number.
+
+    The one rule for the example check at start-up and for every microbatch
+    in training: a 0-d tensor, or any shape with one element (what
+    ``backward()`` accepts without a gradient argument).
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return None
+    got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    return f"loss_fn must return a scalar tensor, got {got}"
+
+
 def _check_loss(spec: ModelSpec, outputs: Any) -> None:
     loss = _call_user(lambda: spec.loss_fn(outputs, spec.example_targets), spec.source, "loss_fn(outputs, example_targets)")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ModelLoadError(f"{spec.source}: loss_fn must return a scalar tensor, got {got}")
+    problem = loss_problem(loss)
+    if problem:
+        raise ModelLoadError(f"{spec.source}: {problem}")

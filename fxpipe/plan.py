@@ -9,37 +9,18 @@ parallelism (all devices replicas of one stage), both under the same cost model.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Union
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import PartitionResult, data_parallel, evaluate
-from passes.partition.costmodel import CostOptions
-from passes.partition.topology import nodes_of_stages
+from passes.partition.costmodel import CostOptions, StagePlan, assignment_of
 
 from fxpipe.layout import Layout
 
 PLAN_SCHEMA = "fxpipe-plan/1"
-
-
-@dataclass
-class StagePlan:
-    index: int
-    nodes: List[str]
-    replicas: int
-    ranks: List[int]
-    fwd_s: float  # one microbatch on one device (not divided by replicas)
-    bwd_s: float
-    compute_s: float  # (fwd_s + bwd_s) / replicas
-    allreduce_s: float
-    comm_s: float
-    time_s: float  # the cost model's stage time
-    param_bytes: int
-    send_bytes: int  # bytes this stage sends to later stages per microbatch
-    memory_bytes: int  # predicted peak per device
-    rank_nodes: List[int] = field(default_factory=list)  # the node of each rank in ``ranks`` (two-level machines)
 
 
 @dataclass
@@ -63,20 +44,12 @@ class Plan:
         return Layout.of([s.replicas for s in self.stages])
 
     def assignment(self) -> Dict[str, int]:
-        return {n: s.index for s in self.stages for n in s.nodes}
+        return assignment_of(self.stages)
 
     # ------------------------------------------------------------ JSON
     def cost_options(self, **overrides: object) -> CostOptions:
-        """The ``CostOptions`` the plan was made under (as ``CostOptions.as_dict`` saved them), with ``overrides``.
-
-        A two-level machine derives its all-reduce bandwidth, so the resolved
-        rate ``as_dict`` writes is left out there.
-        """
-        known = {f.name for f in fields(CostOptions)}
-        saved = {k: v for k, v in self.options.items() if k in known}
-        if saved.get("gpus_per_node") is not None:
-            saved.pop("allreduce_bandwidth", None)
-        return CostOptions(**{**saved, **overrides})
+        """The ``CostOptions`` the plan was made under, with ``overrides`` (``CostOptions.from_dict``)."""
+        return CostOptions.from_dict(self.options, **overrides)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -155,15 +128,7 @@ def _mib(n: int) -> str:
 def plan_from_result(result: PartitionResult, graph: CostGraph, batch_size: Optional[int] = None) -> Plan:
     """Build the Plan of a partition; ``batch_size`` defaults to the profile's ``info['batch_size']`` or 1."""
     opts: CostOptions = result.options
-    layout = Layout.of(result.replicas)
-    nodes = nodes_of_stages(result.replicas, opts.gpus_per_node)  # the same contiguous ranks as the layout
-    stages = [
-        StagePlan(index=j, nodes=list(s.nodes), replicas=s.replicas, ranks=layout.ranks(j), fwd_s=s.fwd_s,
-                  bwd_s=s.bwd_s, compute_s=s.compute_s, allreduce_s=s.allreduce_s, comm_s=s.comm_s,
-                  time_s=s.time_s, param_bytes=s.param_bytes, send_bytes=s.send_bytes,
-                  memory_bytes=s.memory_bytes, rank_nodes=nodes[j])
-        for j, s in enumerate(result.stages)
-    ]
+    stages = list(result.stages)  # evaluate's records, placed on the runtime's ranks (Layout, topology.py)
     batch = int(batch_size or graph.info.get("batch_size", 1) or 1)
     one = evaluate(graph, {n: 0 for n in graph.nodes}, [1], opts).bottleneck_s
     dp = data_parallel(graph, opts).bottleneck_s

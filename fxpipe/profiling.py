@@ -12,34 +12,35 @@ import torch
 import torch.fx
 
 from fxpipe.loader import ModelSpec
+from fxpipe.runtime.precision import precision_dtype
 from passes import meta
 from passes.capture import capture
-from passes.profile import COMPUTE_OPS, profile
-from passes.errors import FxpipeError
+from passes.profile import profile
 from passes.progress import Progress
-
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # as fxpipe.runtime.precision
+from passes.values import COMPUTE_OPS
 
 
 def profile_model(
     spec: ModelSpec,
     device: str = "cpu",
-    repeats: int = 5,
+    repeats: int = 3,
     warmup: int = 2,
     method: str = "auto",
-    threads: Optional[int] = None,
+    threads: Optional[int] = 1,
     show_progress: bool = True,
     precision: str = "fp32",
 ) -> torch.fx.GraphModule:
     """Capture ``spec.model`` at the example microbatch and profile every node.
 
     ``threads`` sets torch's intra-op threads for the measurement (restored
-    after): on a machine shared with other work, 1 gives the steadiest times.
+    after; None keeps torch's): on a machine shared with other work, 1 gives
+    the steadiest times (each node timed in its thread's CPU time). The
+    defaults are ``fxpipe.split``'s, so ``fxpipe plan MODEL`` and ``fxpipe split``
+    time nodes alike.
     ``precision`` (fp32, bf16, fp16): profile under the autocast training will
     use (``fxpipe.runtime.precision``), so the plan sees those times and bytes.
     """
-    if precision not in AUTOCAST:
-        raise FxpipeError(f"precision {precision!r} is not one of {', '.join(AUTOCAST)}")
+    dtype = precision_dtype(precision)
     if show_progress:
         print(f"capture: {spec.source} ({method}) ...", file=sys.stderr, flush=True)
     gm = capture(spec.model, spec.example_inputs, method=method,
@@ -55,7 +56,7 @@ def profile_model(
         torch.set_num_threads(threads)
     try:
         profile(gm, spec.example_inputs, device=device, repeats=repeats, warmup=warmup, progress=bar,
-                autocast_dtype=AUTOCAST[precision])
+                autocast_dtype=None if dtype == torch.float32 else dtype)
     finally:
         torch.set_num_threads(before)
         if bar is not None:

@@ -11,15 +11,11 @@ validator and the simulator all walk the same instructions (the torchgpipe
    Links may skip stages (a value from stage 0 used by stage 3 travels
    straight from the rank of stage 0 to the rank of stage 3).
 
-Why a 1F1B rank of stage ``j`` keeps ``ceil(sum(r_k for k >= j) / r_j)``
-microbatches in flight: that is PipeDream's "number of optimal active
-minibatches" at the input stage (world size / r_0), and at stage ``j`` the
-number of forwards the downstream ranks absorb before the first gradient
-returns. Without replicas it equals Megatron's warm-up ``S - j - 1`` plus the
-first steady forward. ``1f1b-flush`` adds one where PipeDream's count would
-starve a replicated stage downstream (see ``in_flight``). The same order
-serves ``1f1b-flush`` (one step per flush), ``1f1b-stash`` (a step after
-every backward, weights stashed per minibatch) and ``2bw``.
+A 1F1B rank of stage ``j`` runs ``in_flight`` forwards before its first
+backward: the count the cost model charges memory for
+(``passes.partition.costmodel.in_flight`` says why it is what it is). The
+same order serves ``1f1b-flush`` (one step per flush), ``1f1b-stash`` (a
+step after every backward, weights stashed per minibatch) and ``2bw``.
 
 ``2bw`` is PipeDream-2BW (Narayanan et al., ICML 2021): 1F1B without a flush
 over ``steps`` batches of ``microbatches`` each, gradients accumulated over a
@@ -34,40 +30,21 @@ forward after the update of batch ``b - 2``).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.validate import Schedule, ScheduleError, validate
 
-KINDS = ("1f1b-stash", "1f1b-flush", "gpipe", "2bw")
+from passes.partition import costmodel
+from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 
-__all__ = ["KINDS", "Schedule", "ScheduleError", "build_schedule", "in_flight", "validate"]
+__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "in_flight", "validate"]
 
 
-def in_flight(layout: Layout, stage: int, kind: str = "1f1b-flush") -> int:
-    """Microbatches each rank of ``stage`` holds at once under 1F1B.
-
-    ``1f1b-stash`` uses PipeDream's count exactly, ``ceil(sum(r_k, k >= j) / r_j)``.
-    ``1f1b-flush`` raises it where a replicated stage downstream would starve:
-    a rank of stage ``j`` runs ``F(y + d_j)`` just before ``B(y)`` with
-    ``d_j = (n_j - 1) * r_j``, and stage ``j + 1`` asks for its next forward
-    right after a backward, so ``d_j >= d_{j+1} + r_{j+1}`` keeps it fed. The
-    two agree on every layout without replicas; on 1-2-1 the input stage
-    holds 5 instead of 4 and the simulated steady state goes from 2/3 to full
-    rate (tests/fxpipe/test_simulate.py).
-    """
-    noam = math.ceil(sum(layout.replicas[stage:]) / layout.replicas[stage])
-    if kind == "1f1b-stash":
-        return noam
-    lookahead = 0  # d of the stage after the current one
-    n = 1
-    for j in range(layout.num_stages - 1, stage - 1, -1):
-        r = layout.replicas[j]
-        need = lookahead + layout.replicas[j + 1] if j + 1 < layout.num_stages else 0
-        n = max(math.ceil(sum(layout.replicas[j:]) / r), math.ceil(need / r) + 1 if need else 1)
-        lookahead = (n - 1) * r
-    return max(n, noam)
+def in_flight(layout: Layout, stage: int, kind: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None) -> int:
+    """Microbatches each rank of ``stage`` holds at once: ``costmodel.in_flight`` on ``layout``."""
+    return costmodel.in_flight(stage, layout.replicas, kind, microbatches)
 
 
 def build_schedule(kind: str, layout: Layout, microbatches: int,
@@ -101,7 +78,7 @@ def _compute_order(kind: str, layout: Layout, stage: int, mbs: List[int], reduce
     if kind == "gpipe":
         order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
     else:
-        order = _one_f_one_b(mbs, in_flight(layout, stage, kind))
+        order = _one_f_one_b(mbs, in_flight(layout, stage, kind))  # capped by the replica's microbatches
     if kind == "1f1b-stash":
         stepped: List[Action] = []
         for a in order:
@@ -158,8 +135,8 @@ def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[in
 def _check(kind: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]],
            tied_stages: Sequence[int], steps: int = 1) -> List[Tuple[int, int]]:
     """Reject requests that cannot make a valid schedule, saying what would."""
-    if kind not in KINDS:
-        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
     if steps < 1 or (steps > 1 and kind != "2bw"):

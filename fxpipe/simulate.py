@@ -9,20 +9,28 @@ lists the executor runs. Model, chosen to match the runtime:
 - a send is posted and the rank moves on (``isend``); the bytes travel over
   the (sender, receiver) channel at ``bandwidth`` after ``latency_s``, one
   message at a time per channel; with ``overlap_comm=False`` the sender waits
-  for its transfer (a blocking send);
+  for its transfer (a blocking send). A plan's channels run at the rate its
+  cost model charges that pair of ranks (``costmodel.link_bandwidth``: inside
+  or between nodes on a two-level machine);
 - a receive waits until its message arrived: that wait is a bubble;
 - ``ALLREDUCE`` starts when the last member of its group arrives and takes the
-  largest ``allreduce_s`` in the group;
-- memory on a rank = parameter bytes x live weight versions (the current one
-  plus those stashed for microbatches in flight) + activation bytes x
-  microbatches in flight (forward done, backward not yet).
+  largest ``allreduce_s`` in the group (a plan's: its replicas' all-reduce
+  plus the sync of tied weights, ``costmodel.tied_sync_s``);
+- memory on a rank is the cost model's (``costmodel.device_memory_bytes``)
+  with the counts the run reaches: parameter bytes x (live weight versions,
+  the current one plus those stashed for microbatches in flight, + the extra
+  copies) + activation bytes x microbatches in flight (forward done, backward
+  not yet).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from passes.partition.costmodel import (DEFAULT_SCHEDULE, CostOptions, activation_bytes, assignment_of,
+                                        device_memory_bytes, link_bandwidth)
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
@@ -30,11 +38,17 @@ from fxpipe.validate import ScheduleError, execution_order, reduce_groups
 
 
 BUSY = ("compute", "allreduce", "step", "send_blocking")  # event kinds that are work, not bubble
+Bandwidth = Union[float, Callable[[int, int], float]]  # bytes/s, or bytes/s of the channel (rank, peer)
 
 
 @dataclass(frozen=True)
-class StageCosts:
-    """Predicted costs of one stage for one microbatch on one device (seconds, bytes)."""
+class ActionCosts:
+    """What each action of one stage costs one of its devices (seconds, bytes per microbatch).
+
+    The simulator's input, not the plan's stage record (``StagePlan``): it
+    splits sends by destination and adds the optimizer step, which a plan
+    does not price; ``costs_from_plan`` derives it from a plan.
+    """
 
     fwd_s: float
     bwd_s: float
@@ -43,6 +57,7 @@ class StageCosts:
     param_bytes: int = 0
     activation_bytes: int = 0  # kept from F m until B m
     step_s: float = 0.0
+    extra_copies: float = 0.0  # weight-sized buffers besides the versions (a plan's: gradients + optimizer state)
 
 
 @dataclass(frozen=True)
@@ -78,11 +93,13 @@ class SimResult:
         return (t1 - t0) - busy
 
 
-def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[StageCosts], layout: Layout, *,
-             bandwidth: float = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
+def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[ActionCosts], layout: Layout, *,
+             bandwidth: Bandwidth = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
              samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
              overhead_s: float = 0.0) -> SimResult:
-    """Run ``schedule`` against ``costs`` (one ``StageCosts`` per stage).
+    """Run ``schedule`` against ``costs`` (one ``ActionCosts`` per stage).
+
+    ``bandwidth``: bytes/s of every channel, or a function of (rank, peer).
 
     ``overhead_s`` is added to every forward and backward: the runtime's own
     cost per action (Python dispatch, autograd bookkeeping), which profiles of
@@ -117,7 +134,7 @@ class _Clock:
         self.batch = schedule.microbatches if getattr(schedule, "kind", None) == "2bw" else None
         self.peak = {r: 0 for r in schedule}
 
-    def stage(self, rank: int) -> StageCosts:
+    def stage(self, rank: int) -> ActionCosts:
         return self.costs[self.layout.stage_of(rank)]
 
     def _add(self, rank: int, dur: float, action: Action, kind: str) -> None:
@@ -153,7 +170,8 @@ class _Clock:
 
     def _send(self, rank: int, a: Action) -> None:
         start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
-        wire = self._nbytes(rank, a) / self.bandwidth if self.bandwidth > 0 else 0.0
+        rate = self.bandwidth(rank, a.peer) if callable(self.bandwidth) else self.bandwidth
+        wire = self._nbytes(rank, a) / rate if rate > 0 else 0.0
         arrive = start + self.latency_s + wire
         self.channel_free[(rank, a.peer)] = arrive
         self.arrival[(a.kind is Kind.SEND_F, a.mb, rank, a.peer)] = arrive
@@ -177,10 +195,11 @@ class _Clock:
             self.t[r] = start
             self._add(r, dur, a, "allreduce")
 
-    def _memory(self, rank: int, c: StageCosts) -> None:
+    def _memory(self, rank: int, c: ActionCosts) -> None:
         inflight = self.flight[rank]
         versions = len(set(inflight.values()) | {self.version[rank]})
-        self.peak[rank] = max(self.peak[rank], c.param_bytes * versions + c.activation_bytes * len(inflight))
+        now = device_memory_bytes(c.param_bytes, c.activation_bytes, versions, len(inflight), c.extra_copies)
+        self.peak[rank] = max(self.peak[rank], now)
 
 
 def _result(schedule, sim: _Clock, samples: int) -> SimResult:
@@ -228,71 +247,63 @@ def link_bytes(graph, stage_of: Mapping[str, int]) -> Dict[Tuple[int, int], int]
     return out
 
 
-def shared_param_bytes(graph, stage_of: Mapping[str, int], num_stages: int) -> List[int]:
-    """Per stage, bytes of parameters that another stage uses too (tied): summed across stages each step."""
-    users: Dict[str, set] = {}
-    for name, node in graph.nodes.items():
-        for p in node.params:
-            if name in stage_of:
-                users.setdefault(p, set()).add(stage_of[name])
-    out = [0] * num_stages
-    for p, stages in users.items():
-        if len(stages) > 1:
-            for j in stages:
-                out[j] += int(graph.param_sizes.get(p, 0))
-    return out
+def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int, int]]]:
+    """``ActionCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
 
-
-def plan_stage_of(plan) -> Dict[str, int]:
-    return {n: s.index for s in plan.stages for n in s.nodes}
-
-
-def costs_from_plan(plan, graph=None) -> Tuple[List[StageCosts], List[Tuple[int, int]]]:
-    """``StageCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
-
-    With the profile, bytes per link and activation bytes per microbatch come
-    from the graph (activations: the outputs of the stage's nodes). Without
-    it, each stage's ``send_bytes`` goes to the next stage and activation
-    memory is unknown (0). Tied parameters (used by nodes of two stages) add a
-    two-way all-reduce of their bytes to those stages' ``allreduce_s``.
+    Times, all-reduce (tied weights included) and the weight copies besides
+    the versions are the plan's. With the profile, bytes per link and
+    activation bytes come from the graph; without it, each stage's
+    ``send_bytes`` goes to the next stage and the activations are the plan's.
     """
+    extra = 1.0 + plan_options(plan).optimizer_state  # a gradient buffer and the optimizer state
     S = len(plan.stages)
-    tied_s = [0.0] * S
     if graph is not None:
-        where = plan_stage_of(plan)
-        per_link = link_bytes(graph, where)
-        acts = [sum(graph.nodes[n].out_bytes for n in s.nodes if n in graph.nodes and not graph.nodes[n].is_input)
-                for s in plan.stages]
-        opts = dict(getattr(plan, "options", {}) or {})
-        bw = float(opts.get("allreduce_bandwidth") or opts.get("bandwidth") or math.inf)
-        tied_s = [2.0 * b / bw for b in shared_param_bytes(graph, where, S)]
+        per_link = link_bytes(graph, assignment_of(plan.stages))
+        acts = [activation_bytes(graph, s.nodes) for s in plan.stages]
     else:
         per_link = {(j, j + 1): int(s.send_bytes) for j, s in enumerate(plan.stages[:-1])}
-        acts = [0] * S
+        acts = [int(s.act_bytes) for s in plan.stages]
     costs = []
     for j, s in enumerate(plan.stages):
         sends = {b: n for (a, b), n in per_link.items() if a == j}
-        costs.append(StageCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
-                                allreduce_s=float(s.allreduce_s) + tied_s[j], param_bytes=int(s.param_bytes),
-                                activation_bytes=int(acts[j])))
+        costs.append(ActionCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
+                                 allreduce_s=float(s.allreduce_s), param_bytes=int(s.param_bytes),
+                                 activation_bytes=int(acts[j]), extra_copies=extra))
     links = sorted(per_link) if per_link or S == 1 else [(j, j + 1) for j in range(S - 1)]
     return costs, links
 
 
+def plan_options(plan) -> CostOptions:
+    """The ``CostOptions`` a plan (or a stand-in with its fields) was made under."""
+    return CostOptions.from_dict({"devices": plan.devices, **(getattr(plan, "options", None) or {})})
+
+
+def plan_bandwidth(plan) -> Bandwidth:
+    """The channels' bytes/s as the plan's cost model charges them (``costmodel.link_bandwidth``);
+    unlimited when the plan names no bandwidth."""
+    if not (getattr(plan, "options", None) or {}).get("bandwidth"):
+        return math.inf
+    opts = plan_options(plan)
+    if opts.gpus_per_node is None:
+        return opts.bandwidth
+    return lambda rank, peer: link_bandwidth(rank, peer, opts)
+
+
 def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
-                  tied_stages: Sequence[int] = (), links: Optional[Sequence[Tuple[int, int]]] = None,
+                  tied_stages: Optional[Sequence[int]] = None, links: Optional[Sequence[Tuple[int, int]]] = None,
                   step_s: Optional[Sequence[float]] = None, **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
-    profile; ``step_s``: per stage, the optimizer step's seconds (the plan has
+    profile; ``tied_stages`` (e.g. the split's) default to the plan's stages
+    that share a weight with another (``StagePlan.tied_bytes``); ``step_s``: per stage, the optimizer step's seconds (the plan has
     none: the optimizer is a training option); ``sim_options`` go to
     ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
 
     opts = dict(getattr(plan, "options", {}) or {})
-    kind = kind or opts.get("schedule") or "1f1b-flush"
+    kind = kind or opts.get("schedule") or DEFAULT_SCHEDULE
     layout = Layout.of([s.replicas for s in plan.stages])
     M = max(int(microbatches or opts.get("microbatches") or max(4, layout.world_size)), max(layout.replicas))
     if kind == "1f1b-stash" and not microbatches:  # a window long enough to show the steady state
@@ -305,8 +316,12 @@ def simulate_plan(plan, kind: Optional[str] = None, microbatches: Optional[int] 
     links = list(links) if links is not None else found
     if kind == "1f1b-stash":
         M = _round_up_for_stash(M, layout)
-    schedule = build_schedule(kind, layout, M, links, tied_stages)
-    sim_options.setdefault("bandwidth", float(opts.get("bandwidth") or math.inf))
+    if not tied_stages:
+        tied_stages = [s.index for s in plan.stages if s.tied_bytes]
+    # 2bw: two steps, so the second runs on the first's weights (two versions, no drain between them)
+    steps = {"steps": 2} if kind == "2bw" else {}
+    schedule = build_schedule(kind, layout, M, links, tied_stages, **steps)
+    sim_options.setdefault("bandwidth", plan_bandwidth(plan))
     result = simulate(schedule, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)
     return result, schedule
 
@@ -333,5 +348,5 @@ def _round_up_for_stash(M: int, layout: Layout) -> int:
     return -(-M // need) * need
 
 
-__all__ = ["Event", "SimResult", "StageCosts", "costs_from_plan", "link_bytes", "simulate", "simulate_plan",
-           "simulate_split"]
+__all__ = ["ActionCosts", "Event", "SimResult", "costs_from_plan", "link_bytes", "plan_bandwidth", "simulate",
+           "simulate_plan", "simulate_split"]

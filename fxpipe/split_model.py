@@ -18,6 +18,7 @@ import torch.fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from fxpipe.stage_files import load_split_args, save_split
 from passes import meta
 from passes.errors import FxpipeError
 from passes.split import CommEdge, SplitResult
@@ -125,16 +126,12 @@ class SplitModel:
 
     def save(self, folder: Union[str, Path]) -> Path:
         """Write one Python file per stage, its weights, and ``split.json``."""
-        from fxpipe.stage_files import save_split
-
         return save_split(self, Path(folder))
 
     @classmethod
     def load(cls, folder: Union[str, Path]) -> "SplitModel":
         """A SplitModel from ``save``'s folder, running as the saved one did."""
-        from fxpipe.stage_files import load_split
-
-        return load_split(Path(folder))
+        return cls(**load_split_args(Path(folder)))
 
     def __repr__(self) -> str:
         return f"SplitModel(stages={self.num_stages}, links={self.links}, tied={sorted(self.tied)})"

@@ -305,11 +305,11 @@ def _annotate(stages: List[torch.fx.GraphModule], edges: List[CommEdge]) -> None
     by_tag = {e.tag: e for e in edges}
     for stage in stages:
         for n in stage.graph.nodes:
-            kind = "recv" if n.target is comm.recv else "send" if n.target is comm.send else None
-            tag = (n.args[0] if kind == "recv" else n.args[1]) if kind else None
+            direction = "recv" if n.target is comm.recv else "send" if n.target is comm.send else None
+            tag = (n.args[0] if direction == "recv" else n.args[1]) if direction else None
             if tag in by_tag:
                 e = by_tag[tag]
-                meta.put(n, meta.CommInfo(kind, e.tag, e.src_stage, e.dst_stage, e.value))
+                meta.put(n, meta.CommInfo(direction, e.tag, e.src_stage, e.dst_stage, e.value))
 
 
 def _retie(stages: List[torch.fx.GraphModule], names: List[Dict[str, str]], tied: Dict[str, List[int]]) -> None:
@@ -335,10 +335,12 @@ def _retie(stages: List[torch.fx.GraphModule], names: List[Dict[str, str]], tied
                 setattr(owner, leaf, shared[key])
 
 
-def load_split(folder: Path) -> "SplitModel":
-    """The SplitModel saved in ``folder`` by ``save_split``."""
-    from fxpipe.split_model import SplitModel
+def load_split_args(folder: Path) -> Dict[str, Any]:
+    """``SplitModel``'s constructor arguments for the split saved in ``folder`` by ``save_split``.
 
+    ``SplitModel.load`` builds the model from them, so this module (serialisation) does not
+    import the class it serialises.
+    """
     path = folder / "split.json"
     if not path.exists():
         raise StageFileError(f"{path} not found: is {folder} a folder written by `fxpipe split` / SplitModel.save?")
@@ -355,7 +357,7 @@ def load_split(folder: Path) -> "SplitModel":
 
         plan = Plan.from_json(m["plan"])
     specs = [pytree.treespec_loads(s) if s else None for s in (m["in_spec"], m["out_spec"])]
-    return SplitModel(stages, [e["inputs"] for e in m["stages"]], edges, m["param_names"],
-                      {k: list(v) for k, v in m["tied"].items()}, plan=plan, aliases=m["aliases"],
-                      input_names=m["input_names"], input_defaults=m["input_defaults"],
-                      in_spec=specs[0], out_spec=specs[1], state_keys=m.get("state_keys"))
+    return dict(stages=stages, stage_inputs=[e["inputs"] for e in m["stages"]], comm=edges,
+                param_names=m["param_names"], tied={k: list(v) for k, v in m["tied"].items()}, plan=plan,
+                aliases=m["aliases"], input_names=m["input_names"], input_defaults=m["input_defaults"],
+                in_spec=specs[0], out_spec=specs[1], state_keys=m.get("state_keys"))

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from passes.errors import FxpipeError
+from passes.partition.costmodel import DEFAULT_SCHEDULE
 
 _CALLED_HERE = ("model", "batches", "loss_fn", "example_inputs", "example_targets", "leaf_modules",
                 "concrete_args")
@@ -68,7 +69,7 @@ class TrainOutcome:
 
 
 def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, steps: int = 10,
-          schedule: str = "1f1b-flush", microbatches: Optional[int] = None, optimizer: Union[str, type] = "sgd",
+          schedule: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None, optimizer: Union[str, type] = "sgd",
           lr: Optional[float] = None, loss_fn: Any = None, example_inputs: Any = None,
           example_targets: Any = None, leaf_modules: Iterable[Any] = (), concrete_args: Optional[dict] = None,
           save: Optional[str] = None, checkpoint: Optional[str] = None,
@@ -187,7 +188,8 @@ def _source(model: Any, batches: Any, loss_fn: Any, examples: Tuple[Any, Any], l
 
     from fxpipe.loader import ModelSpec, check_runs, default_loss
     from fxpipe.runtime import payload
-    from fxpipe.runtime.data import FromBatches, as_tuple, batch_dim
+    from fxpipe.runtime.data import as_tuple, first_pair
+    from fxpipe.runtime.preflight import check_first_batch
 
     example_inputs, example_targets = examples
     if isinstance(model, str):
@@ -201,32 +203,24 @@ def _source(model: Any, batches: Any, loss_fn: Any, examples: Tuple[Any, Any], l
         raise FxpipeError(f"model must be an nn.Module or a model file / package.module:factory string, "
                           f"not {type(model).__name__}")
     batches = payload.as_batches(batches)
-    if example_inputs is None:
+    from_batches = example_inputs is None
+    if from_batches:
         if batches is None:
             raise FxpipeError("give batches= (a function returning (inputs, targets) pairs) or example_inputs=")
-        example_inputs, first_targets = _first_item(batches)
+        example_inputs, first_targets = first_pair(batches)
         example_targets = first_targets if example_targets is None else example_targets
-    elif example_targets is None and batches is not None:  # the loss is checked on microbatch 0's targets
-        example_targets = FromBatches(batches, batch_dim(as_tuple(example_inputs)), microbatches)(0)[1]
     spec = ModelSpec(model=model, example_inputs=as_tuple(example_inputs), loss_fn=loss_fn or default_loss,
                      example_targets=example_targets, leaf_modules=tuple(leaves), concrete_args=concrete,
                      batches=batches, source=f"fxpipe.train({type(model).__name__})", has_loss_fn=loss_fn is not None)
+    if not from_batches:  # microbatch 0 against the example, read once; the loss is checked on its targets
+        first = check_first_batch(spec, microbatches)
+        if first is not None and spec.example_targets is None:
+            spec.example_targets = first[1]
     if loss_fn is None:
         print("fxpipe train: no loss_fn given: training on the sum of the outputs' means (targets ignored)",
               file=sys.stderr, flush=True)
     check_runs(spec)
     return spec
-
-
-def _first_item(batches: Any) -> Tuple[Any, Any]:
-    """``batches()``' first item: the example microbatch when none is given."""
-    try:
-        item = next(iter(batches()))
-    except StopIteration:
-        raise FxpipeError("batches() yielded nothing") from None
-    if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise FxpipeError(f"batches() must yield (inputs, targets) pairs, got {type(item).__name__}")
-    return item[0], item[1]
 
 
 def _collect(outcome: TrainOutcome, run_dir: str, weights: Optional[str], model: Any) -> None:

@@ -63,8 +63,8 @@ class LeafTracer(ShapeAnsweringTracer):
     paths (``"blocks.0.gate"``). Given the example inputs, it traces into
     torch.nn's transformer modules and ``MultiheadAttention`` (see
     ``passes.trace_nn``) unless they are declared leaves; every other torch.nn
-    module stays a leaf. It also remembers which module it was inside when
-    tracing failed, so the error can name it.
+    module stays a leaf. When tracing fails, the innermost module it was in
+    (``module_stack_objs``, kept by ``ShapeAnsweringTracer``) names the place.
     """
 
     def __init__(self, leaf_modules: Iterable[LeafSpec] = (),
@@ -73,7 +73,6 @@ class LeafTracer(ShapeAnsweringTracer):
         leaves = tuple(leaf_modules)
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.leaf_paths = frozenset(x for x in leaves if isinstance(x, str))
-        self.path_stack: list = []
 
     def is_declared_leaf(self, m: nn.Module, path: str) -> bool:
         return path in self.leaf_paths or bool(self.leaf_types) and isinstance(m, self.leaf_types)
@@ -83,12 +82,6 @@ class LeafTracer(ShapeAnsweringTracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self.is_declared_leaf(m, module_qualified_name) or super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
-        self.path_stack.append(self.path_of_module(m))
-        result = super().call_module(m, forward, args, kwargs)
-        self.path_stack.pop()
-        return result
 
 
 def capture(
@@ -151,8 +144,8 @@ def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Opt
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
-        exc._fxpipe_module_path = tracer.path_stack[-1] if tracer.path_stack else ""  # type: ignore[attr-defined]
         inner = tracer.module_stack_objs[-1] if tracer.module_stack_objs else model
+        exc._fxpipe_module_path = tracer.path_of_module(inner) if inner is not model else ""  # type: ignore[attr-defined]
         exc._fxpipe_module_type = type(inner).__name__  # type: ignore[attr-defined]
         raise
     name = type(model).__name__

@@ -133,9 +133,7 @@ class CostGraph:
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CostGraph":
         """Load a JSON profile, or a PipeDream ``graph.txt`` (by content)."""
-        path = Path(path)
-        if not path.exists():
-            raise FxpipeError(f"profile file not found: {path}")
+        path = _existing(path)
         text = path.read_text()
         if text.lstrip().startswith("{"):
             return cls.from_json(json.loads(text), source=str(path))
@@ -198,12 +196,18 @@ def _activation_bytes(text: str) -> int:
     return int(round(float(text)))
 
 
+def _existing(path: Union[str, Path]) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FxpipeError(f"profile file not found: {path}")
+    return path
+
+
 def _natural_key(name: str) -> Tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
 def load_pipedream(path: Union[str, Path]) -> CostGraph:
-    path = Path(path)
-    if not path.exists():
-        raise FxpipeError(f"PipeDream profile not found: {path}")
+    """Read a PipeDream profiler ``graph.txt``."""
+    path = _existing(path)
     return from_pipedream_text(path.read_text(), source=str(path))

@@ -11,6 +11,11 @@ graph (the partition, the stage modules) leave it on the graph module as a
 graph-wide record: ``meta.get(gm, meta.PartitionRecord).result`` and
 ``meta.get(gm, meta.SplitRecord).result``.
 
+All three return ``modified=False``: they write node and graph metadata and
+leave the graph's nodes as they were. torch's ``PassManager`` runs its list
+again (up to ``steps`` times) while a pass reports a change, which would
+profile or partition again for nothing.
+
 Capture is not here: it turns an ``nn.Module`` into the graph the passes run
 on, so it comes before a ``PassManager`` (``passes.capture.capture``).
 """
@@ -25,27 +30,23 @@ from passes import meta
 from passes.partition import PartitionResult, apply_assignment, partition
 from passes.profile import profile, to_cost_graph
 from passes.split import SplitResult, split_stages
-from passes.split_check import COMPUTE_OPS, is_dropped
+from passes.split_check import is_dropped
+from passes.values import COMPUTE_OPS
 
 
-def _require_on_compute(gm: torch.fx.GraphModule, kind: type, needed_by: str, what: str, made_by: str) -> None:
-    """Raise ``MissingMetadataError`` unless every compute node carries ``kind``."""
-    missing = [n.name for n in gm.graph.nodes
-               if n.op in COMPUTE_OPS and not is_dropped(n) and not meta.has(n, kind)]
-    if missing:
-        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
-        raise meta.MissingMetadataError(
-            f"{needed_by} needs {what}: run {made_by} first "
-            f"({len(missing)} nodes have no '{kind.KEY}' record: {shown})")
+def _not_computing(node: torch.fx.Node) -> bool:
+    """Nodes no pass annotates: get_attr, and what the split leaves out."""
+    return node.op not in COMPUTE_OPS or is_dropped(node)
 
 
 def require_costs(gm: torch.fx.GraphModule) -> None:
-    _require_on_compute(gm, meta.NodeCost, "partition", "costs", "profile (passes.profile.profile or ProfilePass)")
+    meta.require(gm, meta.NodeCost, needed_by="partition", what="costs",
+                 made_by="profile (passes.profile.profile or ProfilePass)", exempt=_not_computing)
 
 
 def require_stages(gm: torch.fx.GraphModule) -> None:
-    _require_on_compute(gm, meta.StageAssign, "split", "stages",
-                        "partition (passes.infra.partition_graph or PartitionPass)")
+    meta.require(gm, meta.StageAssign, needed_by="split", what="stages",
+                 made_by="partition (passes.infra.partition_graph or PartitionPass)", exempt=_not_computing)
 
 
 def partition_graph(gm: torch.fx.GraphModule, devices: int, **options: Any) -> PartitionResult:
@@ -87,14 +88,13 @@ class PartitionPass(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         partition_graph(graph_module, self.devices, **self.options)
-        return PassResult(graph_module, True)
+        return PassResult(graph_module, False)  # metadata only: the graph itself is unchanged
 
 
 class SplitPass(PassBase):
     """Cut the graph into stage modules with send/recv nodes; reads ``stage``.
 
-    The graph itself is not changed (``modified`` is False); the stages are in
-    ``meta.get(gm, meta.SplitRecord).result``.
+    The stages are in ``meta.get(gm, meta.SplitRecord).result``.
     """
 
     def __init__(self, example_inputs: Optional[Sequence[Any]] = None) -> None:

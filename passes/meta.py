@@ -12,7 +12,7 @@ same way in ``graph_module.meta["fxpipe"]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, ClassVar, Optional, Tuple, Type, TypeVar, Union
 
 import torch.fx
 
@@ -126,7 +126,7 @@ class CommInfo:
     """
 
     KEY: ClassVar[str] = "comm"
-    kind: str  # "send" | "recv"
+    direction: str  # "send" | "recv"
     tag: str
     src_stage: int
     dst_stage: int
@@ -156,6 +156,7 @@ class ProfileInfo:
     torch_version: str
     whole_fwd_s: float = 0.0
     whole_bwd_s: float = 0.0
+    clock: str = ""  # what timed the nodes: "thread CPU time", "wall time" or "cuda events"
 
 
 Record = Union[ModuleInfo, ValueMeta, NodeCost, StageAssign, CommInfo, CaptureInfo, ProfileInfo]
@@ -176,42 +177,41 @@ def put(holder: Union[torch.fx.Node, torch.fx.GraphModule], record: Any) -> None
 
 def get(
     holder: Union[torch.fx.Node, torch.fx.GraphModule],
-    kind: Type[T],
+    record: Type[T],
     default: Any = _MISSING,
 ) -> T:
-    """The record of type ``kind``; ``default`` (or ``KeyError``) if absent."""
-    value = holder.meta.get(NAMESPACE, {}).get(kind.KEY, _MISSING)  # type: ignore[attr-defined]
+    """The record of type ``record``; ``default`` (or ``KeyError``) if absent."""
+    value = holder.meta.get(NAMESPACE, {}).get(record.KEY, _MISSING)  # type: ignore[attr-defined]
     if value is _MISSING:
         if default is _MISSING:
-            raise KeyError(f"node has no fxpipe '{kind.KEY}' record")  # type: ignore[attr-defined]
+            raise KeyError(f"node has no fxpipe '{record.KEY}' record")  # type: ignore[attr-defined]
         return default
     return value
 
 
-def has(holder: Union[torch.fx.Node, torch.fx.GraphModule], kind: Type[Any]) -> bool:
-    return kind.KEY in holder.meta.get(NAMESPACE, {})
+def has(holder: Union[torch.fx.Node, torch.fx.GraphModule], record: Type[Any]) -> bool:
+    return record.KEY in holder.meta.get(NAMESPACE, {})
 
 
-def drop(holder: Union[torch.fx.Node, torch.fx.GraphModule], kind: Type[Any]) -> None:
-    holder.meta.get(NAMESPACE, {}).pop(kind.KEY, None)
+def drop(holder: Union[torch.fx.Node, torch.fx.GraphModule], record: Type[Any]) -> None:
+    holder.meta.get(NAMESPACE, {}).pop(record.KEY, None)
 
 
-def require(gm: torch.fx.GraphModule, kind: Type[Any], *, needed_by: str, made_by: str) -> None:
-    """Raise a clear error unless every compute node of ``gm`` has ``kind``.
+def require(gm: torch.fx.GraphModule, record: Type[Any], *, needed_by: str, made_by: str,
+            what: Optional[str] = None, exempt: Optional[Callable[[torch.fx.Node], bool]] = None) -> None:
+    """Raise a clear error unless every node of ``gm`` that computes has a ``record``.
 
-    Placeholders and the output node are exempt: passes annotate computation.
+    Placeholders and the output node are exempt (passes annotate computation),
+    and so is any node ``exempt`` says; ``what`` names the metadata for the
+    user ("costs"), else its key.
     """
-    missing = [
-        n.name
-        for n in gm.graph.nodes
-        if n.op not in ("placeholder", "output") and not has(n, kind)
-    ]
+    missing = [n.name for n in gm.graph.nodes
+               if n.op not in ("placeholder", "output") and not (exempt and exempt(n)) and not has(n, record)]
     if missing:
         shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
         raise MissingMetadataError(
-            f"{needed_by} needs '{kind.KEY}' metadata on every node "
-            f"({len(missing)} nodes lack it: {shown}): run {made_by} first"
-        )
+            f"{needed_by} needs {what or repr(record.KEY)}: run {made_by} first "
+            f"({len(missing)} nodes have no '{record.KEY}' record: {shown})")
 
 
 @dataclass(frozen=True)

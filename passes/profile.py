@@ -1,8 +1,8 @@
 """Profile a captured graph: measured cost of every node, and the CostGraph the partitioner reads.
 
-``profile(gm, example_inputs)`` first runs the whole graph once (an
-``Interpreter`` that keeps every node's value, like torch's ``ShapeProp``),
-writing ``meta.ValueMeta`` on every node. Then every computing node is timed
+``profile(gm, example_inputs)`` first runs the whole graph once
+(``passes.values.ValueRecorder``, which keeps every node's value), writing
+``meta.ValueMeta`` on every node. Then every computing node is timed
 in isolation on those recorded inputs (``passes.profile_timing``), forward
 and backward, and gets a ``meta.NodeCost``. The whole model's forward and
 backward are timed the same way (same clock, median of ``repeats``) and kept
@@ -37,10 +37,10 @@ from passes.capture_check import restore_buffers, save_buffers
 from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.profile_timing import Clock, grad_call_overhead, measure, time_node
+from passes.values import COMPUTE_OPS, ValueRecorder, node_failed, value_bytes
 
-__all__ = ["profile", "to_cost_graph", "ProfileError", "value_spec", "COMPUTE_OPS"]
+__all__ = ["profile", "to_cost_graph", "ProfileError"]
 
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
 ProgressFn = Callable[..., None]
 
 
@@ -72,16 +72,17 @@ def profile(
     gm.to(dev)
     inputs = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
     _train_mode(gm)
+    clock = Clock(dev)
     saved = save_buffers(gm)
     try:
         with _autocast(dev, autocast_dtype):
-            env, fwd_s, bwd_s = _measure_all(gm, inputs, dev, repeats, warmup, progress)
+            env, fwd_s, bwd_s = _measure_all(gm, inputs, clock, repeats, warmup, progress)
     finally:
         restore_buffers(saved)
     _write_param_costs(gm, env)
     meta.put(gm, meta.ProfileInfo(
         device=str(dev), repeats=repeats, batch_size=_batch_size(inputs),
-        torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s,
+        torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s, clock=clock.name,
     ))
     return gm
 
@@ -94,11 +95,10 @@ def _autocast(dev: torch.device, dtype: Optional[torch.dtype]) -> Any:
     return torch.autocast(device_type=dev.type, dtype=dtype)
 
 
-def _measure_all(gm: torch.fx.GraphModule, inputs: Sequence[Any], dev: torch.device, repeats: int, warmup: int,
+def _measure_all(gm: torch.fx.GraphModule, inputs: Sequence[Any], clock: Clock, repeats: int, warmup: int,
                  progress: Optional[ProgressFn]) -> Tuple[Dict[torch.fx.Node, Any], float, float]:
     """Record every value, time every node, then the whole model: (values, whole fwd s, whole bwd s)."""
     env = _record_values(gm, inputs)
-    clock = Clock(dev)
     overhead = grad_call_overhead(clock)
     _time_nodes(gm, env, clock, repeats, warmup, progress, overhead)
     fwd_s, bwd_s = _time_whole(gm, inputs, clock, repeats, warmup, overhead)
@@ -134,36 +134,8 @@ def _batch_size(inputs: Sequence[Any]) -> Optional[int]:
 # ------------------------------------------------------------ values
 
 
-def value_spec(value: Any) -> Any:
-    """``ValueMeta.spec`` of a runtime value; dict subclasses (HF outputs) become dicts."""
-    if isinstance(value, torch.Tensor):
-        return meta.TensorMeta(tuple(int(s) for s in value.shape), str(value.dtype), bool(value.requires_grad))
-    if isinstance(value, (torch.Size, int, float, bool, str, type(None), torch.dtype, torch.device)):
-        return value
-    if isinstance(value, dict):
-        return {k: value_spec(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(value_spec(v) for v in value) if type(value) in (tuple, list) else tuple(value_spec(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-class _Recorder(torch.fx.Interpreter):
-    """Runs the graph once, keeping every value and writing ``ValueMeta``."""
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        try:
-            value = super().run_node(n)
-        except Exception as exc:
-            raise ProfileError(
-                f"profile: node '{n.name}' ({n.op} {n.target}) failed on the example inputs: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            ) from exc
-        meta.put(n, meta.ValueMeta(value_spec(value)))
-        return value
-
-
 def _record_values(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> Dict[torch.fx.Node, Any]:
-    recorder = _Recorder(gm, garbage_collect_values=False)
+    recorder = ValueRecorder(gm, lambda n, exc: ProfileError(node_failed("profile", n, exc)))
     recorder.run(*inputs)
     return recorder.env
 
@@ -183,8 +155,7 @@ def _time_nodes(gm: torch.fx.GraphModule, env: Dict[torch.fx.Node, Any], clock: 
                 f"profile: timing node '{node.name}' ({node.op} {node.target}) in isolation failed: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
-        out_bytes = sum(tm.nbytes for tm in meta.get(node, meta.ValueMeta).tensors())
-        meta.put(node, meta.NodeCost(fwd_s=t.fwd_s, bwd_s=t.bwd_s, out_bytes=out_bytes,
+        meta.put(node, meta.NodeCost(fwd_s=t.fwd_s, bwd_s=t.bwd_s, out_bytes=value_bytes(env[node]),
                                      param_bytes=0, peak_mem_bytes=t.peak_mem_bytes))
         if progress is not None:
             progress(1, note=node.name)
@@ -240,7 +211,7 @@ def _write_param_costs(gm: torch.fx.GraphModule, env: Dict[torch.fx.Node, Any]) 
                 shared_params=tuple(p for p in plist if users[p] > 1), peak_mem_bytes=cost.peak_mem_bytes,
             ))
         elif node.op in ("placeholder", "get_attr", "output"):
-            out_bytes = sum(tm.nbytes for tm in meta.get(node, meta.ValueMeta).tensors()) if node.op != "output" else 0
+            out_bytes = value_bytes(env[node]) if node.op != "output" else 0
             meta.put(node, meta.NodeCost(fwd_s=0.0, bwd_s=0.0, out_bytes=out_bytes, param_bytes=0))
 
 
@@ -266,10 +237,9 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     ``calibrate``: scale every node's forward (backward) time so that they
     sum to the whole model's measured forward (backward). Nodes timed one by
     one miss what only the whole run pays (the autograd engine walking the
-    graph, gradient accumulation, per-call dispatch between nodes): on the
-    predict benchmark's MLP the parts sum to 0.97x the whole forward and
-    0.84x the whole backward; calibrating moved that benchmark's predicted
-    step times from 0.64-0.72x measured to 0.71-1.0x. The factors go to
+    graph, gradient accumulation, per-call dispatch between nodes), so the
+    parts sum to less than the whole and a plan built on them predicts too
+    fast a pipeline (README, "Predicted against measured"). The factors go to
     ``info["calibration"]``; the node meta on ``gm`` keeps the raw timings.
     """
     meta.require(gm, meta.NodeCost, needed_by="to_cost_graph", made_by="passes.profile.profile")
@@ -286,7 +256,7 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     if meta.has(gm, meta.ProfileInfo):
         p = meta.get(gm, meta.ProfileInfo)
         info.update(device=p.device, repeats=p.repeats, batch_size=p.batch_size, torch_version=p.torch_version,
-                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s)
+                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s, clock=p.clock)
     if meta.has(gm, meta.CaptureInfo):
         info["capture_method"] = meta.get(gm, meta.CaptureInfo).method
     sizes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters()}

@@ -14,14 +14,13 @@ clock: the CPU time of the calling thread (``time.thread_time``) when torch
 runs one intra-op thread, else wall time (``time.perf_counter``). Why thread
 time: on a machine shared with other jobs, wall time counts the time the
 scheduler gave to others, and it hurts long calls more than short ones (the
-whole model more than one node; measured here under load 5 on 2 cores: GPT
-example forward 19 ms wall, 7.7 ms thread time, 7.7 ms on a quiet machine).
-With several threads, thread time would miss the work of the others, so wall
+whole model more than one node), while thread time stays what a quiet machine
+measures (numbers in the README, ``fxpipe profile``). With several threads, thread time would miss the work of the others, so wall
 time it is. The median of ``repeats`` is kept.
 
-Each ``torch.autograd.grad`` call has a fixed cost (starting the engine: about
-45 µs here) that a node does not pay inside the model's one backward pass;
-summed over a few hundred small nodes it doubled the GPT example's backward.
+Each ``torch.autograd.grad`` call has a fixed cost (starting the engine) that
+a node does not pay inside the model's one backward pass; summed over a few
+hundred small nodes it is as large as the model's whole backward.
 ``grad_call_overhead`` measures that cost once, on a one-element
 multiplication, and it is subtracted from every node's backward, keeping at
 least a tenth of the raw measurement (the estimate is itself noisy, and a node

@@ -44,8 +44,9 @@ import torch
 import torch.fx
 
 from passes import comm, meta
-from passes.split_check import COMPUTE_OPS, SplitError, Versions, check_assignment, plan_versions
-from passes.split_values import ValueRun, ensure_value_meta, record_values
+from passes.split_check import SplitError, Versions, check_assignment, plan_versions
+from passes.split_values import ensure_value_meta, record_values
+from passes.values import COMPUTE_OPS, ValueRun
 
 Path = Tuple[Any, ...]
 

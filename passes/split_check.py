@@ -1,7 +1,7 @@
 """Checks the split runs before cutting: the stage assignment and in-place writes.
 
 ``check_assignment`` turns the ``StageAssign`` records into a stage per node and
-rejects assignments the split cannot honour, naming the node. ``plan_snapshots``
+rejects assignments the split cannot honour, naming the node. ``plan_versions``
 decides where a value that crosses a boundary must be copied because its own
 stage writes into it in place after a later stage read it (in the original
 order), and rejects the in-place patterns a pipeline cannot reproduce.
@@ -16,9 +16,7 @@ import torch.fx
 
 from passes import meta
 from passes.errors import FxpipeError
-from passes.split_values import ValueRun
-
-COMPUTE_OPS = ("call_function", "call_method", "call_module")
+from passes.values import COMPUTE_OPS, ValueRun
 
 
 class SplitError(FxpipeError):

@@ -1,1 +1,1 @@
-"""fxpipe's tools: the plan viewer (``tools.show``) and the benchmarks (``tools.bench``)."""
+"""fxpipe's benchmarks (``tools.bench``), run from a checkout: ``python -m tools.bench.NAME``; not installed."""

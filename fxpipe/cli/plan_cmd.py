@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from passes.errors import FxpipeError
+from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 
-from fxpipe.schedule import KINDS
 from fxpipe.units import parse_bandwidth, parse_memory
 
 if TYPE_CHECKING:
@@ -47,8 +46,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step for flush/gpipe (default K)")
-    p.add_argument("--schedule", choices=KINDS, default="1f1b-flush",
-                   help="schedule the plan is for (memory, in-flight counts); default 1f1b-flush, as fxpipe train")
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                   help=f"schedule the plan is for (memory, in-flight counts); default {DEFAULT_SCHEDULE}, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
     p.add_argument("--replication", choices=("any", "pow2", "none"), default="any",
                    help="replicas per stage: any count, powers of two, or none (straight pipeline)")
@@ -79,7 +78,7 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
 
 
 def load_source(source: str) -> "CostGraph":
-    """A CostGraph from a profile file, or by capturing and profiling a model.
+    """A CostGraph from a profile file, or by capturing and profiling a model as ``fxpipe split`` does.
 
     A profile file loads without torch: only a model source imports it.
     """
@@ -91,14 +90,10 @@ def load_source(source: str) -> "CostGraph":
     except ImportError as exc:
         raise FxpipeError(f"plan: cannot load model {source!r} ({exc}); profile it with `fxpipe profile` "
                           "and pass the profile JSON") from exc
-    from passes.capture import capture
-    from passes.profile import profile, to_cost_graph
+    from fxpipe.profiling import profile_model
+    from passes.profile import to_cost_graph
 
-    spec = load_model(source)
-    gm = capture(spec.model, spec.example_inputs, leaf_modules=getattr(spec, "leaf_modules", ()) or (),
-                 concrete_args=getattr(spec, "concrete_args", None))
-    print(f"plan: profiling {source} ...", file=sys.stderr)
-    return to_cost_graph(profile(gm, spec.example_inputs))
+    return to_cost_graph(profile_model(load_model(source)))  # timed as `fxpipe split` times it
 
 
 def load_profile(path: Path) -> "CostGraph":

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from typing import TYPE_CHECKING
+from fxpipe.units import at_least
 
 if TYPE_CHECKING:
     from passes.costgraph import CostGraph
@@ -25,8 +25,8 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="model .py file or package.module:factory")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to time on (default cpu)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per node; the median is kept (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="timed repetitions per node; the median is kept (default 5)")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
     p.add_argument("--threads", type=int, default=1,
@@ -43,15 +43,11 @@ def run(args) -> int:
     from fxpipe.profiling import profile_model
     from passes.profile import to_cost_graph
 
-    if args.repeats < 1 or args.warmup < 0:
-        from passes.errors import FxpipeError
-        raise FxpipeError("--repeats must be at least 1 and --warmup at least 0")
     spec = load_model(args.model)
     gm = profile_model(spec, device=args.device, repeats=args.repeats, warmup=args.warmup,
                        method=args.method, threads=args.threads or None)
     graph = to_cost_graph(gm)  # what plans read: node times calibrated to the whole model's
-    clock = "cuda events" if args.device == "cuda" else ("thread CPU time" if args.threads == 1 else "wall time")
-    print(render_table(to_cost_graph(gm, calibrate=False), args.top, clock))  # the node timings as measured
+    print(render_table(to_cost_graph(gm, calibrate=False), args.top))  # the node timings as measured
     cal = graph.info.get("calibration")
     if cal:
         print(f"plans scale node times by {cal['fwd']:.2f}x forward, {cal['bwd']:.2f}x backward "
@@ -66,7 +62,7 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def render_table(graph: "CostGraph", top: Optional[int] = None, clock: str = "") -> str:
+def render_table(graph: "CostGraph", top: Optional[int] = None) -> str:
     """The per-node table, a totals row, and the whole-model comparison."""
     from tabulate import tabulate
 
@@ -93,7 +89,7 @@ def render_table(graph: "CostGraph", top: Optional[int] = None, clock: str = "")
     lines.append(
         f"capture: {info.get('capture_method', '?')}; device {info.get('device', '?')}, "
         f"batch {info.get('batch_size', '?')}, median of {info.get('repeats', '?')} runs"
-        + (f" ({clock})" if clock else "") + f", torch {info.get('torch_version', '?')}"
+        + (f" ({info['clock']})" if info.get("clock") else "") + f", torch {info.get('torch_version', '?')}"
     )
     return "\n".join(lines)
 

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from passes.errors import FxpipeError
-
-from fxpipe.schedule import KINDS
+from passes.partition.costmodel import SCHEDULES
 
 
 def register(subparsers) -> None:
@@ -23,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--profile", help="profile.json / PipeDream graph.txt to draw (default: profile.json beside the plan)")
     p.add_argument("--trace", help="Chrome trace from `fxpipe train --trace`: one middle step drawn under the simulation")
     p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
-    p.add_argument("--schedule", choices=KINDS,
+    p.add_argument("--schedule", choices=SCHEDULES,
                    help="schedule to simulate (default: the plan's)")
     p.add_argument("--microbatches", type=int, help="microbatches per step to simulate (default: the plan's)")
     p.add_argument("--format", choices=("html", "dot", "svg", "png"), default="html",
@@ -33,23 +32,24 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from tools.show.data import load_input
-    from tools.show.view import simulate_input, stage_of
+    from fxpipe.show.data import load_input
+    from fxpipe.show.view import simulate_input
+    from passes.partition.costmodel import assignment_of
 
     data = load_input(args.target, args.profile)
     sim, layout = simulate_input(data, args.schedule, args.microbatches)
     if args.text:
-        from tools.show.text import render_text
+        from fxpipe.show.text import render_text
         print(render_text(data.plan, sim, layout, data.notes, args.width))
         return 0
     out = Path(args.output) if args.output else _default_output(Path(args.target), args.format)
     if args.format != "html":
         if data.graph is None:
             raise FxpipeError("--format dot/svg/png draws the graph, which needs profile.json; pass --profile")
-        from tools.show import graphviz
-        graphviz.write(data.graph, stage_of(data.plan), out, args.format)
+        from fxpipe.show import graphviz
+        graphviz.write(data.graph, assignment_of(data.plan.stages), out, args.format)
     else:
-        from tools.show.html import render_html
+        from fxpipe.show.html import render_html
         measured, note = _measured(args.trace, sim)
         title = f"fxpipe plan: {len(data.plan.stages)} stages on {data.plan.devices} devices"
         out.write_text(render_html(data, sim, layout, measured, title=title, measured_note=note))
@@ -61,14 +61,13 @@ def run(args) -> int:
 
 def _measured(trace, sim):
     """The trace cropped to one middle step, like the simulation; the whole run if it has too few steps."""
-    from tools.show.data import load_trace, one_step
+    from fxpipe.show.data import Window, load_trace, one_step
 
     if not trace:
-        return None, ""
+        return Window({}, "")
     measured = load_trace(trace)
     steps = sim.microbatches if sim is not None and sim.kind == "1f1b-stash" else 1
-    cropped = one_step(measured, steps)
-    return cropped if cropped else (measured, "whole run")
+    return one_step(measured, steps) or Window(measured, "whole run")
 
 
 def _default_output(target: Path, fmt: str) -> Path:

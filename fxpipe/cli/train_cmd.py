@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 
 from fxpipe.runtime.lr_schedule import LR_SCHEDULES
-from fxpipe.schedule import KINDS as SCHEDULES
+from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 
 
@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model .py file or package.module:factory")
     p.add_argument("--devices", "-k", type=at_least(1), default=None, help="number of workers (ranks)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b-flush")
+    p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
     p.add_argument("--microbatches", "-m", type=at_least(1), default=None,
                    help="microbatches per step (default: the number of devices)")
     p.add_argument("--steps", type=at_least(1), default=10)

@@ -26,6 +26,23 @@ class DataError(FxpipeError):
     """``batches()`` yielded something the pipeline cannot cut into microbatches."""
 
 
+_NOTHING = "batches() yielded nothing"
+
+
+def pair(item: Any) -> Tuple[Any, Any]:
+    """``(inputs, targets)`` of one item ``batches()`` yielded."""
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise DataError(f"batches() must yield (inputs, targets) pairs, got {type(item).__name__}")
+    return item[0], item[1]
+
+
+def first_pair(batches: Callable[[], Iterable[Any]]) -> Tuple[Any, Any]:
+    """The first ``(inputs, targets)`` of a fresh ``batches()`` stream."""
+    for item in batches():
+        return pair(item)
+    raise DataError(_NOTHING)
+
+
 def as_tuple(x: Any) -> Tuple[Any, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
@@ -85,12 +102,11 @@ class FromBatches:
                 return next(self._it)
             except StopIteration:
                 self._it = None
-        raise DataError("batches() yielded nothing")
+        raise DataError(_NOTHING)
 
     def _cut(self, item: Any) -> Sequence[Micro]:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise DataError(f"batches() must yield (inputs, targets) pairs, got {type(item).__name__}")
-        inputs, targets = as_tuple(item[0]), item[1]
+        inputs, targets = pair(item)
+        inputs = as_tuple(inputs)
         n = batch_dim(inputs)
         if n == self.micro_size:
             return [(inputs, targets)]

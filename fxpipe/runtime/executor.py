@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
+from fxpipe.loader import loss_problem
 from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.precision import LossScaler, autocast, wire_value
@@ -214,9 +215,9 @@ class Executor:
         if self.loss_fn is None:
             raise ExecutorError("the last stage needs a loss function (define loss_fn in the model file)")
         loss = self.loss_fn(outputs, targets)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ExecutorError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                                f"{tuple(getattr(loss, 'shape', ()))}")
+        problem = loss_problem(loss)
+        if problem:
+            raise ExecutorError(problem)
         return loss
 
     def _backward(self, a: Action, g: int) -> None:

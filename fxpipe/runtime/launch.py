@@ -37,7 +37,7 @@ import torch
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint, failure, payload
 from fxpipe.runtime.loop import TrainConfig, checkpoint_info
-from fxpipe.runtime.preflight import PreflightError, check_config, check_first_batch, check_split_matches
+from fxpipe.runtime.preflight import check_config, check_count, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
 from fxpipe.runtime.worker import RUN_FILE, SPLIT_DIR
 from passes.errors import FxpipeError
@@ -95,14 +95,15 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     from fxpipe.loader import load_model
 
     check_config(cfg)
-    if devices is not None and devices < 1:
-        raise PreflightError(f"--devices must be at least 1, got {devices}")
+    if devices is not None:
+        check_count("--devices", devices, 1)
     spec = load_model(model) if isinstance(model, str) else model
     os.makedirs(run_dir, exist_ok=True)
     shipped = None if isinstance(model, str) else payload.write(run_dir, {
         "batches": spec.batches, "loss_fn": spec.loss_fn, "example_inputs": spec.example_inputs,
         "example_targets": spec.example_targets}, main=cfg.optimizer.startswith("__main__:"))
-    check_first_batch(spec, cfg.microbatches)
+    if isinstance(model, str):  # fxpipe.train checked its objects' first batch where it read it
+        check_first_batch(spec, cfg.microbatches)
     kept = os.path.join(cfg.checkpoint, SPLIT_DIR) if cfg.checkpoint else None
     if cfg.resume and kept and os.path.exists(kept) and not split_dir:
         split_dir = kept  # resume the very split the checkpoint was taken with (a new plan could differ)

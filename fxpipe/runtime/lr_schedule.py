@@ -49,25 +49,25 @@ class LRScheduleError(FxpipeError):
     """A learning-rate schedule setting out of range."""
 
 
-def check_schedule(kind: str, warmup: int, min_lr: float, lr: float) -> None:
+def check_lr_schedule(name: str, warmup: int, min_lr: float, lr: float) -> None:
     """Reject settings with no meaning, naming the option."""
-    if kind not in LR_SCHEDULES:
-        raise LRScheduleError(f"--lr-schedule {kind!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}")
+    if name not in LR_SCHEDULES:
+        raise LRScheduleError(f"--lr-schedule {name!r} is unknown; choose one of {', '.join(LR_SCHEDULES)}")
     if not isinstance(warmup, int) or warmup < 0:
         raise LRScheduleError(f"--warmup-steps must be a whole number >= 0, got {warmup!r}")
     if not 0.0 <= min_lr <= lr:
         raise LRScheduleError(f"--min-lr must lie between 0 and --lr ({lr}), got {min_lr}")
 
 
-def lr_at(step: int, *, lr: float, steps: int, kind: str = "constant", warmup: int = 0,
+def lr_at(step: int, *, lr: float, steps: int, lr_schedule: str = "constant", warmup: int = 0,
           min_lr: float = 0.0) -> float:
     """The learning rate of 0-based ``step`` of a ``steps``-step run (see the module docstring)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    if kind == "constant":
+    if lr_schedule == "constant":
         return lr
     p = (step - warmup) / max(1, steps - warmup)
-    shape = 1.0 - p if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    shape = 1.0 - p if lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
     return min_lr + (lr - min_lr) * shape
 
 

@@ -48,10 +48,16 @@ class PrecisionError(FxpipeError):
     """A precision that cannot run as asked."""
 
 
-def check_precision(precision: str, schedule: str) -> None:
-    """Fail before any worker starts on a combination that cannot run."""
+def precision_dtype(precision: str) -> torch.dtype:
+    """The floating dtype ``--precision`` names; an unknown name is a ``PrecisionError``."""
     if precision not in PRECISIONS:
         raise PrecisionError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return DTYPES[precision]
+
+
+def check_precision(precision: str, schedule: str) -> None:
+    """Fail before any worker starts on a combination that cannot run."""
+    precision_dtype(precision)
     if precision == "fp16" and schedule in ("1f1b-stash", "2bw"):
         # each minibatch's step would need an all-rank agreement on inf/nan in the middle of the
         # pipeline (ranks step at different times there): not supported

@@ -10,7 +10,7 @@ shapes), the first batch of ``batches()`` has the example's shapes and dtypes
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,13 +29,17 @@ _COUNTS = {"microbatches": ("--microbatches", 1), "steps": ("--steps", 1),
 def check_config(cfg: Any) -> None:
     """Counts of at least one (the CLI checks them too; this covers ``fxpipe.train`` callers, through ``launch.prepare``)."""
     for field, (option, least) in _COUNTS.items():
-        value = getattr(cfg, field)
-        if not isinstance(value, int) or value < least:
-            raise PreflightError(f"{option} must be a whole number of at least {least}, got {value!r}")
+        check_count(option, getattr(cfg, field), least)
     if not cfg.timeout_s > 0:
         raise PreflightError(f"--timeout must be positive, got {cfg.timeout_s!r}")
     if cfg.resume and not cfg.checkpoint:
         raise PreflightError("--resume needs --checkpoint DIR (the folder the earlier run checkpointed into)")
+
+
+def check_count(option: str, value: Any, least: int) -> None:
+    """Raise unless ``value`` is a whole number of at least ``least``."""
+    if not isinstance(value, int) or value < least:
+        raise PreflightError(f"{option} must be a whole number of at least {least}, got {value!r}")
 
 
 def _shapes(split: Any) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -73,13 +77,13 @@ def _describe(values: List[Any]) -> str:
                            for x in values) + "]"
 
 
-def check_first_batch(spec: Any, microbatches: int) -> None:
-    """Microbatch 0 of ``batches()`` matches ``example_inputs`` in count, shape and dtype."""
+def check_first_batch(spec: Any, microbatches: int) -> Optional[Tuple[Tuple[Any, ...], Any]]:
+    """Microbatch 0 of ``batches()`` (None without it), checked against ``example_inputs``: count, shape, dtype."""
     if spec.batches is None:
-        return
+        return None
     example = as_tuple(spec.example_inputs)
     try:
-        inputs, _ = FromBatches(spec.batches, batch_dim(example), microbatches)(0)
+        inputs, targets = FromBatches(spec.batches, batch_dim(example), microbatches)(0)
     except FxpipeError as exc:
         raise PreflightError(f"{spec.source}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the user's generator failed: say where
@@ -93,3 +97,4 @@ def check_first_batch(spec: Any, microbatches: int) -> None:
                              f"split was made for example_inputs {_describe(list(example))}; make batches() "
                              "yield inputs with the example's shapes and dtypes (one microbatch or one step "
                              "of them), or change example_inputs and split again")
+    return inputs, targets

@@ -82,10 +82,15 @@ def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transpor
     return checkpoint(run, *args, use_reentrant=False)
 
 
-def recomputes(mode: str, auto_stages: Optional[Sequence[int]], stage: int) -> bool:
-    """Whether ``stage`` recomputes under ``--recompute mode`` (auto: the planner's per-stage choice)."""
+def check_recompute(mode: str) -> None:
+    """Raise unless ``mode`` is one of ``RECOMPUTE``."""
     if mode not in RECOMPUTE:
         raise FxpipeError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE)}")
+
+
+def recomputes(mode: str, auto_stages: Optional[Sequence[int]], stage: int) -> bool:
+    """Whether ``stage`` recomputes under ``--recompute mode`` (auto: the planner's per-stage choice)."""
+    check_recompute(mode)
     if mode == "auto":
         return stage in (auto_stages or ())
     return mode == "all"

@@ -3,10 +3,10 @@
 The profile times every node's forward and backward, but the optimizer is a
 training option (``--optimizer``), so the plan knows nothing of the step. It
 matters most for ``1f1b-stash``, which steps after every backward and makes a
-new weight version at the next forward: on the predict bench's MLP stage the
-step is 0.8 ms against 5 ms of forward and backward per microbatch, and
-adding it moved the stash case's predicted step time from 0.71x measured to
-0.94x.
+new weight version at the next forward: there the step is paid once per
+microbatch, not once per minibatch, and a small stage's step is a visible share
+of its forward and backward (numbers in the README, "Predicted against
+measured").
 
 So before training the parent times, per stage, the very optimizer the
 workers build (``make_optimizer``) on throwaway copies of the stage's

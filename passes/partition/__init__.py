@@ -4,8 +4,9 @@ Exact methods behind one call. First the segment DP (``chain.py`` over the
 lattice of ``segments.py``): the graph's downset lattice as a chain of small
 per-segment lattices, searched by bisection on the bottleneck with the fewest
 replicas per stage in closed form; it proves transformers with 100 blocks on
-1024 devices optimal in seconds. Where it does not apply (memory limits,
-replication ``none`` on exactly K devices, a segment with too many downsets)
+1024 devices optimal in seconds (``stage_count`` counts stages instead of
+devices for replication ``none`` on exactly K). Where it does not apply (memory
+limits, a segment with too many downsets)
 or does not prove its plan, the downset DP (``downsets.py``) on small
 lattices, else CP-SAT (``model.py``) on a coarsened graph (``coarsen.py``),
 warm-started by the best plan so far and bounded by the segment DP's bound.
@@ -15,20 +16,26 @@ warm-started by the best plan so far and bounded by the segment DP's bound.
 The cost models live in ``costmodel`` as plain functions, so any assignment can
 be scored (``evaluate``) the same way the solver scores it. On nodes of
 ``gpus_per_node`` devices, ``topology`` places stages on ranks and the costs
-follow the links they use; ``hierarchical`` reproduces PipeDream's
+follow the links they use (``placed`` runs the segment DP with each stage's
+offset within its node in the state); ``hierarchical`` reproduces PipeDream's
 level-by-level optimizer for such machines, to compare with.
 """
-from passes.partition.costmodel import CostOptions, Evaluation, StageCost, data_parallel, evaluate
-from passes.partition.driver import (
-    InfeasibleError,
-    PartitionResult,
-    apply_assignment,
-    is_convex,
-    partition,
-    stderr_progress,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CostOptions", "Evaluation", "StageCost", "data_parallel", "evaluate",
-    "InfeasibleError", "PartitionResult", "apply_assignment", "is_convex", "partition", "stderr_progress",
-]
+import importlib
+from typing import Any
+
+_HOME = {
+    "CostOptions": "costmodel", "Evaluation": "costmodel", "StagePlan": "costmodel", "data_parallel": "costmodel",
+    "evaluate": "costmodel", "InfeasibleError": "driver", "PartitionResult": "driver",
+    "apply_assignment": "driver", "is_convex": "driver", "partition": "driver", "stderr_progress": "driver",
+}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    """Load the solvers (OR-Tools, networkx) on first use: the cost model alone (``costmodel``: the
+    schedule names, in-flight counts) is what the CLI's parser and the runtime import."""
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

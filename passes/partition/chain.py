@@ -20,18 +20,20 @@ within the devices left is dropped (the stage only grows later), and one is
 dropped when a later point contains it with no more devices used and no more
 bytes cut (it is then at least as good a start for every later stage).
 Shared (tied) weights count once per stage: a stage holds weight p iff one of
-p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``.
+p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``;
+it shares p with another stage iff not all of them do (``costmodel.tied_floor_s``).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from passes.partition.coarsen import Units
+from passes.partition.heuristic import Solution
 from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
 from passes.partition.segments import Segment
 
@@ -56,16 +58,19 @@ class ChainSolver:
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
+        self.shared_users = np.array([len(users) for _, users in units.shared.values()])
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
         self._pairs = None
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
-        params = pi - pj
+        params, tied = pi - pj, 0.0
         if self.shared_bytes.size:
-            params = params + ((si - sj) > 0.5) @ self.shared_bytes
-        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts)
+            inside = si - sj
+            params = params + (inside > 0.5) @ self.shared_bytes
+            tied = ((inside > 0.5) & (inside < self.shared_users - 0.5)) @ self.shared_bytes
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied)
 
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
@@ -146,7 +151,17 @@ class ChainSolver:
     # ------------------------------------------------------------ the plan
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
         """Stage per unit and replicas, walking back from the full set."""
+        chain, reps = self._walk(back)
         point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
+        stage_of = [0] * len(self.units)
+        for s in range(len(reps)):
+            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
+            for u in np.nonzero(inside)[0]:
+                stage_of[u] = s
+        return stage_of, reps
+
+    def _walk(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
+        """The points that end each stage (from the empty one) and the stages' replicas."""
         chain, reps, x = [], [], self.offsets[-1] - 1
         while True:
             j, r = (int(v) for v in back[x])
@@ -155,14 +170,11 @@ class ChainSolver:
                 break
             reps.append(r)
             x = j
-        chain.reverse()
-        reps.reverse()
-        stage_of = [0] * len(self.units)
-        for s in range(len(reps)):
-            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
-            for u in np.nonzero(inside)[0]:
-                stage_of[u] = s
-        return stage_of, reps
+        return chain[::-1], reps[::-1]
+
+    def pad(self, stage_of: List[int], replicas: List[int], T: float) -> Optional[List[int]]:
+        """Replicas spread over exactly K devices within T (``pad``)."""
+        return pad(self.units, stage_of, replicas, self.opts, T)
 
     def _members(self, point: int, point_seg) -> np.ndarray:
         a = int(point_seg[point])
@@ -186,15 +198,16 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
         return [int(r) for r in reps]
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     comp, par = _stage_sums(units, stage_of, len(reps))
+    tied = _stage_tied(units, stage_of, len(reps))
     while left > 0:
         pos = np.searchsorted(allowed, reps, side="right")
         nxt = allowed[np.minimum(pos, len(allowed) - 1)]
         usable = (pos < len(allowed)) & (nxt - reps <= left)
-        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts)
-        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts)
+        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts, tied)
+        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts, tied)
         usable &= then <= T * (1 + 1e-12)
         if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
-            jump = _first_fit_above(comp, par, reps, left, allowed, opts, T)
+            jump = _first_fit_above(comp, par, tied, reps, left, allowed, opts, T)
             if jump is None:
                 return None
             s, r = jump
@@ -209,14 +222,14 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
     return [int(r) for r in reps]
 
 
-def _first_fit_above(comp, par, reps, left: int, allowed, opts: CostOptions, T: float):
+def _first_fit_above(comp, par, tied, reps, left: int, allowed, opts: CostOptions, T: float):
     """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage within T."""
     best = None
     for s, r in enumerate(reps):
         cand = allowed[(allowed > r) & (allowed - r <= left)]
         if not cand.size:
             continue
-        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts) <= T * (1 + 1e-12))[0]
+        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts, tied[s]) <= T * (1 + 1e-12))[0]
         if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
             best = (s, int(cand[ok[0]]))
     return best
@@ -233,47 +246,63 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
     return comp, par
 
 
+def _stage_tied(units: Units, stage_of: List[int], S: int) -> np.ndarray:
+    """Weight bytes per stage that another stage holds too (``stage_time_s``'s ``tied``)."""
+    tied = np.zeros(S)
+    for _, (nb, users) in units.shared.items():
+        holders = {stage_of[u] for u in users}
+        if len(holders) > 1:
+            tied[list(holders)] += nb
+    return tied
+
+
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
-          score) -> Optional[ChainSolution]:
+          score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
+          ladder: Sequence[float] = ()) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
     spread over exactly K (``pad``) lowers the search's upper end without
     giving a plan; the answer's bound stays the highest proven-infeasible T.
+    ``solver``: the DP for one T (default the flat ``ChainSolver``; ``placed.py``
+    has the two-level one); ``tolerance``: where the bisection stops;
+    ``ladder``: the first T to try, as multiples of ``sum C / K``, before T
+    doubles (a pass that costs more is better spent near that bound).
     """
-    solver = ChainSolver(units, segments, opts)
+    solver = solver or ChainSolver(units, segments, opts)
     lo = sum(units.compute) / opts.devices * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
+    steps = [T * f for f in ladder]
     try:
-        for _ in range(64):  # find a plan: double T from sum C / K
+        for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)
             if found is _INFEASIBLE:
                 lo = T
             elif found is not _UNPADDED:
-                best, hi = found, found[2]
+                best, hi = found, found.objective
                 break
-            T *= 2
+            T = steps.pop(0) if steps else T * 2
         if best is None:
             return None
-        probe = True
-        while hi > lo * (1 + TOLERANCE):
+        probe = best.objective < T * (1 - tolerance)  # a plan found at T with no slack: bisect at once
+        while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
-                T = max(hi / (1 + TOLERANCE), lo)
+                T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
-            probe = not probe and isinstance(found, tuple) and found[2] < T * (1 - TOLERANCE)
+            probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance)
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:
                 hi = T
-            else:
-                best, hi = found, min(found[2], T)
+            else:  # on a two-level machine a plan may score above T (``placed.py`` charges cuts at their cheapest)
+                best, hi = min(best, found, key=lambda f: f.objective), min(found.objective, T)
     except DeadlineExceeded:
         if best is None:
             return None
-    bound = min(lo, best[2])
-    return ChainSolution(best[0], best[1], best[2], bound, best[2] <= bound * (1 + TOLERANCE))
+    bound = min(lo, best.objective)
+    return ChainSolution(*best, bound, best.objective <= bound * (1 + tolerance))
 
 
 _INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
@@ -286,17 +315,25 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
     if need > opts.devices:
         return _INFEASIBLE
     stage_of, reps = solver.plan(back)
-    reps = pad(units, stage_of, reps, opts, T)
+    reps = solver.pad(stage_of, reps, T)
     if reps is None:
         return _UNPADDED
-    return stage_of, reps, score(stage_of, reps)
+    return Solution(stage_of, reps, score(stage_of, reps))
 
 
-def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
-    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage)."""
-    S = len(replicas)
+def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compute, weight bytes and the bytes crossing into each stage (``cut[s]``, s = 0..S) of a plan."""
     comp, par = _stage_sums(units, stage_of, S)
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
-    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts) for s in range(S))
+    return comp, par, cut
+
+
+def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
+    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage; a tied weight at its
+    floor, ``tied_floor_s``: ``evaluate`` charges its group)."""
+    S = len(replicas)
+    comp, par, cut = stage_totals(units, stage_of, S)
+    tied = _stage_tied(units, stage_of, S)
+    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, tied[s]) for s in range(S))

@@ -33,28 +33,41 @@ link (fxpipe) or as PipeDream's hierarchical optimizer charges whole nodes
 replica pair at the bandwidth it crosses (``cut_at``). Without G nothing
 changes; with one node (G = K) it is the flat model at B1.
 
+A weight tied across stages (GPT's embedding and output projection) lives
+as one copy per stage; every step the runtime sums the copies' gradients over
+all ranks of those stages (``fxpipe.runtime.groups``). Each of those stages
+pays that all-reduce of the whole group (``tied_sync_s``) besides its
+replicas' all-reduce of its other weights, so a tied weight costs time even on
+stages without replicas. The solvers cannot see which stages share a weight
+until the plan is complete: they charge it like the stage's own weights, which
+is never more (``tied_sync_s``), so their bounds stay bounds, and ``evaluate``
+scores the plan they return.
+
 Memory per device of stage j (both models; PipeDream itself only checks
 memory on request): weights × versions + one gradient buffer + optimizer state
 (a multiple of the weights) + the stage's stashed activations × microbatches in
-flight. 1F1B-stash keeps one weight version per microbatch in flight,
-``n_j = ceil(sum_{k>=j} r_k / r_j)``; 1F1B-flush keeps one version and
-``min(n_j, ceil(M / r_j))`` activations; GPipe one version and ``ceil(M / r_j)``.
+flight (``in_flight``: one count for the schedule builder, this model, CP-SAT
+and the simulator). 1F1B-stash keeps one weight version per microbatch in
+flight, the others one version.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from passes.costgraph import CostGraph, CostNode
 from passes.errors import FxpipeError
 from passes.partition import topology
 
+if TYPE_CHECKING:  # only annotations: the CLI's parser imports this module for the schedule names
+    from passes.costgraph import CostGraph, CostNode
+
 COST_MODELS = ("fxpipe", "pipedream")
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "2bw")
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "2bw")  # the one list: the CLI, the runtime and show read it
+DEFAULT_SCHEDULE = "1f1b-flush"  # equals single-device training with gradient accumulation
 REPLICATION = ("any", "pow2", "none")
 
 
@@ -66,7 +79,7 @@ class CostOptions:
     bandwidth: float = 1.25e9
     allreduce_bandwidth: Optional[float] = None  # None: same as ``bandwidth``
     cost_model: str = "fxpipe"
-    schedule: str = "1f1b-stash"
+    schedule: str = DEFAULT_SCHEDULE
     microbatches: Optional[int] = None  # None: as many as devices
     memory: Optional[int] = None  # bytes per device; None: unchecked
     optimizer_state: float = 1.0  # optimizer bytes per weight byte (SGD momentum: 1, Adam: 2)
@@ -110,6 +123,19 @@ class CostOptions:
         if self.allreduce_bandwidth is not None:
             raise FxpipeError("partition: --allreduce-bandwidth is for a flat network; with --gpus-per-node "
                               "all-reduce runs at --intra-bandwidth inside a node and --bandwidth across nodes")
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, object], **overrides: object) -> "CostOptions":
+        """The options ``as_dict`` wrote (a plan's ``options``), with ``overrides``; unknown keys are ignored.
+
+        A two-level machine derives its all-reduce bandwidth, so the resolved
+        rate ``as_dict`` writes is left out there.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        kept = {k: v for k, v in saved.items() if k in known}
+        if kept.get("gpus_per_node") is not None:
+            kept.pop("allreduce_bandwidth", None)
+        return cls(**{**kept, **overrides})
 
     @property
     def intra_bw(self) -> float:
@@ -209,6 +235,24 @@ def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) ->
     return min(two_level, 4.0 * (r - 1) / (opts.bandwidth * r)) * param_bytes / r
 
 
+def tied_sync_s(param_bytes: float, stage_ranks: Sequence[int], group_ranks: Sequence[int],
+                opts: CostOptions) -> float:
+    """Seconds per microbatch a stage on ``stage_ranks`` spends keeping a weight tied over ``group_ranks`` in sync.
+
+    The group is every rank of every stage holding the weight; the runtime
+    all-reduces its gradient there (``fxpipe.runtime.groups``). It is charged
+    like a stage's own all-reduce (``allreduce_on``) over that group; the
+    PipeDream model spreads an all-reduce over the r replicas that share the
+    stage's microbatches, so its charge is spread over the stage's replicas,
+    not the group's. Either way it is at least ``allreduce_on(param_bytes,
+    stage_ranks)``, what the solvers charge (the ring factor grows with the
+    group, and a group's slowest link is no faster than the stage's when links
+    between nodes are no faster than inside one).
+    """
+    spread = len(group_ranks) / len(stage_ranks) if opts.cost_model == "pipedream" else 1.0
+    return allreduce_on(param_bytes, group_ranks, opts) * spread
+
+
 def allreduce_coeff_at(first: int, r: int, opts: CostOptions) -> float:
     """``allreduce_coeff`` for the replicas ``[first, first + r)``."""
     return r * allreduce_at(1.0, first, r, opts)
@@ -228,6 +272,15 @@ def cut_on(cut_bytes: float, before: Sequence[int], after: Sequence[int], opts: 
     return 2.0 * cut_bytes * load
 
 
+def link_bandwidth(rank: int, peer: int, opts: CostOptions) -> float:
+    """Bytes/s between two ranks: ``intra_bandwidth`` inside a node, ``bandwidth`` between nodes or on a
+    flat machine (the rates ``cut_on`` charges each replica pair; the simulator sends at them)."""
+    if opts.gpus_per_node is None:
+        return opts.bandwidth
+    same = topology.node_of(rank, opts.gpus_per_node) == topology.node_of(peer, opts.gpus_per_node)
+    return opts.intra_bw if same else opts.bandwidth
+
+
 def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
     """Flat options charging every link the faster (or the slower) of the two bandwidths.
 
@@ -244,25 +297,53 @@ def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
                                bandwidth=pick(opts.bandwidth, opts.intra_bw))
 
 
-def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions):
+def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, tied=0.0):
     """THE stage time of both cost models on a flat network; every solver derives its numbers from it.
 
     ``compute`` (s, fwd+bwd, summed over the stage), ``params`` (weight bytes
     the stage holds, shared weights once), ``cut_in``/``cut_out`` (bytes
-    crossing the boundary before/after it), ``r`` replicas. Each cut is
-    charged ``2A/(B·r)`` here, so the maximum over stages equals the bottleneck
-    with ``min(r_b, r_b+1)``. Works on numpy arrays elementwise (the chain DP
-    calls it on thousands of stages at once). A two-level machine is scored by
-    ``evaluate`` (placement-aware); the solvers search it under the flat
-    models of ``flat_bound``, so passing such options here is a mistake.
+    crossing the boundary before/after it), ``r`` replicas, ``tied`` (the
+    part of ``params`` that another stage holds too: charged
+    ``tied_floor_s``, the least its sync can cost, since which stages hold it
+    and with how many replicas is only known once the plan is complete). Each
+    cut is charged ``2A/(B·r)`` here, so the maximum over stages equals the
+    bottleneck with ``min(r_b, r_b+1)``. Works on numpy arrays elementwise
+    (the chain DP calls it on thousands of stages at once). A two-level
+    machine is scored by ``evaluate`` (placement-aware); the solvers search it
+    under the flat models of ``flat_bound``, so passing such options here is a
+    mistake.
     """
     if opts.gpus_per_node is not None:
         raise FxpipeError("partition: stage_time_s takes flat options; score a two-level machine with "
                           "evaluate, or search it under flat_bound(opts, fast)")
     r_arr = np.asarray(r, dtype=float)
     cuts = 2.0 * np.maximum(np.asarray(cut_in, dtype=float), np.asarray(cut_out, dtype=float)) / (opts.bandwidth * r_arr)
-    out = combine_stage_time(compute, r_arr, _allreduce(params, r_arr, opts), cuts)
+    tied = np.asarray(tied, dtype=float)
+    sync = _allreduce(np.asarray(params, dtype=float) - tied, r_arr, opts) + tied_floor_s(tied, r_arr, opts)
+    out = combine_stage_time(compute, r_arr, sync, cuts)
     return float(out) if out.ndim == 0 else out
+
+
+def tied_floor_s(tied_bytes, r, opts: CostOptions):
+    """The least ``tied_sync_s`` a stage of ``r`` replicas pays for weights another stage holds too
+    (elementwise, flat options): its group has at least ``r + 1`` ranks.
+
+    fxpipe: a ring of ``max(r, 2)`` ranks (the ring of ``r + 1`` would break
+    the shape ``alpha / r + beta`` that ``min_replicas`` relies on for r >= 2);
+    PipeDream: ``r + 1`` ranks spread over r replicas, which falls with r.
+    Never below charging them like the stage's own weights, and exact for a
+    weight tied between two stages without replicas (GPT's embedding and
+    output projection).
+    """
+    r = np.asarray(r, dtype=float)
+    if opts.cost_model == "pipedream":
+        return 4.0 * np.asarray(tied_bytes, dtype=float) / (opts.bandwidth * (r + 1))
+    return _allreduce(tied_bytes, np.maximum(r, 2.0), opts)
+
+
+def tied_floor_coeff(r: int, opts: CostOptions) -> float:
+    """``r · tied_floor_s(P, r) / P``: the weight on tied bytes in ``r·T >= C + ...`` (CP-SAT)."""
+    return float(r * tied_floor_s(1.0, r, opts))
 
 
 def combine_stage_time(compute, r, allreduce, comm):
@@ -271,7 +352,7 @@ def combine_stage_time(compute, r, allreduce, comm):
     return np.maximum(np.asarray(compute, dtype=float) / r + allreduce, comm)
 
 
-def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) -> np.ndarray:
+def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, tied=0.0) -> np.ndarray:
     """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
 
     Relies on two properties of ``stage_time_s`` (both models have them; a
@@ -279,7 +360,7 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) 
     each cut term falls with r, so no r below ``max(C/T, 2A/(B·T))`` can do;
     and from r = 2 on it is monotone in r (fxpipe: ``(C - a)/r + a`` with
     ``a = 2P/B``; PipeDream: ``(C + b)/r - b/r^2`` with ``b = 4P/B``, falling
-    for r >= 2). So: try the smallest allowed r above that floor; else the
+    for r >= 2; a tied weight keeps both shapes, ``tied_floor_s``). So: try the smallest allowed r above that floor; else the
     time at that r (at least 2) and at the largest r give the answer's place
     by fitting ``alpha/r + beta`` (exact for fxpipe), which is checked, and
     bisection settles what the fit missed. If the largest r does not fit
@@ -287,7 +368,8 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) 
     """
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     top = len(allowed) - 1
-    C, P, c_in, c_out = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out)))
+    C, P, c_in, c_out, tie = np.broadcast_arrays(*(np.asarray(x, dtype=float)
+                                                  for x in (compute, params, cut_in, cut_out, tied)))
     floor = np.maximum(C, 2.0 * np.maximum(c_in, c_out) / opts.bandwidth) / T
     lo = np.searchsorted(allowed, np.maximum(1.0, np.ceil(floor * (1 - 1e-12))))
     out = np.full(C.shape, opts.devices + 1, dtype=np.int64)
@@ -296,7 +378,7 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions) 
     sel = np.unravel_index(where, C.shape)
 
     def time_at(s, index):
-        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts)
+        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, tie[s])
 
     first = time_at(sel, lo[sel]) <= T
     out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]
@@ -339,28 +421,78 @@ def counts_comm(node: CostNode, opts: CostOptions) -> bool:
     return opts.cost_model == "pipedream" or not node.is_input
 
 
-def in_flight(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    """Microbatches whose activations one device of ``stage`` holds at once."""
+def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: Optional[int] = None) -> int:
+    """THE number of microbatches whose activations one device of ``stage`` holds at once.
+
+    The schedule builder runs this many forwards before the first backward
+    (``fxpipe.schedule``); memory (``memory_bytes``), CP-SAT's memory
+    constraint and the simulator follow from it. ``microbatches``: those of
+    one action list (a replica gets at most ``ceil(M / r_j)`` of them); None
+    for a list long enough not to cap it (a 1F1B-stash run does not drain
+    between steps, so its plans are costed that way).
+
+    - ``gpipe``: every microbatch of the step, ``ceil(M / r_j)``.
+    - ``1f1b-stash``: PipeDream's "number of optimal active minibatches",
+      ``ceil(sum_{k>=j} r_k / r_j)``: the forwards the stages downstream
+      absorb before the first gradient returns.
+    - ``1f1b-flush``: ``n_{S-1} = 1``, ``n_j = 1 + ceil(r_{j+1} n_{j+1} / r_j)``.
+      A rank of stage j runs ``F(y + (n_j - 1) r_j)`` just before ``B(y)``,
+      and stage j+1 asks for its next forward right after a backward, so
+      ``(n_j - 1) r_j >= r_{j+1} n_{j+1}`` keeps a replicated stage downstream
+      fed; the rule implies PipeDream's count (``r_j n_j >= sum_{k>=j} r_k``)
+      and equals it without replicas (Megatron's warm-up ``S - j - 1`` plus
+      one). On 1-2-1 the input stage holds 5, not 4: with 4 the middle stage
+      starves and the pipeline runs at 2/3 of its rate.
+    """
     r = replicas[stage]
-    pipeline = math.ceil(sum(replicas[stage:]) / r)
-    per_replica = math.ceil(opts.num_microbatches / r)
-    if opts.schedule == "gpipe":
-        return per_replica
-    if opts.schedule == "1f1b-flush":
-        return min(pipeline, per_replica)
-    return pipeline  # stash and 2bw: no flush, the next step's microbatches enter behind the last ones
+    cap = math.inf if microbatches is None else math.ceil(microbatches / r)
+    if schedule == "gpipe":
+        if microbatches is None:
+            raise FxpipeError("partition: gpipe holds every microbatch of a step; say how many (microbatches)")
+        return int(cap)
+    if schedule == "1f1b-stash":
+        window = math.ceil(sum(replicas[stage:]) / r)
+    elif schedule in ("1f1b-flush", "2bw"):  # 2bw: flush's order, without the drain
+        window = 1
+        for j in range(len(replicas) - 2, stage - 1, -1):
+            window = 1 + math.ceil(replicas[j + 1] * window / replicas[j])
+    else:
+        raise FxpipeError(f"partition: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    return int(min(window, cap))
+
+
+def most_in_flight(opts: CostOptions) -> int:
+    """An upper bound of ``in_flight`` on every layout of ``opts.devices`` ranks (1F1B-flush:
+    ``r_j n_j <= 2 r_j - 1 + r_{j+1} n_{j+1}``, so ``n_j < 2K``); CP-SAT's domain for the count."""
+    K, M = opts.devices, opts.num_microbatches
+    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "gpipe": M, "2bw": 2 * K}[opts.schedule]
+
+
+def planned_microbatches(opts: CostOptions) -> Optional[int]:
+    """Microbatches per action list that a plan's memory is costed for (``in_flight``); a 1F1B-stash
+    or 2BW run never drains, so its count is not capped by ``microbatches``."""
+    return None if opts.schedule in ("1f1b-stash", "2bw") else opts.num_microbatches
 
 
 def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    """Weight versions a device keeps: one per minibatch in flight (stash), two (2bw), else one."""
+    """Weight copies a device keeps: one per microbatch in flight with stashing, two with 2BW (the
+    previous step's weights and the current ones), else one."""
     if opts.schedule == "1f1b-stash":
-        return in_flight(stage, replicas, opts)
+        return in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
     return 2 if opts.schedule == "2bw" else 1
 
 
+def device_memory_bytes(param_bytes: float, act_bytes: float, versions: int, flight: int, extra_copies: float) -> int:
+    """THE bytes one device holds: weights × (``versions`` kept + ``extra_copies``: one gradient buffer
+    and the optimizer state) + activations × ``flight`` microbatches (the simulator passes what it runs)."""
+    return int(round(param_bytes * (versions + extra_copies) + act_bytes * flight))
+
+
 def memory_bytes(param_bytes: int, act_bytes: int, stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    weights = param_bytes * (weight_versions(stage, replicas, opts) + 1 + opts.optimizer_state)
-    return int(round(weights + act_bytes * in_flight(stage, replicas, opts)))
+    """``device_memory_bytes`` of stage ``stage`` as the plan's schedule runs it."""
+    flight = in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
+    return device_memory_bytes(param_bytes, act_bytes, weight_versions(stage, replicas, opts), flight,
+                               1 + opts.optimizer_state)
 
 
 def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:
@@ -379,25 +511,59 @@ def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:
 # ------------------------------------------------------------ evaluation
 
 
+def activation_bytes(graph: CostGraph, nodes: Iterable[str]) -> int:
+    """Bytes a stage keeps per microbatch in flight: the outputs of its nodes (model inputs are loaded, not kept)."""
+    return sum(graph.nodes[n].out_bytes for n in nodes if n in graph.nodes and not graph.nodes[n].is_input)
+
+
+def tied_weights(graph: CostGraph, assignment: Mapping[str, int]) -> Dict[Tuple[int, ...], int]:
+    """Bytes of the weights used by more than one stage, by the stages that hold them (one all-reduce group each)."""
+    users: Dict[str, set] = {}
+    for name, node in graph.nodes.items():
+        if name in assignment and graph.param_sizes:
+            for p in node.params:
+                users.setdefault(p, set()).add(assignment[name])
+    out: Dict[Tuple[int, ...], int] = {}
+    for p, stages in users.items():
+        if len(stages) > 1:
+            key = tuple(sorted(stages))
+            out[key] = out.get(key, 0) + int(graph.param_sizes.get(p, 0))
+    return out
+
+
+def assignment_of(stages: Iterable) -> Dict[str, int]:
+    """node -> stage, from a plan's stage records (anything with ``index`` and ``nodes``)."""
+    return {n: s.index for s in stages for n in s.nodes}
+
+
 @dataclass
-class StageCost:
+class StagePlan:
+    """One stage as the cost model scores it: the record ``Plan`` stores and show, the simulator and the CLI read.
+
+    Times are per microbatch; ``fwd_s``/``bwd_s`` one microbatch on one device.
+    """
+
+    index: int
     nodes: List[str]
     replicas: int
+    ranks: List[int]
     fwd_s: float
     bwd_s: float
-    compute_s: float
-    allreduce_s: float
-    comm_s: float
-    time_s: float
-    param_bytes: int
-    act_bytes: int
-    send_bytes: int
-    memory_bytes: int
+    compute_s: float  # (fwd_s + bwd_s) / replicas
+    allreduce_s: float  # the replicas' all-reduce plus the sync of tied weights (tied_sync_s)
+    comm_s: float  # the slower of its two cuts
+    time_s: float  # the cost model's stage time (combine_stage_time)
+    param_bytes: int  # weights held (a tied weight counts on every stage holding it)
+    send_bytes: int  # bytes sent to later stages per microbatch
+    memory_bytes: int  # predicted peak per device
+    rank_nodes: List[int] = field(default_factory=list)  # the machine node of each rank in ``ranks``
+    act_bytes: int = 0  # activations kept per microbatch in flight (activation_bytes)
+    tied_bytes: int = 0  # weights it shares with other stages, synced over all their ranks (tied_weights)
 
 
 @dataclass
 class Evaluation:
-    stages: List[StageCost]
+    stages: List[StagePlan]
     cut_bytes: List[int] = field(default_factory=list)
 
     @property
@@ -440,26 +606,30 @@ def evaluate(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
     for u, v in {(u, assignment[v]) for u, v in graph.edges}:
         if v > assignment[u] and counts_comm(graph.nodes[u], opts):
             send[assignment[u]] += graph.nodes[u].out_bytes
-    stages = []
     placed = [list(x) for x in ranks] if ranks is not None else topology.stage_ranks(replicas)
+    tied = tied_weights(graph, assignment)
+    stages = []
     for j, names in enumerate(members):
         r = replicas[j]
         fwd = sum(graph.nodes[n].fwd_s for n in names)
         bwd = sum(graph.nodes[n].bwd_s for n in names)
         params = param_bytes_of(graph, names)
-        acts = sum(graph.nodes[n].out_bytes for n in names if not graph.nodes[n].is_input)
+        acts = activation_bytes(graph, names)
         comm = 0.0
         if j > 0:
             comm = max(comm, cut_on(cuts[j - 1], placed[j - 1], placed[j], opts))
         if j < num_stages - 1:
             comm = max(comm, cut_on(cuts[j], placed[j], placed[j + 1], opts))
-        ar = allreduce_on(params, placed[j], opts)
-        time_s = float(combine_stage_time(fwd + bwd, r, ar, comm))
-        stages.append(StageCost(
-            nodes=names, replicas=r, fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
-            allreduce_s=ar, comm_s=comm, time_s=time_s,
-            param_bytes=params, act_bytes=acts, send_bytes=send[j],
-            memory_bytes=memory_bytes(params, acts, j, replicas, opts),
+        mine = {group: nbytes for group, nbytes in tied.items() if j in group}
+        ar = allreduce_on(params - sum(mine.values()), placed[j], opts)
+        ar += sum(tied_sync_s(nbytes, placed[j], [x for k in group for x in placed[k]], opts)
+                  for group, nbytes in mine.items())
+        stages.append(StagePlan(
+            index=j, nodes=names, replicas=r, ranks=placed[j], fwd_s=fwd, bwd_s=bwd, compute_s=(fwd + bwd) / r,
+            allreduce_s=ar, comm_s=comm, time_s=float(combine_stage_time(fwd + bwd, r, ar, comm)),
+            param_bytes=params, send_bytes=send[j], memory_bytes=memory_bytes(params, acts, j, replicas, opts),
+            rank_nodes=[topology.node_of(x, opts.gpus_per_node) for x in placed[j]], act_bytes=acts,
+            tied_bytes=sum(mine.values()),
         ))
     return Evaluation(stages=stages, cut_bytes=cuts)
 
@@ -478,15 +648,15 @@ def stage_input_bytes(graph: CostGraph, assignment: Mapping[str, int], stage: in
     return sum(graph.nodes[u].out_bytes for u in used)
 
 
-def recompute_cost(stage: StageCost, in_bytes: int, index: int, replicas: Sequence[int],
-                   opts: CostOptions) -> StageCost:
+def recompute_cost(stage: StagePlan, in_bytes: int, index: int, replicas: Sequence[int],
+                   opts: CostOptions) -> StagePlan:
     """``stage`` recomputing its activations: every backward pays one more forward; per microbatch in
     flight only its inputs stay, plus one microbatch's activations alive during the recompute."""
     r = stage.replicas
     compute = (2 * stage.fwd_s + stage.bwd_s) / r
     kept = memory_bytes(stage.param_bytes, in_bytes, index, replicas, opts) + stage.act_bytes
-    return dataclasses.replace(stage, compute_s=compute, time_s=max(compute + stage.allreduce_s, stage.comm_s),
-                               memory_bytes=int(kept))
+    time_s = float(combine_stage_time(2 * stage.fwd_s + stage.bwd_s, r, stage.allreduce_s, stage.comm_s))
+    return dataclasses.replace(stage, compute_s=compute, time_s=time_s, memory_bytes=int(kept))
 
 
 def recompute_choice(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int],

@@ -23,7 +23,7 @@ from typing import List, Optional
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff_at, cut_at, stage_time_s
+from passes.partition.costmodel import CostOptions, allreduce_coeff_at, combine_stage_time, cut_at, stage_time_s
 from passes.partition.heuristic import Solution
 
 
@@ -144,7 +144,7 @@ def _walk_back(choice, masks, n, i, m, value) -> Solution:
         for u in range(n):
             if (mask >> u) & 1:
                 stage_of[u] = s
-    return stage_of, replicas, value
+    return Solution(stage_of, replicas, value)
 
 
 # ------------------------------------------------------------ two-level machine
@@ -190,7 +190,7 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
         for u in range(n):
             if (mask >> u) & 1:
                 stage_of[u] = s
-    return stage_of, list(reversed(replicas)), value
+    return Solution(stage_of, list(reversed(replicas)), value)
 
 
 def _placement_tables(opts: CostOptions, R: List[int]):
@@ -213,10 +213,13 @@ def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K)
     """Best ways to end a stage with r replicas at downset i, for every device total d (first rank d - r)."""
     d = np.arange(r, K + 1)
     first = d - r
-    stage = ((comp[i] - comp[js])[:, None] + coeff[first, ri][None, :] * (par[i] - par[js])[:, None]) / r
+    compute = (comp[i] - comp[js])[:, None]
+    allreduce = coeff[first, ri][None, :] * (par[i] - par[js])[:, None] / r  # allreduce_at, per (j, first)
+    stage = combine_stage_time(compute, r, allreduce, 0.0)  # no cut before it (the first stage)
     prev_first = first[:, None] - np.asarray(R)[None, :]
     ld = load[np.clip(prev_first, 0, None), np.arange(len(R))[None, :], ri]  # prev_first < 0: best is inf there
-    cand = np.maximum(best[js][:, first, :], np.maximum(stage[:, :, None], cut[js][:, None, None] * ld[None]))
+    timed = combine_stage_time(compute[:, :, None], r, allreduce[:, :, None], cut[js][:, None, None] * ld[None])
+    cand = np.maximum(best[js][:, first, :], timed)
     start = js == 0  # the first stage: no cut before it, and it starts at rank 0
     if start.any():
         cand[start, :, :] = np.inf

@@ -1,8 +1,9 @@
 """``partition(graph, devices, **options)``: segment DP, else downset DP or CP-SAT; map back, score.
 
 A two-level machine (``gpus_per_node``) takes its own path (``_placed``):
-the segment DP on the two flat models that bracket it, then the
-placement-aware downset DP or CP-SAT.
+the segment DP with the offset within a node in its state (``placed.py``;
+fxpipe model, replication any), else on the two flat models that bracket
+the machine; then the placement-aware downset DP or CP-SAT.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -24,12 +25,20 @@ from passes.partition.coarsen import Units, build_units, coarsen, model_nodes
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.downsets import downset_dp
 from passes.partition.segments import build_segments, fold_margin, folded_units
-from passes.partition.costmodel import CostOptions, StageCost, evaluate, flat_bound
-from passes.partition.heuristic import best_order_dp
-from passes.partition.model import PartitionModel, SolveResult
+from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
+from passes.partition.heuristic import Solution, best_order_dp
+from passes.partition.result import SolveResult
+from passes.partition import placed, stage_count
 
 
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
+
+
+def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
+    """The CP-SAT model, imported here: OR-Tools loads pandas (most of a second), and plans
+    the segment DP answers never need it."""
+    from passes.partition.model import PartitionModel
+    return PartitionModel(units, opts, minimise_memory=minimise_memory)
 
 
 class InfeasibleError(FxpipeError):
@@ -40,7 +49,7 @@ class InfeasibleError(FxpipeError):
 class PartitionResult:
     assignment: Dict[str, int]
     replicas: List[int]
-    stages: List[StageCost]
+    stages: List[StagePlan]
     bottleneck_s: float
     options: CostOptions
     status: str  # OPTIMAL, FEASIBLE (time limit), or HEURISTIC (no solver answer)
@@ -123,36 +132,38 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
     exact = None
     if solver == "auto":
         quick = best_order_dp(fine, opts, deadline) if len(fine) <= coarsen_above else None
-        exact = downset_dp(fine, opts, downset_limit, upper=quick[2] if quick else float("inf"), deadline=deadline)
+        exact = downset_dp(fine, opts, downset_limit, upper=quick.objective if quick else float("inf"), deadline=deadline)
     if exact is not None and opts.memory is None and not fine.shared:
-        solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
-        return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
+        solved = SolveResult("OPTIMAL", *exact, exact.objective, time.monotonic() - start)
+        return _result(graph, fine, opts, solved, start, exact.objective, "downset DP")
     units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
     warm = exact if exact is not None and len(units) == len(fine) else best_order_dp(units, opts, deadline)
     heuristic_s = None
     if warm is not None:
-        heuristic_s = evaluate(graph, _to_nodes(graph, units, warm[0]), warm[1], opts).bottleneck_s
+        heuristic_s = evaluate(graph, _to_nodes(graph, units, warm.stage_of), warm.replicas, opts).bottleneck_s
     if not _time_for_cpsat(units, opts, deadline):
         if warm is None:
             raise InfeasibleError(f"partition: no plan found within the time limit ({time_limit:g}s); "
                                   "raise --time-limit")
-        return _result(graph, units, opts, SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, 0.0),
+        return _result(graph, units, opts, SolveResult("HEURISTIC", *warm, 0.0, 0.0),
                        start, heuristic_s, "CP-SAT")
-    model = PartitionModel(units, opts)
+    model = _cp_sat(units, opts)
     if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
         stage_of = [chained.assignment[names[0]] for names in units.members]
         whole = all(chained.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
         if whole and (warm is None or chained.bottleneck_s < (heuristic_s or math.inf)):
-            warm = (stage_of, chained.replicas, chained.bottleneck_s)
+            warm = Solution(stage_of, chained.replicas, chained.bottleneck_s)
     if warm is not None:
-        model.hint(warm[0], warm[1])
+        model.hint(warm.stage_of, warm.replicas)
         if opts.memory is None and not units.shared:
-            model.upper_bound(warm[2])
-    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None else -math.inf
+            model.upper_bound(warm.objective)
+    # a tied weight's sync is only floored in the model, so its objective meeting the bound proves nothing
+    stop_at = chained.bound_s * (1 + OPTIMAL_GAP) - model.margin if chained is not None and not units.shared \
+        else -math.inf
     solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
-        solved = SolveResult("HEURISTIC", warm[0], warm[1], warm[2], 0.0, solved.wall_s)
+        solved = SolveResult("HEURISTIC", *warm, 0.0, solved.wall_s)
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
 
 
@@ -160,8 +171,7 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
             coarsen_above: int, solver: str, downset_limit: Optional[int], progress) -> PartitionResult:
     """A two-level machine (``opts.gpus_per_node``): where a stage sits changes its cost.
 
-    First the segment DP on the two flat models that bracket the placed one
-    (``_placed_chain``); if that does not prove its plan, the downset DP, which
+    First the segment DP (``_placed_chain``); if that does not prove its plan, the downset DP, which
     keeps the devices used (the next stage's first rank) and the last stage's
     replicas in its state and is exact under the contiguous placement (its upper
     bound from a warm start on the flat model at the slower bandwidth, scored
@@ -182,18 +192,21 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
-    """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
-    model: no placement makes a link faster) and at the SLOWER one (its plans place well); the plan
-    that scores best placed is kept, with the fast model's bound."""
-    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)
+    """The segment DP that knows node boundaries (``placed.py``) where it applies; else the segment DP
+    under the flat model at the FASTER bandwidth (its bound is a bound of the placed model: no
+    placement makes a link faster) and at the SLOWER one (its plans place well), the plan that scores
+    best placed kept, with the fast model's bound."""
+    if placed.supports(opts) and opts.gpus_per_node < opts.devices:
+        return _chain(graph, opts, start, deadline)
+    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)  # one node: the flat model at B1
     if fast is None:
         return None
-    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline)
+    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline) if opts.gpus_per_node < opts.devices else None
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
-    placed, best = min(scored, key=lambda x: x[0].bottleneck_s)
+    ev, best = min(scored, key=lambda x: x[0].bottleneck_s)
     result = dataclasses.replace(
-        best, stages=placed.stages, bottleneck_s=placed.bottleneck_s, objective_s=placed.bottleneck_s,
-        options=opts, bound_s=min(fast.bound_s, placed.bottleneck_s), wall_s=time.monotonic() - start)
+        best, stages=ev.stages, bottleneck_s=ev.bottleneck_s, objective_s=ev.bottleneck_s,
+        options=opts, bound_s=min(fast.bound_s, ev.bottleneck_s), wall_s=time.monotonic() - start)
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
 
@@ -206,11 +219,11 @@ def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: flo
     exact = None
     if solver == "auto":
         quick = best_order_dp(fine, slow, deadline) if len(fine) <= coarsen_above else None
-        upper = evaluate(graph, _to_nodes(graph, fine, quick[0]), quick[1], opts).bottleneck_s if quick else math.inf
+        upper = evaluate(graph, _to_nodes(graph, fine, quick.stage_of), quick.replicas, opts).bottleneck_s if quick else math.inf
         exact = downset_dp(fine, opts, downset_limit, upper=upper, deadline=deadline)
     if exact is not None and opts.memory is None and not fine.shared:
-        solved = SolveResult("OPTIMAL", exact[0], exact[1], exact[2], exact[2], time.monotonic() - start)
-        return _result(graph, fine, opts, solved, start, exact[2], "downset DP")
+        solved = SolveResult("OPTIMAL", *exact, exact.objective, time.monotonic() - start)
+        return _result(graph, fine, opts, solved, start, exact.objective, "downset DP")
     return _placed_cpsat(graph, opts, start, deadline, workers, coarsen_above, progress)
 
 
@@ -235,26 +248,26 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
             heuristic = heuristic if heuristic is not None else len(plans) - 1
         if not _time_for_cpsat(units, flat, deadline):
             continue
-        model = PartitionModel(units, flat)
+        model = _cp_sat(units, flat)
         if warm is not None:
-            model.hint(warm[0], warm[1])
+            model.hint(warm.stage_of, warm.replicas)
             if opts.memory is None and not units.shared:
-                model.upper_bound(warm[2])
+                model.upper_bound(warm.objective)
         remaining = max(0.05, (deadline - time.monotonic()) * share)
         solved = model.solve(remaining, workers=workers, report=progress)
         wall, trace = wall + solved.wall_s, trace + solved.progress
         if solved.stage_of is not None:
-            plans.append((solved.stage_of, solved.replicas, solved.objective))
+            plans.append(Solution(solved.stage_of, solved.replicas, solved.objective))
         if fast and solved.stage_of is not None:
             bound = max(bound, solved.bound)
         elif not fast and solved.stage_of is None and not plans:
             _raise_infeasible(units, opts, solved, None, deadline, workers)
     if not plans:
         raise InfeasibleError(f"partition: no plan found in {deadline - start:.0f}s; raise --time-limit")
-    scored = [(evaluate(graph, _to_nodes(graph, units, p[0]), p[1], opts).bottleneck_s, p) for p in plans]
+    scored = [(evaluate(graph, _to_nodes(graph, units, p.stage_of), p.replicas, opts).bottleneck_s, p) for p in plans]
     value, best = min(scored, key=lambda x: x[0])
     status = "OPTIMAL" if value <= bound * (1 + OPTIMAL_GAP) else "FEASIBLE"
-    solved = SolveResult(status, best[0], best[1], value, bound, wall, trace)
+    solved = SolveResult(status, best.stage_of, best.replicas, value, bound, wall, trace)
     return _result(graph, units, opts, solved, start, None if heuristic is None else scored[heuristic][0], "CP-SAT")
 
 
@@ -272,12 +285,12 @@ def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
 def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
-    Not used with a memory limit (not modelled there) or with replication
-    ``none`` on exactly K devices (the DP minimises devices; padding needs
-    replicas). Nearly free nodes fold into their producers first
+    Not used with a memory limit (not modelled there). Replication ``none`` on
+    exactly K devices counts stages instead of devices (``stage_count.py``).
+    Nearly free nodes fold into their producers first
     (``segments.folded_units``); the bound is lowered by what that can cost.
     """
-    if opts.memory is not None or (opts.replication == "none" and not opts.fewer_devices):
+    if opts.memory is not None:
         return None
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
@@ -285,11 +298,21 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
-    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
-    found = chain_solve(units, segs, opts, deadline, score)
+    if opts.replication == "none" and not opts.fewer_devices:
+        if not stage_count.applies(opts, units):
+            return None
+        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
+    elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
+        score = lambda stage_of, reps: placed.placed_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
+                            placed.TOLERANCE, placed.LADDER)
+    else:
+        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+        found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None
-    bound = max(found.bound - fold_margin(segs, folded), 0.0)
+    bound = max(found.bound - fold_margin(units, folded), 0.0)
     solved = SolveResult("FEASIBLE", found.stage_of, found.replicas, found.objective, bound, time.monotonic() - start)
     result = _result(graph, units, opts, solved, start, None, "segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
@@ -300,13 +323,16 @@ def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResu
             heuristic_s: Optional[float], method: str) -> PartitionResult:
     assignment = _to_nodes(graph, units, solved.stage_of)
     result = evaluate(graph, assignment, solved.replicas, opts)
-    return PartitionResult(
+    out = PartitionResult(
         assignment=assignment, replicas=list(solved.replicas), stages=result.stages,
         bottleneck_s=result.bottleneck_s, options=opts, status=solved.status,
         objective_s=solved.objective, bound_s=min(solved.bound, result.bottleneck_s),
         wall_s=time.monotonic() - start, units=len(units), heuristic_s=heuristic_s, trace=solved.progress,
         method=method,
     )
+    if out.status == "OPTIMAL" and out.gap > OPTIMAL_GAP and tied_weights(graph, assignment):
+        out.status = "FEASIBLE"  # the solver charged tied weights below their sync (costmodel.tied_sync_s)
+    return out
 
 
 def stderr_progress(line: str) -> None:
@@ -344,9 +370,9 @@ def _raise_infeasible(units: Units, opts: CostOptions, solved: SolveResult,
     if opts.memory is None or solved.status != "INFEASIBLE":
         raise InfeasibleError(f"partition: no plan found ({solved.status}) in {solved.wall_s:.1f}s; "
                               "raise --time-limit")
-    probe = PartitionModel(units, opts, minimise_memory=True)
+    probe = _cp_sat(units, opts, minimise_memory=True)
     if warm is not None:
-        probe.hint(warm[0], warm[1])
+        probe.hint(warm.stage_of, warm.replicas)
     least = probe.solve(max(0.05, deadline - time.monotonic()), workers=workers)
     what = (f"the smallest memory per device that fits on {opts.devices} devices is "
             f"{_fmt_bytes(least.objective)}" if least.stage_of is not None

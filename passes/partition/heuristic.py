@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence
 
 import networkx as nx
 import numpy as np
@@ -22,7 +22,12 @@ import numpy as np
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, stage_time_s
 
-Solution = Tuple[List[int], List[int], float]  # stage per unit, replicas per stage, bottleneck
+class Solution(NamedTuple):
+    """A plan on units, as the DPs return it."""
+
+    stage_of: List[int]  # stage per unit
+    replicas: List[int]  # per stage
+    objective: float  # the plan's bottleneck (s)
 
 
 def topo_orders(units: Units) -> List[List[int]]:
@@ -115,9 +120,9 @@ def _walk_back(choice: np.ndarray, order: Sequence[int], n: int, m: int, value: 
     for s, (j, i) in enumerate(ranges):
         for p in range(j, i):
             stage_of[order[p]] = s
-    return stage_of, replicas, value
+    return Solution(stage_of, replicas, value)
 
 
 def best_order_dp(units: Units, opts: CostOptions, deadline: float = math.inf) -> Optional[Solution]:
     results = [s for s in (order_dp(units, opts, o, deadline) for o in topo_orders(units)) if s is not None]
-    return min(results, key=lambda s: s[2]) if results else None
+    return min(results, key=lambda s: s.objective) if results else None

@@ -11,7 +11,11 @@ output unit sits in the last used stage; ``sum r·y == K`` (``<=`` with
 ``fewer_devices``). The products ``C_b / r_b`` are linearised per replica
 choice: ``y[b][r] -> r·T >= C_b + a_r·P_b`` and, for both boundaries of b,
 ``y[b][r] -> r·T >= 2·A/B`` (this is ``2A/(B·min(r_b, r_b+1))``). The cut
-``K·T >= sum C`` gives the LP a real bound from the start.
+``K·T >= sum C`` gives the LP a real bound from the start. A weight that
+stage b shares with another stage (``tied[p][b]``: b holds p but not all of
+its users) adds ``tied_floor_s``, a lower bound of its sync
+(``costmodel.tied_sync_s``, which needs the other stages' replicas): the
+driver scores the answer with ``evaluate``.
 
 Integer scaling: times become multiples of a unit ``q``. Every coefficient is
 rounded to the nearest unit, so a constraint with N terms is off by at most
@@ -23,35 +27,26 @@ objective is always re-evaluated in floating point; the reported bound
 subtracts that rounding margin, so it stays a proven bound.
 
 Memory (only with a limit, or when asked for the smallest memory that fits):
-``w[b][n]`` picks microbatches in flight ``n`` per stage with
-``r·n >= sum_{k>=b} r_k`` (1F1B), coefficients in units of limit/1e7 rounded
-UP, so a plan the solver accepts is within memory.
+``w[b][n]`` picks microbatches in flight ``n`` per stage, at least
+``costmodel.in_flight`` (exactly that count: a larger n only uses more
+memory), coefficients in units of limit/1e7 rounded UP, so a plan the solver
+accepts is within memory. The 1F1B-flush count is a recursion over the stages
+after b; it is linear in ``held[b] = r_b·win[b]`` (``_windows``).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from ortools.sat.python import cp_model
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff
+from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
+from passes.partition.result import SolveResult
 
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
           cp_model.MODEL_INVALID: "MODEL_INVALID", cp_model.UNKNOWN: "UNKNOWN"}
-
-
-@dataclass
-class SolveResult:
-    status: str
-    stage_of: Optional[List[int]]  # per unit
-    replicas: Optional[List[int]]
-    objective: float  # seconds (scaled model), or bytes when minimising memory
-    bound: float  # proven lower bound, same unit, rounding margin removed
-    wall_s: float
-    progress: List[tuple] = field(default_factory=list)  # (wall_s, objective) per improving solution
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):
@@ -79,7 +74,7 @@ class PartitionModel:
         self.S = min(opts.devices, n_work) if opts.replication != "none" or opts.fewer_devices else opts.devices
         self.R = opts.allowed_replicas()
         lb = max(sum(units.compute) / opts.devices, 1e-12)
-        n_terms = max(2 * len(units) + len(units.shared), len(units.producers), 1)
+        n_terms = max(2 * len(units) + 2 * len(units.shared), len(units.producers), 1)
         self.q = 5e-4 * lb / n_terms
         self.margin = n_terms * self.q  # worst rounding of any constraint, seconds
         self._variables()
@@ -120,10 +115,14 @@ class PartitionModel:
         total = sum(r * y for b in range(S) for r, y in self.y[b].items())
         m.Add(total <= K) if self.opts.fewer_devices else m.Add(total == K)
         self.shared = {p: [m.NewBoolVar(f"sh{p}_{b}") for b in range(S)] for p in u_.shared}
+        self.tied = {p: [m.NewBoolVar(f"ti{p}_{b}") for b in range(S)] for p in u_.shared}
         for p, (_, users) in u_.shared.items():
             for b in range(S):
+                whole = m.NewBoolVar(f"wh{p}_{b}")  # every user of p in stage b
                 for u in users:
                     m.Add(self.shared[p][b] >= self.inside[u][b])
+                    m.Add(self.inside[u][b] >= 1).OnlyEnforceIf(whole)
+                m.Add(self.tied[p][b] >= self.shared[p][b] - whole)
 
     def _sum_var(self, b: int, weights: Sequence[float], shared: Dict[str, float], name: str, up: bool = False):
         """An integer variable equal to the weighted count of stage b's units (one per stage keeps the model small)."""
@@ -155,6 +154,9 @@ class PartitionModel:
         amax = max(allreduce_coeff(r, opts) for r in self.R)
         hi = total + sum(self._round(2 * nb / (opts.bandwidth * q)) for _, nb, _ in u_.producers)
         hi += sum(self._round(amax * p / q) for p in u_.param_bytes) + sum(self._round(amax * nb / q) for nb, _ in u_.shared.values())
+        extra = {r: tied_floor_coeff(r, opts) - allreduce_coeff(r, opts) for r in self.R}  # >= 0
+        emax = max(extra.values()) if u_.shared else 0.0
+        hi += sum(self._round(emax * nb / q) for nb, _ in u_.shared.values())
         self.T = m.NewIntVar(0, hi + 1, "T")
         self.t_hi = hi + 1
         m.Add(opts.devices * self.T >= total)
@@ -176,25 +178,38 @@ class PartitionModel:
             if amax > 0:
                 pw = [amax * p / q for p in u_.param_bytes]
                 params = self._sum_var(b, pw, {p: amax * nb / q for p, (nb, _) in u_.shared.items()}, "P")
+            if emax > 0:
+                tied = self._tied_var(b, emax)
             for r, y in self.y[b].items():
                 k = self._round(F * allreduce_coeff(r, opts) / amax) if amax > 0 else 0
-                m.Add(F * r * self.T >= F * compute + (k * params if k else 0)).OnlyEnforceIf(y)
+                kt = self._round(F * extra[r] / emax) if emax > 0 else 0
+                m.Add(F * r * self.T >= F * compute + (k * params if k else 0) + (kt * tied if kt else 0)).OnlyEnforceIf(y)
                 for cut in self.cuts[max(b - 1, 0): b + 1]:
                     m.Add(r * self.T >= cut).OnlyEnforceIf(y)
         if not self.minimise_memory:
             m.Minimize(self.T)
 
+    def _tied_var(self, b: int, emax: float):
+        """Bytes stage b shares with other stages, in units of ``q / emax`` seconds of sync."""
+        w = {p: self._round(emax * nb / self.q) for p, (nb, _) in self.units.shared.items()}
+        var = self.m.NewIntVar(0, sum(w.values()), f"TI{b}")
+        self.m.Add(var == sum(w[p] * self.tied[p][b] for p in w if w[p]))
+        return var
+
     def _memory(self) -> None:
-        m, S, K, opts, u_ = self.m, self.S, self.opts.devices, self.opts, self.units
+        m, S, opts, u_ = self.m, self.S, self.opts, self.units
         unit = self._mem_unit() if self.minimise_memory else opts.memory / 1e7
         self.mem_unit = unit
         limit = m.NewIntVar(0, 10**12, "mem") if self.minimise_memory else int(opts.memory // unit)
         self.mem_var = limit
         counts = [sum(r * y for r, y in self.y[k].items()) for k in range(S)]
+        window = self._windows(counts) if opts.schedule in ("1f1b-flush", "2bw") else None
+        self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
         for b in range(S):
-            w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, K + 1)}
+            w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most_in_flight(opts) + 1)}
             m.Add(sum(w.values()) == self.used[b])
-            self._in_flight(b, w, counts)
+            self.flight.append(sum(n * v for n, v in w.items()))
+            self._in_flight(b, self.flight[b], counts, window)
             pm = self._sum_var(b, [p / unit for p in u_.param_bytes], {p: nb / unit for p, (nb, _) in u_.shared.items()}, "PM", up=True)
             am = self._sum_var(b, [a / unit for a in u_.act_bytes], {}, "AM", up=True)
             for n, v in w.items():
@@ -204,19 +219,33 @@ class PartitionModel:
         if self.minimise_memory:
             m.Minimize(limit)
 
-    def _in_flight(self, b: int, w: Dict[int, cp_model.IntVar], counts: list) -> None:
-        """``w`` picks n >= microbatches in flight (rounded up per the schedule)."""
+    def _windows(self, counts: list) -> list:
+        """1F1B-flush's uncapped count per slot: ``win[b] >= 1 + r_{b+1}·win[b+1] / r_b`` as
+        ``held[b] >= r_b + held[b+1]`` with ``held[b] = r_b·win[b]``; its least solution is
+        ``costmodel.in_flight``'s recursion, and nothing forces more."""
+        m, S, K = self.m, self.S, self.opts.devices
+        win = [m.NewIntVar(0, 2 * K, f"win{b}") for b in range(S)]
+        held = [m.NewIntVar(0, 2 * K, f"held{b}") for b in range(S)]
+        for b in range(S):
+            for r, y in self.y[b].items():
+                m.Add(held[b] == r * win[b]).OnlyEnforceIf(y)
+            m.Add(held[b] >= counts[b] + (held[b + 1] if b + 1 < S else 0))
+        return win
+
+    def _in_flight(self, b: int, nflight, counts: list, window: Optional[list]) -> None:
+        """``nflight >= costmodel.in_flight`` of slot b, per replica choice."""
         m, opts = self.m, self.opts
-        nflight = sum(n * v for n, v in w.items())
         for r, y in self.y[b].items():
             per_replica = math.ceil(opts.num_microbatches / r)
             if opts.schedule == "gpipe":
                 m.Add(nflight >= per_replica).OnlyEnforceIf(y)
-            elif opts.schedule in ("1f1b-stash", "2bw"):
+            elif opts.schedule == "1f1b-stash":
                 m.Add(r * nflight >= sum(counts[b:])).OnlyEnforceIf(y)
-            else:
+            elif opts.schedule == "2bw":  # flush's window, never capped: the run does not drain
+                m.Add(nflight >= window[b]).OnlyEnforceIf(y)
+            else:  # the smaller of the window and the microbatches the replica gets
                 pipeline = m.NewBoolVar(f"pipe{b}_{r}")
-                m.Add(r * nflight >= sum(counts[b:])).OnlyEnforceIf([y, pipeline])
+                m.Add(nflight >= window[b]).OnlyEnforceIf([y, pipeline])
                 m.Add(nflight >= per_replica).OnlyEnforceIf([y, pipeline.Not()])
 
     def _mem_unit(self) -> float:

@@ -114,9 +114,15 @@ def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], 
     return None
 
 
-def fold_margin(segments: List["Segment"], folded: List[float]) -> float:
-    """Most folded compute any stage can gain (see ``folded_units``): the largest per segment."""
-    return max((sum(folded[u] for u in seg.units) for seg in segments), default=0.0)
+def fold_margin(units: Units, folded: List[float]) -> float:
+    """Most folded compute any stage can gain (see ``folded_units``): the largest per segment.
+
+    The segments here are those between consecutive separators, before
+    ``build_segments`` joins them: a joined segment's lattice is the
+    concatenation of theirs, so a stage boundary still lies in one of them.
+    """
+    bounds = [sum(units.is_input)] + separators(units) + [len(units)]
+    return max((sum(folded[lo:hi]) for lo, hi in zip(bounds, bounds[1:])), default=0.0)
 
 
 @dataclass

@@ -80,8 +80,3 @@ def pair_load(before: Sequence[int], after: Sequence[int], gpus_per_node: Option
     dst = np.asarray([node_of(x, gpus_per_node) for x in after])[None, :]
     per = np.where(talks, 1.0 / np.where(src == dst, intra, inter), 0.0) / math.lcm(rb, ra)
     return float(max(per.sum(axis=1).max(), per.sum(axis=0).max()))
-
-
-def nodes_of_stages(replicas: Sequence[int], gpus_per_node: Optional[int]) -> List[List[int]]:
-    """For every stage, the node of each of its ranks (what the stage table prints)."""
-    return [[node_of(rank, gpus_per_node) for rank in ranks] for ranks in stage_ranks(replicas)]

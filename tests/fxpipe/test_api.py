@@ -2,7 +2,6 @@
 import copy
 
 import pytest
-import torch
 
 import fxpipe
 from tests.models import example
@@ -51,3 +50,17 @@ def test_public_names_load_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_every_planner_option_split_documents_is_one_partition_takes():
+    import dataclasses
+    import inspect
+    import re
+
+    from fxpipe.api import split
+    from passes.partition import CostOptions, partition
+
+    listed = split.__doc__.split("``plan_options`` are the partitioner's (")[1].split(")")[0]
+    names = set(re.findall(r"``(\w+)``", listed))
+    taken = set(inspect.signature(partition).parameters) | {f.name for f in dataclasses.fields(CostOptions)}
+    assert len(names) >= 10 and names <= taken, names - taken

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fxpipe.loader import ModelLoadError, ModelSpec, default_loss, load_model
+from fxpipe.runtime.worker import make_data
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -24,8 +25,8 @@ def test_bundled_examples_follow_the_contract(example):
     assert isinstance(spec.example_inputs, tuple) and spec.has_loss_fn
     loss = spec.loss_fn(spec.model(*spec.example_inputs), spec.example_targets)
     assert loss.dim() == 0 and torch.isfinite(loss)
-    # batches() is reproducible and shaped like the example microbatch
-    first = [next(spec.batch_stream()) for _ in range(2)]
+    # batches() is reproducible and shaped like the example microbatch (read as the workers read it)
+    first = [make_data(spec, 1)(0) for _ in range(2)]
     assert torch.equal(first[0][0][0], first[1][0][0])
     assert first[0][0][0].shape == spec.example_inputs[0].shape
     assert first[0][1].shape == spec.example_targets.shape
@@ -47,8 +48,8 @@ def test_callables_single_tensor_and_default_loss(tmp_path):
     assert spec.loss_fn is default_loss and not spec.has_loss_fn and spec.leaf_modules == ("x",)
     out = spec.model(*spec.example_inputs)
     assert torch.allclose(spec.loss_fn(out, None), out.mean())
-    inputs, targets = next(spec.batch_stream())
-    assert inputs is spec.example_inputs and targets is None
+    inputs, targets = make_data(spec, 1)(5)  # without batches() every microbatch is the example
+    assert inputs == spec.example_inputs and targets is None
 
 
 def test_missing_file(tmp_path):

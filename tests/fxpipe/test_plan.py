@@ -58,3 +58,27 @@ def test_cli_memory_error(capsys):
     code = main(["plan", str(VGG), "--devices", "4", "--memory", "1GiB"])
     assert code == 2
     assert "smallest memory per device" in capsys.readouterr().err
+
+
+def test_plan_of_a_model_times_nodes_as_split_does(monkeypatch):
+    """``fxpipe plan model.py`` and ``fxpipe split`` profile through one entry point, with one clock."""
+    import runpy
+
+    import torch
+
+    import fxpipe.profiling as profiling
+    from fxpipe.api import split
+    from fxpipe.cli.plan_cmd import load_source
+
+    seen, real = [], profiling.profile
+
+    def spy(gm, inputs, **kw):
+        seen.append(dict(kw, threads=torch.get_num_threads(), progress=None))
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(profiling, "profile", spy)
+    model = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    load_source(str(model))
+    ns = runpy.run_path(str(model))
+    split(ns["model"], ns["example_inputs"], 2, time_limit=2, progress=False)
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0]["threads"] == 1

@@ -3,7 +3,7 @@ import pytest
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
-from fxpipe.schedule import KINDS, Schedule, ScheduleError, build_schedule, in_flight, validate
+from fxpipe.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule, in_flight, validate
 
 
 def table(schedule):
@@ -93,7 +93,7 @@ def link_sets(S):
     return [chain, skip, every]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("replicas", LAYOUTS)
 def test_every_builtin_schedule_validates(kind, replicas):
     lay = Layout.of(replicas)

@@ -13,7 +13,7 @@ import pytest
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.schedule import ScheduleError, build_schedule, validate
-from fxpipe.simulate import StageCosts, simulate
+from fxpipe.simulate import ActionCosts, simulate
 from fxpipe.validate import Schedule
 from passes.partition.costmodel import SCHEDULES, CostOptions, in_flight, memory_bytes, weight_versions
 
@@ -71,7 +71,7 @@ def test_too_few_microbatches_for_two_versions_is_refused():
 def test_simulated_steady_state_beats_flush_and_keeps_two_versions():
     S, M, steps = 4, 4, 6
     lay = Layout.of([1] * S)
-    costs = [StageCosts(1.0, 2.0, param_bytes=100, activation_bytes=1)] * S
+    costs = [ActionCosts(1.0, 2.0, param_bytes=100, activation_bytes=1)] * S
     two = simulate(build_schedule("2bw", lay, M, chain(S), steps=steps), costs, lay)
     flush = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), costs, lay)
     # no drain: steps x M microbatches take about that many 1F1B periods, not steps flushes
@@ -84,10 +84,12 @@ def test_simulated_steady_state_beats_flush_and_keeps_two_versions():
 def test_cost_model_counts_two_weight_versions_and_1f1b_activations():
     assert "2bw" in SCHEDULES
     opts = CostOptions(devices=4, schedule="2bw", microbatches=8)
-    stash = CostOptions(devices=4, schedule="1f1b-stash", microbatches=8)
     for j in range(4):
         assert weight_versions(j, [1] * 4, opts) == 2
-        assert in_flight(j, [1] * 4, opts) == in_flight(j, [1] * 4, stash) == 4 - j
+        assert in_flight(j, [1] * 4, "2bw") == in_flight(j, [1] * 4, "1f1b-stash") == 4 - j
+    # flush's window, uncapped (no drain): on 1-2-1 the input stage holds 5, whatever M is
+    assert in_flight(0, [1, 2, 1], "2bw") == in_flight(0, [1, 2, 1], "1f1b-flush") == 5
+    assert in_flight(0, [1, 2, 1], "2bw", 2) == 2 and in_flight(0, [1, 2, 1], "1f1b-flush", 2) == 2
     assert memory_bytes(100, 10, 0, [1] * 4, opts) == 100 * (2 + 1 + 1) + 10 * 4
 
 

@@ -6,9 +6,10 @@ import pytest
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
-from fxpipe.schedule import KINDS, ScheduleError, build_schedule
-from fxpipe.simulate import StageCosts, costs_from_plan, link_bytes, simulate, simulate_plan
+from fxpipe.schedule import SCHEDULES, ScheduleError, build_schedule
+from fxpipe.simulate import ActionCosts, costs_from_plan, link_bytes, simulate, simulate_plan
 from passes.costgraph import CostGraph, CostNode
+from passes.partition.costmodel import CostOptions, evaluate
 
 
 def chain(S):
@@ -19,7 +20,7 @@ def chain(S):
 @pytest.mark.parametrize("fwd,bwd", [(1.0, 1.0), (1.0, 2.0)])
 def test_flush_bubble_is_the_textbook_formula(S, M, fwd, bwd):
     lay = Layout.of([1] * S)
-    res = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), [StageCosts(fwd, bwd)] * S, lay)
+    res = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), [ActionCosts(fwd, bwd)] * S, lay)
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
     assert res.step_s == pytest.approx((M + S - 1) * (fwd + bwd))
     assert res.samples_per_s == pytest.approx(M / res.step_s)
@@ -28,14 +29,14 @@ def test_flush_bubble_is_the_textbook_formula(S, M, fwd, bwd):
 def test_gpipe_has_the_same_bubble_as_flush_on_equal_stages():
     S, M = 4, 8
     lay = Layout.of([1] * S)
-    res = simulate(build_schedule("gpipe", lay, M, chain(S)), [StageCosts(1.0, 2.0)] * S, lay)
+    res = simulate(build_schedule("gpipe", lay, M, chain(S)), [ActionCosts(1.0, 2.0)] * S, lay)
     assert res.bubble_fraction == pytest.approx((S - 1) / (M + S - 1))
 
 
 def test_stash_has_no_bubble_in_steady_state():
     S, M = 4, 24
     lay = Layout.of([1] * S)
-    res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [StageCosts(1.0, 2.0)] * S, lay)
+    res = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), [ActionCosts(1.0, 2.0)] * S, lay)
     # steady state: from the first backward of the input stage to its last forward
     b0 = next(e for e in res.events[0] if e.action == Action(Kind.B, 0))
     f_last = next(e for e in res.events[0] if e.action == Action(Kind.F, M - 1))
@@ -48,14 +49,14 @@ def test_stash_has_no_bubble_in_steady_state():
 def test_stash_replicated_input_stage_keeps_bottleneck_busy():
     # stage 0 twice as slow, replicated twice: the pipeline runs at the rate of one stage-1 device
     lay = Layout.of([2, 1])
-    costs = [StageCosts(2.0, 4.0), StageCosts(1.0, 2.0)]
+    costs = [ActionCosts(2.0, 4.0), ActionCosts(1.0, 2.0)]
     res = simulate(build_schedule("1f1b-stash", lay, 24, [(0, 1)]), costs, lay)
     assert res.steady_samples_per_s == pytest.approx(1 / 3.0, rel=1e-6)
 
 
 def test_communication_delays_the_consumer():
     lay = Layout.of([1, 1])
-    costs = [StageCosts(1.0, 1.0, send_bytes={1: 1000}), StageCosts(1.0, 1.0)]
+    costs = [ActionCosts(1.0, 1.0, send_bytes={1: 1000}), ActionCosts(1.0, 1.0)]
     s = build_schedule("gpipe", lay, 1, [(0, 1)])
     res = simulate(s, costs, lay, bandwidth=1000.0)  # 1 s per transfer each way
     assert res.step_s == pytest.approx(1 + 1 + 1 + 1 + 1 + 1)
@@ -67,7 +68,7 @@ def test_communication_delays_the_consumer():
 
 def test_allreduce_is_a_barrier_with_its_cost():
     lay = Layout.of([2, 1])
-    costs = [StageCosts(1.0, 1.0, allreduce_s=0.5), StageCosts(1.0, 1.0)]
+    costs = [ActionCosts(1.0, 1.0, allreduce_s=0.5), ActionCosts(1.0, 1.0)]
     res = simulate(build_schedule("1f1b-flush", lay, 3, [(0, 1)]), costs, lay)
     ar = [next(e for e in res.events[r] if e.kind == "allreduce") for r in (0, 1)]
     assert ar[0].start == ar[1].start and ar[0].end - ar[0].start == pytest.approx(0.5)
@@ -76,7 +77,7 @@ def test_allreduce_is_a_barrier_with_its_cost():
 def test_peak_memory_counts_stashed_versions_and_activations():
     S, M = 4, 12
     lay = Layout.of([1] * S)
-    costs = [StageCosts(1.0, 2.0, param_bytes=100, activation_bytes=1)] * S
+    costs = [ActionCosts(1.0, 2.0, param_bytes=100, activation_bytes=1)] * S
     stash = simulate(build_schedule("1f1b-stash", lay, M, chain(S)), costs, lay)
     flush = simulate(build_schedule("1f1b-flush", lay, M, chain(S)), costs, lay)
     gpipe = simulate(build_schedule("gpipe", lay, M, chain(S)), costs, lay)
@@ -86,13 +87,13 @@ def test_peak_memory_counts_stashed_versions_and_activations():
     assert gpipe.peak_memory == {j: 100 + M for j in range(S)}
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("replicas", [(1, 1, 1), (2, 1), (1, 2, 1), (3, 1), (2, 2, 1)])
 def test_every_builtin_schedule_runs_to_the_end(kind, replicas):
     lay = Layout.of(replicas)
     S = len(replicas)
     links = chain(S) + ([(0, S - 1)] if S > 2 else [])
-    costs = [StageCosts(0.1 * (j + 1), 0.2, send_bytes={b: 10 for a, b in links if a == j}, allreduce_s=0.05,
+    costs = [ActionCosts(0.1 * (j + 1), 0.2, send_bytes={b: 10 for a, b in links if a == j}, allreduce_s=0.05,
                         param_bytes=8, activation_bytes=2) for j in range(S)]
     M = 6
     tied = (0, S - 1) if kind != "1f1b-stash" else ()  # stash refuses tied stages with unequal replicas
@@ -108,7 +109,7 @@ def test_deadlocked_schedule_is_refused_by_the_simulator():
     broken = {0: [Action.parse(t) for t in "F0 RECV_B0<r1 SEND_F0>r1 B0 STEP".split()],
               1: [Action.parse(t) for t in "RECV_F0<r0 F0 B0 SEND_B0>r0 STEP".split()]}
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(broken, [StageCosts(1, 1)] * 2, lay)
+        simulate(broken, [ActionCosts(1, 1)] * 2, lay)
 
 
 def tiny_graph():
@@ -121,19 +122,12 @@ def tiny_graph():
     return CostGraph({n.name: n for n in nodes}, edges)
 
 
-def fake_plan(graph, assignment, replicas, batch_size=8):
-    """A stand-in with the contract's Plan fields (the real one lives in fxpipe/plan.py)."""
-    stages = []
-    for j, r in enumerate(replicas):
-        names = [n for n in graph.nodes if assignment[n] == j]
-        f = sum(graph.nodes[n].fwd_s for n in names)
-        b = sum(graph.nodes[n].bwd_s for n in names)
-        stages.append(SimpleNamespace(index=j, nodes=names, replicas=r, ranks=[], fwd_s=f, bwd_s=b,
-                                      compute_s=(f + b) / r, allreduce_s=0.0, comm_s=0.0, time_s=(f + b) / r,
-                                      param_bytes=sum(graph.nodes[n].param_bytes for n in names),
-                                      send_bytes=0, memory_bytes=0))
-    return SimpleNamespace(stages=stages, devices=sum(replicas), batch_size=batch_size,
-                           options={"bandwidth": 1e3, "microbatches": 4, "schedule": "1f1b-flush"})
+def fake_plan(graph, assignment, replicas, batch_size=8, **options):
+    """A stand-in with the Plan's fields: the cost model's stage records and options (the real one lives in
+    fxpipe/plan.py)."""
+    opts = CostOptions(**{"devices": sum(replicas), "bandwidth": 1e3, "microbatches": 4, **options})
+    stages = evaluate(graph, assignment, list(replicas), opts).stages
+    return SimpleNamespace(stages=stages, devices=sum(replicas), batch_size=batch_size, options=opts.as_dict())
 
 
 def test_link_bytes_sends_one_copy_per_consumer_stage_and_skips_inputs():
@@ -187,18 +181,18 @@ def test_stage_step_cost_is_timed_on_copies():
 def test_flush_keeps_replicated_pipelines_at_full_rate(replicas):
     # stage j is r_j times slower, so every stage serves one microbatch per 3 s
     lay = Layout.of(replicas)
-    costs = [StageCosts(1.0 * r, 2.0 * r) for r in replicas]
+    costs = [ActionCosts(1.0 * r, 2.0 * r) for r in replicas]
     res = simulate(build_schedule("1f1b-flush", lay, 12 * 6, chain(len(replicas))), costs, lay)
     assert res.steady_samples_per_s == pytest.approx(1 / 3.0, rel=1e-6)
 
 
 def test_pipedream_count_starves_a_replicated_middle_stage():
-    # why 1f1b-flush holds one more microbatch at the input stage of 1-2-1 (see schedule.in_flight)
+    # why 1f1b-flush holds one more microbatch at the input stage of 1-2-1 (see costmodel.in_flight)
     from fxpipe.schedule import in_flight
     lay = Layout.of([1, 2, 1])
     assert [in_flight(lay, j, "1f1b-stash") for j in range(3)] == [4, 2, 1]
     assert [in_flight(lay, j, "1f1b-flush") for j in range(3)] == [5, 2, 1]
-    costs = [StageCosts(1.0, 2.0), StageCosts(2.0, 4.0), StageCosts(1.0, 2.0)]
+    costs = [ActionCosts(1.0, 2.0), ActionCosts(2.0, 4.0), ActionCosts(1.0, 2.0)]
     stash = simulate(build_schedule("1f1b-stash", lay, 24, chain(3)), costs, lay)
     assert stash.steady_samples_per_s == pytest.approx(2 / 9.0, rel=1e-6)  # 2/3 of the full rate
 
@@ -207,21 +201,57 @@ def test_per_action_overhead_adds_to_every_forward_and_backward():
     S, M = 2, 4
     lay = Layout.of([1] * S)
     s = build_schedule("1f1b-flush", lay, M, chain(S))
-    base = simulate(s, [StageCosts(1.0, 1.0)] * S, lay)
-    slow = simulate(s, [StageCosts(1.0, 1.0)] * S, lay, overhead_s=0.5)
+    base = simulate(s, [ActionCosts(1.0, 1.0)] * S, lay)
+    slow = simulate(s, [ActionCosts(1.0, 1.0)] * S, lay, overhead_s=0.5)
     assert slow.step_s == pytest.approx(base.step_s * 1.5)
 
 
-def test_tied_parameters_cost_an_allreduce_on_both_stages():
+def tied_graph():
     nodes = [CostNode("x", "placeholder", "x", 0, 0, 8, 0, is_input=True),
              CostNode("emb", "call_module", "emb", 1.0, 1.0, 100, 400, params=("w",)),
              CostNode("mid", "call_module", "mid", 1.0, 1.0, 100, 40, params=("m",)),
              CostNode("head", "call_function", "linear", 1.0, 1.0, 10, 0, params=("w",))]
-    g = CostGraph({n.name: n for n in nodes}, [("x", "emb"), ("emb", "mid"), ("mid", "head")],
-                  param_sizes={"w": 400, "m": 40})
+    return CostGraph({n.name: n for n in nodes}, [("x", "emb"), ("emb", "mid"), ("mid", "head")],
+                     param_sizes={"w": 400, "m": 40})
+
+
+def test_tied_weight_costs_the_same_in_the_plan_and_the_simulation():
+    # stages 0 and 2 hold w: a ring of their 2 ranks, 2 (n-1)/n x 400 B at 1e3 B/s; stage 1 has nothing to sync
+    g = tied_graph()
     plan = fake_plan(g, {"x": 0, "emb": 0, "mid": 1, "head": 2}, [1, 1, 1])
+    assert [s.allreduce_s for s in plan.stages] == [pytest.approx(0.4), 0.0, pytest.approx(0.4)]
     costs, _ = costs_from_plan(plan, g)
-    assert [c.allreduce_s for c in costs] == [pytest.approx(0.8), 0.0, pytest.approx(0.8)]  # 2 * 400 B / 1e3 B/s
+    assert [c.allreduce_s for c in costs] == [s.allreduce_s for s in plan.stages]
+    assert [s.tied_bytes for s in plan.stages] == [400, 0, 400]
+    for graph in (g, None):  # the tied stages come from the plan, so a profile is not needed
+        res, sched = simulate_plan(plan, graph=graph)
+        assert sched.tied_stages == (0, 2)
+        for rank in (0, 2):
+            syncs = [e.end - e.start for e in res.events[rank] if e.kind == "allreduce"]
+            assert syncs == [pytest.approx(0.4)]
+
+
+def test_tied_weight_on_a_replicated_stage_syncs_over_every_rank_holding_it():
+    g = tied_graph()
+    plan = fake_plan(g, {"x": 0, "emb": 0, "mid": 1, "head": 2}, [2, 1, 1])
+    # stage 0's two replicas and stage 2 hold w: a ring of 3 ranks, 2 x 2/3 x 400 B / 1e3 B/s
+    assert plan.stages[0].allreduce_s == pytest.approx(2 * 2 / 3 * 0.4)
+    assert plan.stages[2].allreduce_s == pytest.approx(2 * 2 / 3 * 0.4)
+
+
+def test_partitioner_and_simulator_charge_a_tied_weight_alike():
+    from passes.partition import partition
+
+    from fxpipe.plan import plan_from_result
+
+    g = tied_graph()
+    plan = plan_from_result(partition(g, 2, bandwidth=1e3, microbatches=4, replication="none", time_limit=10), g)
+    tied = [s.index for s in plan.stages if any(g.nodes[n].params == ("w",) for n in s.nodes)]
+    assert tied == [0, 1]  # a chain emb -> mid -> head in two stages: emb and head always apart
+    res, _ = simulate_plan(plan, graph=g)
+    for s in plan.stages:
+        syncs = [e.end - e.start for e in res.events[s.ranks[0]] if e.kind == "allreduce"]
+        assert syncs == [pytest.approx(s.allreduce_s)] and s.allreduce_s == pytest.approx(0.4)
 
 
 def test_simulate_split_uses_the_splits_links_and_tied_stages():
@@ -251,3 +281,17 @@ def test_a_big_stage_is_timed_on_a_sample_and_scaled(monkeypatch):
     assert stepcost.stage_step_s(stage, TrainConfig()) == 4.0 and seen == [1040]
     monkeypatch.setattr(stepcost, "SAMPLE_NUMEL", 10**6)
     assert stepcost.stage_step_s(stage, TrainConfig()) == 1.0 and seen[-1] == 4160
+
+
+def test_two_level_plan_sends_inside_a_node_fast_and_between_nodes_slow():
+    # 4 stages on 2 nodes of 2: links 0->1 and 2->3 stay inside a node (1e9 B/s), 1->2 crosses (1e3 B/s)
+    nodes = [CostNode("x", "placeholder", "x", 0, 0, 8, 0, is_input=True)]
+    nodes += [CostNode(f"n{i}", "call_function", "f", 1.0, 1.0, 500, 0) for i in range(4)]
+    g = CostGraph({n.name: n for n in nodes}, [("x", "n0")] + [(f"n{i}", f"n{i + 1}") for i in range(3)])
+    where = {"x": 0, **{f"n{i}": i for i in range(4)}}
+    plan = fake_plan(g, where, [1, 1, 1, 1], gpus_per_node=2, intra_bandwidth=1e9)
+    assert [s.comm_s for s in plan.stages] == [pytest.approx(1e-6), pytest.approx(1.0), pytest.approx(1.0),
+                                               pytest.approx(1e-6)]  # the cost model: 2 x 500 B each way
+    res, _ = simulate_plan(plan, graph=g, microbatches=1)
+    wire = {e.action.peer: e.end - e.start for r in (0, 1, 2) for e in res.events[r] if e.action.kind is Kind.SEND_F}
+    assert wire == {1: pytest.approx(500 / 1e9), 2: pytest.approx(500 / 1e3), 3: pytest.approx(500 / 1e9)}

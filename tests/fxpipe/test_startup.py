@@ -29,3 +29,5 @@ def test_plan_from_a_profile_imports_no_torch():
         "from fxpipe.cli import main\n"
         f"assert main(['plan', {str(vgg)!r}, '--devices', '8', '--cost-model', 'pipedream', '--json']) == 0")
     assert not loaded["torch"]
+    # the segment DP proves this plan, so CP-SAT (OR-Tools loads pandas: most of a second) is never loaded
+    assert not loaded["ortools"]

@@ -146,6 +146,28 @@ def test_data_dependent_branch_in_user_code_is_still_refused():
     assert info.method == "export" and info.fx_error.startswith("TraceError")
 
 
+def test_a_leaf_failing_on_example_values_does_not_take_the_blame():
+    """A declared leaf that raises when the tracer runs it on example values (to answer a shape
+    question) is left out of the error: the failure is named where tracing stopped."""
+    from passes.capture import CaptureError
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("fails on real values")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bad = Bad()
+            self.enc = nn.TransformerEncoderLayer(D, 2, 2 * D, batch_first=True, dropout=0.0)
+
+        def forward(self, x):
+            return self.enc(self.bad(x))
+
+    with pytest.raises(CaptureError, match=r"symbolic tracing failed in module 'enc'"):
+        capture(Model(), (torch.randn(2, 5, D),), method="fx", leaf_modules=[Bad])
+
+
 def test_optional_argument_left_out_is_fixed_to_its_default():
     """``forward(x, mask=None)`` passes ``mask`` into the encoder: a Proxy there could not be
     checked against None, so the argument the example leaves out is fixed to None (as export does)."""

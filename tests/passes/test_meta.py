@@ -20,7 +20,7 @@ def test_records_live_under_one_namespace():
 def test_require_names_missing_nodes_and_pass():
     model, _ = example("MLP")
     gm = torch.fx.symbolic_trace(model)
-    with pytest.raises(meta.MissingMetadataError, match="partition needs 'cost'.*run profile first"):
+    with pytest.raises(meta.MissingMetadataError, match="partition needs 'cost': run profile first"):
         meta.require(gm, meta.NodeCost, needed_by="partition", made_by="profile")
 
 

@@ -272,3 +272,50 @@ def test_tied_weight_counts_in_every_stage_that_uses_it():
                 for reps in (v for v in itertools.product(range(1, 4), repeat=S) if sum(v) == 3):
                     best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
     assert best <= res.bottleneck_s <= best * 1.001
+    assert max(res.bound_s, cp.bound_s) <= best * (1 + 1e-9)  # the solvers' floor for the tie keeps bounds valid
+
+
+def tied_reference_cost(g: CostGraph, stage, reps, model: str, tied: str) -> float:
+    """``reference_cost`` with weight ``tied`` shared by several nodes: every stage holding it all-reduces
+    it over all ranks of all stages holding it (a ring of n ranks), written from that definition."""
+    users = [n for n, nd in g.nodes.items() if tied in nd.params]
+    holders = {stage[n] for n in users}
+    size = g.param_sizes[tied]
+    group = sum(reps[j] for j in holders)
+    worst = reference_cost(g, stage, reps, model)  # the cuts (compute terms are recomputed below)
+    for j, r in enumerate(reps):
+        c = sum(nd.fwd_s + nd.bwd_s for n, nd in g.nodes.items() if stage[n] == j)
+        own = sum(nd.param_bytes for n, nd in g.nodes.items() if stage[n] == j and n not in users)
+        own += size if holders == {j} else 0
+        sync = 0.0
+        if j in holders and len(holders) > 1:
+            sync = 4 * (group - 1) * size / (B * group * r) if model == "pipedream" else 2 * (group - 1) / group * size / BAR
+        t = (c + 4 * (r - 1) * own / (B * r)) / r if model == "pipedream" else c / r + 2 * (r - 1) / r * own / BAR
+        worst = max(worst, t + sync)
+    return worst
+
+
+@pytest.mark.parametrize("method", ["cpsat", "auto"])
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_tied_weight_with_replicas_is_charged_its_group_under_a_valid_bound(method, model, seed):
+    from dataclasses import replace
+
+    g = random_dag(6, seed, output=False)
+    first, last = "n1", "n5"
+    g.param_sizes = {"emb": 10**6}  # small enough that some best plans split it over replicated stages
+    g.nodes[first] = replace(g.nodes[first], params=("emb",), param_bytes=10**6)
+    g.nodes[last] = replace(g.nodes[last], params=("emb",), param_bytes=0)
+    K = 4
+    res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, solver=method)
+    assert res.bottleneck_s == pytest.approx(tied_reference_cost(g, res.assignment, res.replicas, model, "emb"),
+                                             rel=1e-9)
+    names, best = list(g.nodes), float("inf")
+    for S in range(1, K + 1):
+        vectors = [v for v in itertools.product(range(1, K + 1), repeat=S) if sum(v) == K]
+        for combo in itertools.product(range(S), repeat=len(names)):
+            stage = dict(zip(names, combo))
+            if valid(g, stage, S, model):
+                best = min(best, min(tied_reference_cost(g, stage, v, model, "emb") for v in vectors))
+    assert res.bound_s <= best * (1 + 1e-9) and res.bottleneck_s >= best * (1 - 1e-9)
+    assert (res.status == "OPTIMAL") == (res.gap <= 1e-3)

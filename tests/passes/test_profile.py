@@ -192,6 +192,23 @@ def test_profile_runs_as_a_torch_fx_pass():
     assert meta.has(result.graph_module, meta.ProfileInfo)
 
 
+def test_the_passes_write_metadata_only_and_say_so():
+    """``modified`` is False from all three, so a ``PassManager`` with ``steps=3`` runs each once."""
+    from torch.fx.passes.infra.pass_manager import PassManager
+
+    from passes.infra import PartitionPass, ProfilePass, SplitPass
+
+    _, gm, inputs = _captured("MLP", "fx")
+    calls = []
+    passes = [ProfilePass(inputs, repeats=1, warmup=0), PartitionPass(2, time_limit=5), SplitPass(inputs)]
+    for p in passes:
+        p.call = (lambda call, name: lambda g: calls.append(name) or call(g))(p.call, type(p).__name__)
+    code = gm.code
+    result = PassManager(passes, steps=3)(gm)
+    assert calls == ["ProfilePass", "PartitionPass", "SplitPass"]
+    assert not result.modified and result.graph_module.code == code
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_profile_times_with_events_and_reports_peak_memory():
     _, gm, inputs = _captured("TinyGPT", "fx")

@@ -58,7 +58,7 @@ def test_stage_code_shows_comm_calls_with_shapes():
     assert "passes_comm_recv(" in code1 and "shape = (8, 32)" in code1 and "dtype = torch.float32" in code1
     recvs = [n for n in sm.stages[1].graph.nodes if n.target is comm.recv]
     info = meta.get(recvs[0], meta.CommInfo)
-    assert (info.kind, info.src_stage, info.dst_stage) == ("recv", 0, 1)
+    assert (info.direction, info.src_stage, info.dst_stage) == ("recv", 0, 1)
     assert info.value.spec.shape == (8, 32)
     assert [e.tag for e in sm.comm] == [info.tag]
 

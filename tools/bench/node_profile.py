@@ -1,6 +1,6 @@
 """Benchmark: do the per-node times add up to the whole model? On both capture methods.
 
-For each model (the bundled examples, the shared test models, and with
+For each model (the bundled examples, the benchmark models of ``models.py``, and with
 ``--transformers`` tiny HF models from configs), capture with symbolic tracing
 and with ``torch.export``, profile, and print the sum of the per-node
 forward / backward times divided by the whole model's forward / backward
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
@@ -25,6 +26,7 @@ from tabulate import tabulate
 from passes import meta
 from passes.capture import CaptureError, capture
 from passes.profile import profile, to_cost_graph
+from tools.bench.models import example
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 Factory = Callable[[], Tuple[torch.nn.Module, Tuple]]
@@ -34,13 +36,6 @@ def _example(name: str) -> Factory:
     def make() -> Tuple[torch.nn.Module, Tuple]:
         ns = runpy.run_path(str(EXAMPLES / f"{name}.py"))
         return ns["model"], ns["example_inputs"]
-    return make
-
-
-def _test_model(name: str) -> Factory:
-    def make() -> Tuple[torch.nn.Module, Tuple]:
-        from tests.models import example
-        return example(name)
     return make
 
 
@@ -63,7 +58,7 @@ def _hf(name: str) -> Factory:
 def models(with_transformers: bool) -> Dict[str, Factory]:
     found: Dict[str, Factory] = {"examples/gpt": _example("gpt"), "examples/cnn": _example("cnn")}
     for name in ("TinyGPT", "SkipCNN", "MLP"):
-        found[f"tests/{name}"] = _test_model(name)
+        found[f"models/{name}"] = partial(example, name)
     if with_transformers:
         for name in ("hf-gpt2", "hf-bert", "hf-llama"):
             found[name] = _hf(name)

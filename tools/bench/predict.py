@@ -42,9 +42,10 @@ from tabulate import tabulate
 
 from fxpipe.layout import Layout
 from fxpipe.schedule import build_schedule
-from fxpipe.simulate import costs_from_plan, simulate
-from tools.show.data import load_input, load_trace
-from tools.show.view import simulate_input
+from fxpipe.show.data import Trace, TraceEvent, load_input, load_trace
+from fxpipe.show.view import simulate_input
+from fxpipe.simulate import costs_from_plan, plan_bandwidth, simulate
+from tools.bench.models import TinyGPT
 
 FXPIPE = [sys.executable, "-m", "fxpipe"]
 
@@ -62,9 +63,7 @@ def mlp():
 
 
 def gpt():
-    """A GPT-style stack (tests.models.TinyGPT, wider): embedding tied to the output head."""
-    from tests.models import TinyGPT
-
+    """A GPT-style stack (``models.TinyGPT``, wider): embedding tied to the output head."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, dim=128, heads=4, layers=6, ctx=64)
     return model, (torch.randint(0, 256, (8, 64)),)
@@ -107,23 +106,23 @@ def measure(model: str, devices: int, schedule: str, M: int, steps: int, folder:
     return statistics.median(rates[2:] or rates), float(predicted.group(1))
 
 
-def busy(event: list, waits: List[list]) -> float:
+def busy(event: TraceEvent, waits: List[TraceEvent]) -> float:
     """An action's time minus the waits inside it (the runtime receives lazily, within F/B)."""
-    inside = sum(max(0.0, min(event[1], w[1]) - max(event[0], w[0])) for w in waits)
-    return max(0.0, event[1] - event[0] - inside)
+    inside = sum(max(0.0, min(event.end_s, w.end_s) - max(event.start_s, w.start_s)) for w in waits)
+    return max(0.0, event.end_s - event.start_s - inside)
 
 
-def measured_costs(trace: Dict[int, List[list]], layout: Layout) -> Dict[int, Tuple[float, float, float]]:
+def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float, float]]:
     """Per stage: median forward, backward and optimizer-step seconds in the trace, waits excluded."""
     out = {}
     for j in range(layout.num_stages):
         times: Dict[str, List[float]] = {"F": [], "B": [], "step": []}
         for r in layout.ranks(j):
             evs = trace.get(r, [])
-            waits = [e for e in evs if e[3] == "wait"]
+            waits = [e for e in evs if e.kind == "wait"]
             for e in evs:
-                if e[3] in times:
-                    times[e[3]].append(busy(e, waits))
+                if e.kind in times:
+                    times[e.kind].append(busy(e, waits))
         med = {k: statistics.median(v or [0.0]) for k, v in times.items()}
         out[j] = (med["F"], med["B"], med["step"])
     return out
@@ -139,8 +138,8 @@ def replay_rate(folder: Path, schedule: str, M: int) -> float:
     med = measured_costs(trace, layout)  # compute, waits excluded
     costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1], step_s=med[j][2]) for j, c in enumerate(costs)]
     sched = build_schedule(schedule, layout, sim.microbatches, data.links or links, data.tied_stages)
-    sends = [e[1] - e[0] for evs in trace.values() for e in evs if e[2].startswith("SEND")]
-    replay = simulate(sched, costs, layout, bandwidth=float(data.plan.options.get("bandwidth") or 1e30),
+    sends = [e.end_s - e.start_s for evs in trace.values() for e in evs if e.name.startswith("SEND")]
+    replay = simulate(sched, costs, layout, bandwidth=plan_bandwidth(data.plan),
                       samples_per_microbatch=int(data.plan.batch_size or 1), overlap_comm=False,
                       latency_s=statistics.median(sends) if sends else 0.0)
     return pick(replay)

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from passes.partition.costmodel import SCHEDULES
 from tools.bench.procmem import free_port, status_mib
 
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe")
 WARMUP = 5  # steps before the start window (imports, first allocations)
 
 

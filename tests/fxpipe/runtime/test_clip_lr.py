@@ -164,14 +164,14 @@ def test_clipping_and_schedules_exact(layout: Tuple[int, ...], tmp_path) -> None
 def test_lr_schedule_values() -> None:
     """The definitions, at points worked out by hand (lr 1, min 0.1, 10 steps, warm-up 2)."""
     kw = dict(lr=1.0, steps=10, warmup=2, min_lr=0.1)
-    assert [lr_at(s, kind="constant", **kw) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_at(s, lr_schedule="constant", **kw) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
     # after the warm-up p = (s - 2) / 8
-    assert lr_at(2, kind="linear", **kw) == 1.0
-    assert lr_at(6, kind="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert lr_at(9, kind="linear", **kw) == pytest.approx(0.1 + 0.9 / 8)
-    assert lr_at(6, kind="cosine", **kw) == pytest.approx(0.55)  # cos(pi / 2) = 0
-    assert lr_at(9, kind="cosine", **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 7 / 8)))
-    assert lr_at(0, lr=0.3, steps=5, kind="cosine") == 0.3  # no warm-up: the first step at lr
+    assert lr_at(2, lr_schedule="linear", **kw) == 1.0
+    assert lr_at(6, lr_schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(9, lr_schedule="linear", **kw) == pytest.approx(0.1 + 0.9 / 8)
+    assert lr_at(6, lr_schedule="cosine", **kw) == pytest.approx(0.55)  # cos(pi / 2) = 0
+    assert lr_at(9, lr_schedule="cosine", **kw) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lr_at(0, lr=0.3, steps=5, lr_schedule="cosine") == 0.3  # no warm-up: the first step at lr
 
 
 @pytest.mark.parametrize("kw,words", [

@@ -200,3 +200,21 @@ def test_launcher_none_run_folder_trains_under_own_torchrun(tmp_path: Path) -> N
     want = cases.accumulate_model(make_net(), data_list(steps * M).__getitem__, mse, steps, M, "sgd", 0.05)
     assert_close_to_reference(torch.load(saved, weights_only=True), want,
                               {k: v.detach().clone() for k, v in make_net().state_dict().items()})
+
+
+STARTS: List[int] = []
+
+
+def counted_batches() -> Iterator[Any]:
+    """``data_list(4)``, noting each start in this process (the workers' starts are in theirs)."""
+    STARTS.append(1)
+    yield from data_list(4)
+
+
+@pytest.mark.parametrize("examples", [{}, dict(example_inputs=data_list(1)[0][0])])
+def test_the_parent_starts_batches_once(examples: Dict[str, Any], tmp_path: Path) -> None:
+    """The example (or microbatch 0's check and targets) and the preflight read one start of ``batches()``."""
+    STARTS.clear()
+    fxpipe.train(make_net(), counted_batches, loss_fn=mse, devices=2, microbatches=2, steps=1,
+                 replication="none", time_limit=3, launcher="none", run_dir=str(tmp_path / "run"), **examples)
+    assert len(STARTS) == 1

@@ -13,8 +13,8 @@ from typing import Mapping
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
-from tools.show.graph import graph_payload
-from tools.show.html import PALETTE, fmt_s
+from fxpipe.show.graph import graph_payload
+from fxpipe.show.html import PALETTE, fmt_s
 
 
 def to_dot(graph: CostGraph, stage_of: Mapping[str, int]) -> str:

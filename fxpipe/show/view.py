@@ -1,12 +1,12 @@
 """Put the pieces together: load, simulate the plan's schedule, render."""
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 from fxpipe.layout import Layout
 from fxpipe.simulate import SimResult, simulate_plan
 from fxpipe.validate import ScheduleError
-from tools.show.data import ShowInput
+from fxpipe.show.data import ShowInput
 
 
 def simulate_input(data: ShowInput, kind: Optional[str] = None,
@@ -23,7 +23,3 @@ def simulate_input(data: ShowInput, kind: Optional[str] = None,
         data.notes.append("simulated with each stage's send_bytes going to the next stage only "
                           "(no profile: links and activation memory unknown)")
     return sim, layout
-
-
-def stage_of(plan: Any) -> dict:
-    return {n: s.index for s in plan.stages for n in s.nodes}

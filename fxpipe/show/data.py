@@ -2,26 +2,19 @@
 
 ``fxpipe split`` writes an output folder with ``plan.json`` (``Plan.to_json``)
 and ``profile.json`` (``CostGraph.to_json``). A bare plan file works too; the
-view then has no graph and says so. The plan is read with ``fxpipe.plan.Plan``
-when that module is importable, else through the contract's field names, so
-the viewer keeps working on plans written by older or newer fxpipe versions.
+view then has no graph and says so. The plan is read with ``Plan.from_json``,
+the same reader the runtime uses.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
-
-STAGE_FIELDS = ("index", "nodes", "replicas", "ranks", "fwd_s", "bwd_s", "compute_s", "allreduce_s", "comm_s",
-                "time_s", "param_bytes", "send_bytes", "memory_bytes")
-PLAN_FIELDS = ("devices", "batch_size", "bottleneck_s", "samples_per_s", "speedup_vs_one", "speedup_vs_dp",
-               "options", "solver")
-
+from fxpipe.plan import Plan
 
 @dataclass
 class ShowInput:
@@ -33,32 +26,15 @@ class ShowInput:
     links: Optional[List[tuple]] = None  # from split.json when the split is there
 
 
-def load_plan(path: Path) -> Any:
-    """A ``Plan`` (or an object with its fields) from ``plan.json``."""
+def load_plan(path: Path) -> Plan:
+    """The ``Plan`` in ``plan.json``."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise FxpipeError(f"cannot read plan {path}: {exc}; pass the plan.json written by `fxpipe split`") from exc
     if not isinstance(data, dict) or "stages" not in data:
         raise FxpipeError(f"{path} is not a plan (no 'stages'); pass plan.json or the folder `fxpipe split` wrote")
-    try:
-        from fxpipe.plan import Plan
-    except ImportError:
-        return plan_from_dict(data)
     return Plan.from_json(data)
-
-
-def plan_from_dict(data: Mapping[str, Any]) -> Any:
-    stages = [SimpleNamespace(**{k: s.get(k, _default(k, j)) for k, j in zip(STAGE_FIELDS, [i] * 13)})
-              for i, s in enumerate(data["stages"])]
-    plan = SimpleNamespace(stages=stages, **{k: data.get(k) for k in PLAN_FIELDS})
-    plan.options = dict(plan.options or {})
-    plan.solver = dict(plan.solver or {})
-    return plan
-
-
-def _default(key: str, index: int) -> Any:
-    return {"index": index, "nodes": [], "replicas": 1, "ranks": []}.get(key, 0)
 
 
 def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
@@ -73,13 +49,11 @@ def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
     plan = load_plan(plan_path)
     prof = Path(profile) if profile else plan_path.parent / "profile.json"
     graph = None
-    if prof.exists():
+    if prof.exists() or profile:  # a --profile that does not exist: CostGraph.load says so
         graph = CostGraph.load(prof)
         missing = [n for s in plan.stages for n in s.nodes if n not in graph.nodes]
         if missing:
             notes.append(f"{len(missing)} plan nodes are not in {prof.name} (first: {missing[0]}); graph may be partial")
-    elif profile:
-        raise FxpipeError(f"profile {profile} not found")
     else:
         notes.append(f"no profile.json next to {plan_path.name}: graph view unavailable "
                      "(show the folder `fxpipe split` wrote, or pass --profile)")
@@ -102,30 +76,28 @@ def _read_split(folder: Path, data: ShowInput) -> None:
             return
 
 
-def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int], batch_size: int = 1,
-                   bandwidth: float = 1.25e9, microbatches: int = 4, schedule: str = "1f1b-flush") -> Any:
-    """A real ``Plan`` for a hand-made assignment (tests, demos), scored by the partitioner's cost model."""
-    from fxpipe.plan import plan_from_result
-    from passes.partition import CostOptions, PartitionResult, evaluate
+class TraceEvent(NamedTuple):
+    """One measured action: seconds from the trace's start, its name (``F3``, ``SEND_F2>r1``), and
+    ``kind``, the timeline row it is drawn in (``trace_kind``). A tuple, so the page gets it as an array."""
 
-    opts = CostOptions(devices=sum(replicas), bandwidth=bandwidth, microbatches=microbatches, schedule=schedule)
-    ev = evaluate(graph, assignment, list(replicas), opts)
-    result = PartitionResult(assignment=dict(assignment), replicas=list(replicas), stages=ev.stages,
-                             bottleneck_s=ev.bottleneck_s, options=opts, status="HAND (not solved)",
-                             objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0, units=len(graph.nodes))
-    return plan_from_result(result, graph, batch_size)
+    start_s: float
+    end_s: float
+    name: str
+    kind: str
 
 
-def plan_to_json(plan: Any) -> Dict[str, Any]:
-    if hasattr(plan, "to_json"):
-        return plan.to_json()
-    out = {k: getattr(plan, k, None) for k in PLAN_FIELDS}
-    out["stages"] = [{k: getattr(s, k, None) for k in STAGE_FIELDS} for s in plan.stages]
-    return out
+Trace = Dict[int, List[TraceEvent]]  # rank -> its events in time order
 
 
-def load_trace(path: str) -> Dict[int, List[list]]:
-    """Chrome trace (``fxpipe train --trace``) -> ``{rank: [[start_s, end_s, name, kind], ...]}``.
+class Window(NamedTuple):
+    """Part of a trace, shifted to start at 0, and what it covers (``step 2 of 3``)."""
+
+    trace: Trace
+    note: str
+
+
+def load_trace(path: str) -> Trace:
+    """Chrome trace (``fxpipe train --trace``) -> every rank's events.
 
     Complete events (``ph: "X"``) only; ``pid`` is the rank; times start at 0.
     """
@@ -138,12 +110,12 @@ def load_trace(path: str) -> Dict[int, List[list]]:
     if not xs:
         raise FxpipeError(f"{path} has no complete ('ph': 'X') events; write it with `fxpipe train --trace`")
     t0 = min(float(e["ts"]) for e in xs)
-    ranks: Dict[int, List[list]] = {}
+    ranks: Trace = {}
     for e in xs:
         start = (float(e["ts"]) - t0) / 1e6
         end = start + float(e.get("dur", 0)) / 1e6
         name = str(e.get("name", "?"))
-        ranks.setdefault(int(e.get("pid", 0)), []).append([start, end, name, trace_kind(name)])
+        ranks.setdefault(int(e.get("pid", 0)), []).append(TraceEvent(start, end, name, trace_kind(name)))
     for evs in ranks.values():
         evs.sort()
     return ranks
@@ -165,7 +137,7 @@ def trace_kind(name: str) -> str:
     return "other"
 
 
-def one_step(trace: Dict[int, List[list]], steps: int = 1) -> Optional[Tuple[Dict[int, List[list]], str]]:
+def one_step(trace: Trace, steps: int = 1) -> Optional[Window]:
     """The middle window of ``steps`` optimizer steps of a measured trace, shifted to start at 0.
 
     A trace holds every step of a run, the simulation one step: cropping makes
@@ -175,11 +147,12 @@ def one_step(trace: Dict[int, List[list]], steps: int = 1) -> Optional[Tuple[Dic
     the trace has too few steps.
     """
     first = min(trace) if trace else None
-    ends = sorted(e[1] for e in trace.get(first, []) if e[3] == "step")
+    ends = sorted(e.end_s for e in trace.get(first, []) if e.kind == "step")
     if len(ends) < steps + 1:
         return None
     i = max(steps, len(ends) // 2)  # window ending at ends[i] is step i + 1; the first step has no start mark
     t0, t1 = ends[i - steps], ends[i]
-    out = {r: [[max(e[0], t0) - t0, min(e[1], t1) - t0, e[2], e[3]] for e in evs if e[1] > t0 and e[0] < t1]
+    out = {r: [e._replace(start_s=max(e.start_s, t0) - t0, end_s=min(e.end_s, t1) - t0)
+               for e in evs if e.end_s > t0 and e.start_s < t1]
            for r, evs in trace.items()}
-    return out, f"steps {i - steps + 1}..{i} of {len(ends)}" if steps > 1 else f"step {i + 1} of {len(ends)}"
+    return Window(out, f"steps {i - steps + 1}..{i} of {len(ends)}" if steps > 1 else f"step {i + 1} of {len(ends)}")

@@ -11,9 +11,11 @@ import html
 import json
 from typing import Any, Dict, List, Optional
 
-from tools.show.assets import CSS, JS
-from tools.show.data import ShowInput
-from tools.show.graph import graph_payload
+from passes.partition.costmodel import assignment_of
+
+from fxpipe.show.assets import CSS, JS
+from fxpipe.show.data import ShowInput, Trace
+from fxpipe.show.graph import graph_payload
 
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#9c755f", "#bab0ac", "#2f4b7c", "#a05195", "#d45087", "#665191", "#ffa600", "#003f5c"]
@@ -86,6 +88,9 @@ def _summary_html(plan: Any, sim: Any) -> str:
              ("speedup vs 1 device", f"{float(plan.speedup_vs_one or 0):.3g}×"),
              ("speedup vs data parallel", f"{float(plan.speedup_vs_dp or 0):.3g}×"),
              ("bandwidth", f"{float(opts.get('bandwidth') or 0):.3g} B/s"), ("solver", solver.get("status", "–"))]
+    if opts.get("gpus_per_node"):
+        items.insert(-1, ("inside a node", f"{float(opts.get('intra_bandwidth') or 0):.3g} B/s, "
+                                           f"{opts['gpus_per_node']} devices per node"))
     if sim is not None:
         items += [("simulated schedule", f"{sim.kind}, {sim.microbatches} {batches_word(sim.kind)}"),
                   ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
@@ -111,11 +116,11 @@ def sim_payload(sim: Any, layout: Any) -> Dict[str, Any]:
 
 
 def render_html(data: ShowInput, sim: Any = None, layout: Any = None,
-                measured: Optional[Dict[int, List[list]]] = None, title: str = "fxpipe plan",
+                measured: Optional[Trace] = None, title: str = "fxpipe plan",
                 measured_note: str = "") -> str:
     """The page as one string. ``measured``: a trace from ``data.load_trace`` (or ``one_step``)."""
     plan = data.plan
-    stage_of = {n: s.index for s in plan.stages for n in s.nodes}
+    stage_of = assignment_of(plan.stages)
     payload = {
         "palette": PALETTE, "stages": len(plan.stages),
         "graph": graph_payload(data.graph, stage_of) if data.graph is not None else None,

@@ -10,14 +10,15 @@ import pytest
 
 from fxpipe.cli import main
 from passes.costgraph import CostGraph, CostNode
-from tools.show.data import ShowInput, load_trace, plan_to_json, synthetic_plan
-from tools.show.graph import graph_payload
-from tools.show.html import render_html
-from tools.show.text import render_text
-from tools.show.view import simulate_input
+from fxpipe.show.data import ShowInput, TraceEvent, load_trace
+from fxpipe.show.graph import graph_payload
+from fxpipe.show.html import render_html
+from fxpipe.show.text import render_text
+from fxpipe.show.view import simulate_input
 
+from tests.plans import synthetic_plan
 from tests.profiles import PROFILES
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def small_graph():
@@ -112,7 +113,7 @@ def test_groups_without_module_paths_keep_the_collapsed_graph_acyclic():
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="node.js not installed")
 def test_drawing_script_parses(tmp_path):
-    from tools.show.assets import JS
+    from fxpipe.show.assets import JS
     (tmp_path / "v.js").write_text(JS)
     subprocess.run(["node", "--check", str(tmp_path / "v.js")], check=True)
 
@@ -120,7 +121,7 @@ def test_drawing_script_parses(tmp_path):
 def write_outdir(folder, graph, assignment, replicas):
     folder.mkdir(parents=True, exist_ok=True)
     plan = synthetic_plan(graph, assignment, replicas, batch_size=4, microbatches=4)
-    (folder / "plan.json").write_text(json.dumps(plan_to_json(plan)))
+    (folder / "plan.json").write_text(json.dumps(plan.to_json()))
     graph.save(folder / "profile.json")
     return plan
 
@@ -152,7 +153,7 @@ def test_cli_text_view(tmp_path, capsys):
 def test_plain_plan_without_profile_says_so(tmp_path, capsys):
     g = small_graph()
     plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 1])
-    (tmp_path / "p.json").write_text(json.dumps(plan_to_json(plan)))
+    (tmp_path / "p.json").write_text(json.dumps(plan.to_json()))
     assert main(["show", str(tmp_path / "p.json")]) == 0
     page = (tmp_path / "p.html").read_text()
     assert embedded_data(page)["graph"] is None
@@ -175,7 +176,7 @@ def test_cli_dot_and_errors(tmp_path, capsys):
 def test_trace_loader(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps([{"ph": "X", "pid": 1, "name": "SEND_F0>r2", "ts": 5, "dur": 2},
                                                  {"ph": "B", "pid": 0, "name": "x", "ts": 1}]))
-    assert load_trace(str(tmp_path / "t.json")) == {1: [[0.0, 2e-6, "SEND_F0>r2", "comm"]]}
+    assert load_trace(str(tmp_path / "t.json")) == {1: [TraceEvent(0.0, 2e-6, "SEND_F0>r2", "comm")]}
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(Exception, match="no complete"):
         load_trace(str(tmp_path / "bad.json"))
@@ -231,7 +232,7 @@ def test_page_script_expands_and_collapses_groups(tmp_path):
 
 
 def test_split_manifest_gives_tied_stages_and_links(tmp_path):
-    from tools.show.data import load_input
+    from fxpipe.show.data import load_input
     from fxpipe.actions import Kind
 
     write_outdir(tmp_path, small_graph(), SMALL_ASSIGN, [1, 1, 1])
@@ -254,15 +255,16 @@ def test_svg_format_needs_graphviz(tmp_path, capsys):
 
 
 def test_measured_trace_is_cropped_to_one_middle_step():
-    from tools.show.data import one_step
+    from fxpipe.show.data import one_step
 
-    trace = {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"], [2.0, 3.0, "F0", "F"], [3.0, 4.0, "STEP", "step"],
-                 [4.0, 5.5, "F0", "F"], [5.5, 6.0, "STEP", "step"]],
-             1: [[2.5, 3.5, "F0", "F"], [4.5, 5.0, "B0", "B"]]}
+    E = TraceEvent
+    trace = {0: [E(0.0, 1.0, "F0", "F"), E(1.0, 2.0, "STEP", "step"), E(2.0, 3.0, "F0", "F"),
+                 E(3.0, 4.0, "STEP", "step"), E(4.0, 5.5, "F0", "F"), E(5.5, 6.0, "STEP", "step")],
+             1: [E(2.5, 3.5, "F0", "F"), E(4.5, 5.0, "B0", "B")]}
     cropped, note = one_step(trace)
     assert note == "step 2 of 3"
-    assert cropped == {0: [[0.0, 1.0, "F0", "F"], [1.0, 2.0, "STEP", "step"]], 1: [[0.5, 1.5, "F0", "F"]]}
-    assert one_step({0: [[0.0, 1.0, "F0", "F"]]}) is None
+    assert cropped == {0: [E(0.0, 1.0, "F0", "F"), E(1.0, 2.0, "STEP", "step")], 1: [E(0.5, 1.5, "F0", "F")]}
+    assert one_step({0: [E(0.0, 1.0, "F0", "F")]}) is None
 
 
 def bundled_example_graph():
@@ -291,7 +293,20 @@ def test_bundled_example_page():
 
 
 def test_times_round_before_choosing_the_unit():
-    from tools.show.html import fmt_s
+    from fxpipe.show.html import fmt_s
 
     assert fmt_s(0.0009996) == "1 ms" and fmt_s(0.0009994) == "999 µs" and fmt_s(0.99996) == "1 s"
     assert fmt_s(0.0123) == "12.3 ms" and fmt_s(0) == "0" and fmt_s(None) == "–"
+
+
+def test_two_level_plan_is_simulated_with_its_node_links(tmp_path):
+    g = small_graph()
+    plan = synthetic_plan(g, SMALL_ASSIGN, [1, 1, 2], bandwidth=1e3, gpus_per_node=2, intra_bandwidth=1e12)
+    data = ShowInput(plan=plan, graph=g, source="test")
+    sim, layout = simulate_input(data)
+    sends = {(r, e.action.peer): e.end - e.start for r, evs in sim.events.items() for e in evs
+             if e.action.kind.value == "SEND_F" and e.action.mb == 0}
+    assert sends[(0, 1)] == pytest.approx(1024 / 1e12)  # ranks 0 and 1 share node 0
+    assert sends[(1, 2)] == pytest.approx(1024 / 1e3)  # rank 2 is on node 1
+    page = render_html(data, sim, layout)
+    assert "2 devices per node" in page

@@ -11,7 +11,7 @@ from typing import Any, List
 
 from tabulate import tabulate
 
-from tools.show.html import batches_word, fmt_bytes, fmt_s, stage_rows
+from fxpipe.show.html import batches_word, fmt_bytes, fmt_s, stage_rows
 
 FILL = {"F": ".", "B": ":", "wait": "~", "allreduce": "A", "step": "|", "send_blocking": ">"}
 

@@ -1,0 +1,526 @@
+"""The segment DP on a two-level machine: devices used so far, modulo the node size, in the state.
+
+Stages sit on contiguous ranks (``topology.py``), so a stage's first rank is
+the number of devices used before it. Under the fxpipe cost model a stage of r
+replicas starting at rank d runs its all-reduce ring at the intra-node
+bandwidth B1 iff it stays in one node, ``d mod G + r <= G``, and at B2
+otherwise; shifting every stage by a whole node changes no charge. So for a
+bottleneck T the DP keeps, for every point of the lattice (``segments.py``)
+and every offset m = d mod G, the fewest devices d ≡ m that bring the prefix
+under T (``PlacedChainSolver.devices_needed``); fewer devices with the same
+offset are never worse, since everything after depends on d only through m
+and the devices left.
+
+For a stage (j, i) the replica counts that meet T form an interval at each
+bandwidth (``_intervals``: compute/r plus the ring, ``(C - a)/r + a`` with
+``a = 2P/B``, is monotone in r). From offset m the counts r <= G - m use the
+B1 interval and end at offset m + r; the others use the B2 interval, and when
+it is unbounded above they reach every count from its start on, so one number
+per pair (``_crossing_start``) yields all G offsets. Both steps are table
+look-ups per (source point, offset), so a pass costs G times fewer steps
+than trying every offset pair.
+
+Each cut is charged the least any placement allows (``cut_floors``: B2 on a
+side with a rank whose partners all sit in other nodes, else B1): T
+infeasible is still a proof, and the plan found is scored placed by the
+caller (``costmodel.evaluate``). Where no cut limits the bottleneck
+(activations are small against the weights' all-reduce) the plan meets T and
+the bound is exact. A prefix that leaves more compute than its spare devices
+can run within T (every later stage needs compute / T replicas) is dropped,
+so a T far below the optimum fails within a few segments.
+
+Used for the fxpipe cost model with replication ``any`` (PipeDream's
+hierarchical all-reduce depends on how a crossing stage splits over nodes,
+and ``pow2`` counts do not cover every offset); the driver brackets the other
+cases with the flat models.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, stage_totals
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, allreduce_at, cut_at, tied_sync_s
+from passes.partition.segments import Segment
+
+_EPS = 1e-12
+TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
+LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3)  # first T tried, times sum C / K: optima sit close above it,
+# and a T far below one fails fast (prefixes that cannot finish are dropped)
+
+
+def supports(opts: CostOptions) -> bool:
+    """Whether this DP is exact for ``opts`` (see the module docstring)."""
+    return (opts.gpus_per_node is not None and opts.cost_model == "fxpipe" and opts.replication == "any"
+            and opts.memory is None)
+
+
+def _intervals(C, P, T: float, bandwidth: float, K: int, tied=0.0):
+    """Per stage (arrays), the replica counts ``[lo, hi]`` whose compute and ring (at ``bandwidth``)
+    meet T (``lo > hi``: none); ``hi`` is K when unbounded.
+
+    ``tied``: the part of P another stage holds too. Its sync runs over at
+    least the stage's ranks and one more (``costmodel.tied_sync_s``), so one
+    replica pays at least ``tied / bandwidth`` for it (a ring of two), and r
+    replicas at least what their own ring costs; with that r = 1 may fail
+    where r = 2 meets T, and the counts stay an interval."""
+    a = 2.0 * P / bandwidth
+    with np.errstate(divide="ignore", invalid="ignore"):
+        falling = C >= a  # (C - a)/r + a falls with r (r = 1 gives C)
+        need = np.where(T > a, (C - a) / (T - a), np.inf)
+        lo = np.where(falling, np.where(C <= T, 1.0, need), np.where(C <= T, 1.0, np.inf))
+        most = np.where(T >= a, np.inf, (a - C) / (a - T))
+        hi = np.where(falling, np.inf, np.where(C <= T, most, -np.inf))
+    hi = np.floor(np.minimum(hi * (1 + _EPS), K))
+    lo = _count(lo, K)
+    lo = np.where((lo == 1) & (C + np.asarray(tied, dtype=float) / bandwidth > T), 2, lo)
+    return lo, np.maximum(hi, -1.0).astype(np.int64)
+
+
+def _count(x, K: int) -> np.ndarray:
+    """``ceil(x)`` as replica counts, K + 1 standing for none."""
+    return np.minimum(np.ceil(np.maximum(x, 1.0) * (1 - _EPS)), float(K + 1)).astype(np.int64)
+
+
+class _Stages(NamedTuple):
+    """Replica counts that meet T for a set of stages, by where they sit (see ``cut_floors``).
+
+    In one node: ``[lo1, hi1]``, at least ``lo1_end`` when the stage ends on a
+    node boundary and at least ``in_start`` when it starts on one. Across
+    nodes: ``[lo2, hi2]``.
+    """
+
+    lo1: np.ndarray
+    lo1_end: np.ndarray
+    in_start: np.ndarray
+    hi1: np.ndarray
+    lo2: np.ndarray
+    hi2: np.ndarray
+
+    def take(self, idx) -> "_Stages":
+        return _Stages(*(x[idx] for x in self))
+
+
+def cut_floors(A_in, A_out, T: float, opts: CostOptions):
+    """Fewest replicas a stage needs for its cuts to meet T, by placement: (in and out at B1, in at
+    B2, out at B2), each ``ceil(2A/(B·T))``.
+
+    A rank whose partners across a cut all sit in other nodes carries 1/r of
+    the microbatches at B2, so the cut takes at least ``2A/(B2·r)`` on that side
+    (``topology.pair_load``). The ranks of a stage before a cut have such a rank
+    when the stage crosses a node boundary or ends on one; those after it when
+    their stage crosses one or starts on one. Otherwise B1 is the least charge.
+    """
+    edge = lambda A, B: _count(2.0 * A / (B * T), opts.devices)  # noqa: E731
+    return (np.maximum(edge(A_in, opts.intra_bw), edge(A_out, opts.intra_bw)), edge(A_in, opts.bandwidth),
+            edge(A_out, opts.bandwidth))
+
+
+class _Sources:
+    """Look-up tables of a set of source points' rows ``dev[:, m]`` (see the module docstring).
+
+    ``prefix[s, w, hi]``: min over offsets w <= m <= hi (w = 0 or 1) of
+    ``dev - m`` (the first rank of the node the prefix ends in), with its
+    offset; a stage in one node from there ends at that rank plus its end offset.
+    ``cross[s, q]`` (q = 1 .. G+1): fewest devices after a node-crossing stage of at
+    least q replicas, ``min_m max(dev_m + q, node_m + G + 1)``, with its offset.
+    """
+
+    def __init__(self, dev: np.ndarray, G: int, K: int) -> None:
+        self.dev, self.G, self.K = dev, G, K
+        self.inf = np.int64(4 * K + 4 * G + 8)
+        self.base = np.where(dev <= K, dev - np.arange(G)[None, :], self.inf)
+        q = np.arange(1, G + 2)
+        after = np.maximum(dev[:, None, :] + q[None, :, None], self.base[:, None, :] + G + 1)
+        after = np.where((dev <= K)[:, None, :], after, self.inf)
+        self.cross_at = after.argmin(axis=2)
+        self.cross = np.take_along_axis(after, self.cross_at[:, :, None], axis=2)[:, :, 0]
+
+        # prefix[s, w, hi]: least (dev - m) over offsets w <= m <= hi (w = 0, 1), as (value · G + m)
+        key = self.base * G + np.arange(G)[None, :]
+        self.prefix = np.full((dev.shape[0], 2, G), self.inf * G, dtype=np.int64)
+        self.prefix[:, 0] = np.minimum.accumulate(key, axis=1)
+        self.prefix[:, 1, 1:] = np.minimum.accumulate(key[:, 1:], axis=1)
+
+
+def _crossing_start(src: _Sources, s, lo2, hi2, G: int, K: int):
+    """Per pair, the fewest devices after a node-crossing stage whose counts are unbounded above
+    (every larger count is reached too; ``src.inf`` where there is none), and its source offset."""
+    q = np.clip(lo2, 1, G + 1) - 1
+    cidx = s * (G + 1) + q
+    start = np.where((hi2 >= K) & (lo2 <= K), src.cross.reshape(-1)[cidx] + np.maximum(lo2 - (G + 1), 0), src.inf)
+    return start, src.cross_at.reshape(-1)[cidx]
+
+
+def _every_offset(start, G: int):
+    """The fewest counts at least ``start`` at each offset m' (last axis)."""
+    return start[:, None] + (np.arange(G)[None, :] - start[:, None]) % G
+
+
+def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = False, crossing: bool = True):
+    """For pairs (source row s, their ``_Stages``): per end offset m' (last axis), the fewest
+    devices after the stage (> K: unreachable); with ``want_from`` also the source offset and replicas.
+    ``crossing=False`` leaves the unbounded crossing stages out (``_from_pool`` takes them on its own)."""
+    inf = src.inf
+    lo1, hi1, lo2, hi2 = st.lo1, st.hi1, st.lo2, st.hi2
+    # one node: from offset m, r = t - m for the end t (t = m' but G for m' = 0), lo1 <= r <= hi1;
+    # ending on the boundary (t = G) needs lo1_end, starting on one (m = 0, r = t) in_start
+    t = np.r_[G, np.arange(1, G)][None, :]
+    mhi = t - np.concatenate([st.lo1_end[:, None], np.broadcast_to(lo1[:, None], (lo1.size, G - 1))], axis=1)
+    mlo = np.maximum(t - hi1[:, None], 0)
+    mlo = np.where(t < st.in_start[:, None], np.maximum(mlo, 1), mlo)
+    idx = (s * (2 * G))[:, None] + np.minimum(mlo, 1) * G + np.maximum(mhi, 0)
+    key = src.prefix.reshape(-1)[idx]
+    val = np.where(mhi >= mlo, key // G + t, inf)
+    if want_from:
+        from_m = key % G
+    narrow = np.nonzero((mlo > 1).any(axis=1))[0]  # at most hi1 < G replicas in a node: rare
+    if narrow.size:
+        m = np.arange(G)[None, None, :]
+        inside = (m >= mlo[narrow][:, :, None]) & (m <= mhi[narrow][:, :, None])
+        k = np.where(inside, src.base[s[narrow]][:, None, :] * G + m, inf * G).min(axis=2)
+        val[narrow] = np.where(mhi[narrow] >= mlo[narrow], k // G + t, inf)
+        if want_from:
+            from_m[narrow] = k % G
+    # across nodes, unbounded above: every count from the first one that crosses
+    if crossing:
+        start, start_m = _crossing_start(src, s, lo2, hi2, G, K)
+        cross = _every_offset(start, G)
+        if want_from:
+            from_m = np.where(cross < val, start_m[:, None], from_m)
+        val = np.minimum(val, cross)
+    # across nodes, bounded (more replicas slow the stage down): each source offset on its own
+    closed = np.nonzero((hi2 < K) & (lo2 <= hi2))[0]
+    if closed.size:
+        dev = src.dev[s[closed]][:, None, :]  # (c, 1, G over the source offset m)
+        m = np.arange(G)[None, None, :]
+        mp = np.arange(G)[None, :, None]
+        low = np.maximum(lo2[closed, None, None], G - m + 1)
+        r = low + (mp - m - low) % G
+        v = np.where((r <= hi2[closed, None, None]) & (dev <= K), dev + r, inf)  # (c, m', m)
+        k = v.argmin(axis=2)
+        best = np.take_along_axis(v, k[:, :, None], axis=2)[:, :, 0]
+        better = best < val[closed]
+        val[closed] = np.where(better, best, val[closed])
+        if want_from:
+            from_m[closed] = np.where(better, k, from_m[closed])
+    val = np.where(val <= K, val, K + 1)
+    if not want_from:
+        return val
+    return val, from_m, val - src.dev[s[:, None], from_m]
+
+
+class PlacedChainSolver(ChainSolver):
+    """``ChainSolver`` whose state is (point, devices used mod G); see the module docstring."""
+
+    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
+        super().__init__(units, segments, opts)
+        self.G = int(opts.gpus_per_node)
+        self.end_offset = 0
+        self._near_stages: Dict[int, tuple] = {}
+        self.tied_to_last, self.tied_to_first = self._ends_tied()
+
+    def _ends_tied(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Per shared weight: whether the last stage holds it whatever the plan (its users include the
+        last unit with compute, which every other unit with compute precedes), and whether the first
+        stage does (its users include the first unit with compute, which precedes every other one;
+        the DP gives the first stage compute)."""
+        units, n = self.units, len(self.units)
+        work = [u for u in range(n) if units.has_compute[u]]
+        if not work or not units.shared:
+            return np.zeros(len(units.shared), dtype=bool), np.zeros(len(units.shared), dtype=bool)
+        succ: List[List[int]] = [[] for _ in range(n)]
+        pred: List[List[int]] = [[] for _ in range(n)]
+        for a, b in units.edges:
+            succ[a].append(b)
+            pred[b].append(a)
+
+        def closure(start: int, nxt) -> set:
+            seen, todo = {start}, [start]
+            while todo:
+                for v in nxt[todo.pop()]:
+                    if v not in seen:
+                        seen.add(v)
+                        todo.append(v)
+            return seen
+
+        first, last = work[0], work[-1]
+        first_ok = set(work) <= closure(first, succ)
+        last_ok = set(work) <= closure(last, pred)
+        users = [set(u) for _, u in units.shared.values()]
+        return (np.array([last_ok and last in u for u in users]), np.array([first_ok and first in u for u in users]))
+
+    def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti, first=False, last=False):
+        """Compute, weight bytes, cuts in and out, weight bytes another stage holds too, and of those the
+        bytes synced across nodes for sure, of stages (j, i) (arrays that broadcast, flattened);
+        ``first``/``last``: the stage starts at the empty point / ends at the full one.
+
+        With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
+        different nodes, so a weight both hold (``_ends_tied``) is synced at B2 over at least r + 1 ranks.
+        """
+        params, tied, far = pi - pj, np.zeros(1), np.zeros(1)
+        if self.shared_bytes.size:
+            inside = si - sj
+            params = params + (inside > 0.5) @ self.shared_bytes
+            shared = (inside > 0.5) & (inside < self.shared_users - 0.5)
+            tied = shared @ self.shared_bytes
+            if self.opts.devices > self.G and not self.opts.fewer_devices:
+                ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
+                far = (shared & ends) @ self.shared_bytes
+        C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
+        flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
+        return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied), flat(far),
+                flat(np.asarray(first)))
+
+    def _stage_intervals(self, stages, T: float) -> _Stages:
+        """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``)."""
+        C, params, cut_in, cut_out, tied, far, first = stages
+        o = self.opts
+        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices, tied)  # one replica never crosses nodes
+        lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
+        some = np.nonzero(far > 0)[0]
+        if some.size:  # a ring of r + 1 ranks at B2 no longer has the shape a/r + b: try every count
+            r = np.arange(1, o.devices + 1, dtype=float)[None, :]
+            own = (params[some] - far[some])[:, None]
+            for bw, lo, hi in ((o.intra_bw, lo1, hi1), (o.bandwidth, lo2, hi2)):
+                t = C[some, None] / r + 2.0 * (r - 1) / r * own / bw + 2.0 * r / (r + 1) * far[some, None] / o.bandwidth
+                ok = t <= T * (1 + 1e-12)
+                lo[some] = np.where(ok.any(axis=1), ok.argmax(axis=1) + 1, o.devices + 1)
+                hi[some] = np.where(ok.any(axis=1), o.devices - ok[:, ::-1].argmax(axis=1), -1)
+        lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_ends_tied``)
+        near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
+        lo1 = np.maximum(lo1, near)
+        return _Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
+
+    def devices_needed(self, T: float, deadline: float = math.inf):
+        """(devices for the whole graph, back-pointers ``(point, offset, replicas)`` per point and offset)."""
+        K, G = self.opts.devices, self.G
+        total = self.offsets[-1]
+        dev_all = np.full((total, G), K + 1, dtype=np.int64)
+        back = np.zeros((total, G, 3), dtype=np.int64)
+        pool = None  # earlier points that may still start a stage (``_from_pool``)
+        self._dev_all_ref = dev_all
+        for a, seg in enumerate(self.segs):
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded()
+            d, off = len(seg.compute), self.offsets[a]
+            dev = np.full((d, G), K + 1, dtype=np.int64)
+            src_b = np.zeros((d, G, 3), dtype=np.int64)
+            if a == 0:
+                dev[0, 0] = 0
+            # a prefix that leaves more compute than its spare devices can run within T is dropped:
+            # every later stage needs at least compute / T replicas
+            rest = _count((self.segs[-1].compute[-1] - seg.compute) / T, K)
+            rest[seg.compute >= self.segs[-1].compute[-1]] = 0
+            reach = None
+            if pool is not None and pool[0].size:
+                reach = self._from_pool(pool, seg, T, dev, src_b)
+                dev[dev + rest[:, None] > K] = K + 1
+            if seg.sub_j.size:
+                self._inside(seg, off, T, dev, src_b)
+                dev[dev + rest[:, None] > K] = K + 1
+            dev_all[off:off + d] = dev
+            back[off:off + d] = src_b
+            pool = self._next_pool_placed(pool, reach, seg, off, dev, dev_all)
+            if not pool[0].size:
+                return K + 1, back
+        last = dev_all[-1]
+        if self.opts.fewer_devices:
+            self.end_offset = int(last.argmin())
+        else:
+            self.end_offset = 0
+        return int(last[self.end_offset]), back
+
+    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b):
+        """Stages from pool points to this segment's points; returns which pool points still reach.
+
+        ``pool``: (global ids, compute, params, shared counts, cut) of the earlier points. A stage
+        that crosses nodes with counts unbounded above reaches every offset from one number on, and
+        the least such number over all sources gives the same for a target
+        (``_every_offset`` is monotone), so those pairs reduce before the offsets are spread; only
+        stages that fit in a node or are bounded above go through ``_targets`` pair by pair.
+        """
+        K, G = self.opts.devices, self.G
+        ids, pc, pp, ps, pcut = pool
+        d = len(seg.compute)
+        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+        cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
+        n = ids.size
+        s = np.repeat(np.arange(n), d + 1)
+        ends = np.zeros(d + 1, dtype=bool)
+        ends[d - 1] = seg is self.segs[-1]
+        st = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
+                                                cc[None], cp[None], cs[None], ccut[None],
+                                                (ids == 0)[:, None], ends[None, :]), T)
+        rows = self._dev_all_ref[ids]
+        src = _Sources(rows, G, K)
+        start, start_m = _crossing_start(src, s, st.lo2, st.hi2, G, K)
+        start = start.reshape(n, d + 1)
+        first = start.argmin(axis=0)
+        val = _every_offset(start[first, np.arange(d + 1)], G)  # (d + 1, G)
+        from_row = np.broadcast_to(first[:, None], val.shape).copy()
+        reach = start[:, d] <= K
+        small = np.nonzero((st.lo1 <= np.minimum(st.hi1, G)) | ((st.hi2 < K) & (st.lo2 <= st.hi2)))[0]
+        if small.size:
+            vs = _targets(src, s[small], st.take(small), G, K, crossing=False)
+            dense = np.full((n * (d + 1), G), K + 1, dtype=np.int64)
+            dense[small] = vs
+            dense = dense.reshape(n, d + 1, G)
+            reach |= (dense[:, d, :] <= K).any(axis=1)
+            k = dense.argmin(axis=0)
+            got = np.take_along_axis(dense, k[None], axis=0)[0]
+            better = got < val
+            val = np.where(better, got, val)
+            from_row = np.where(better, k, from_row)
+        else:
+            better = np.zeros(val.shape, dtype=bool)
+        val = np.where(val <= K, val, K + 1)
+        xs, ms = np.nonzero(val[:d] < dev)
+        if not xs.size:
+            return reach
+        row = from_row[xs, ms]
+        pair = row * (d + 1) + xs
+        via = better[xs, ms]
+        got_m = start_m[pair]
+        if via.any():
+            p = pair[via]
+            _, fm, _ = _targets(src, s[p], st.take(p), G, K, want_from=True, crossing=False)
+            got_m[via] = fm[np.arange(p.size), ms[via]]
+        dev[xs, ms] = val[xs, ms]
+        src_b[xs, ms, 0] = ids[row]
+        src_b[xs, ms, 1] = got_m
+        src_b[xs, ms, 2] = val[xs, ms] - rows[row, got_m]
+        return reach
+
+    def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
+        """Stages with both ends in this segment: every pair at once, repeated until no point improves
+        (as many rounds as stages fit in one segment, plus one)."""
+        K, G = self.opts.devices, self.G
+        j, i = seg.sub_j, seg.sub_i
+        key = id(seg)
+        if key not in self._near_stages:  # the same for every T
+            self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
+                                                  (j == 0) & (off == 0),
+                                                  (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
+        st = self._stage_intervals(self._near_stages[key], T)
+        starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]  # sub_i is sorted
+        targets = i[starts]
+        while True:
+            src = _Sources(dev, G, K)
+            val = _targets(src, j, st, G, K)
+            key = val * (1 << 32) + np.arange(j.size)[:, None]
+            mins = np.minimum.reduceat(key, starts, axis=0)  # (targets, G)
+            best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
+            rows, ms = np.nonzero(best_val < dev[targets])
+            if not rows.size:
+                return
+            x, k = targets[rows], idx[rows, ms]
+            got, from_m, reps = _targets(src, j[k], st.take(k), G, K, want_from=True)
+            pick = np.arange(k.size)
+            dev[x, ms] = got[pick, ms]
+            src_b[x, ms, 0] = off + j[k]
+            src_b[x, ms, 1] = from_m[pick, ms]
+            src_b[x, ms, 2] = reps[pick, ms]
+
+    def _next_pool_placed(self, pool, reach, seg: Segment, off: int, dev, dev_all):
+        """Earlier points that may still start a stage: dropped when they can no longer reach, or when a
+        later point holds them with no more devices at every offset and no more bytes cut."""
+        K = self.opts.devices
+        keep = (dev <= K).any(axis=1)
+        if seg.sub_j.size:
+            j, i = seg.sub_j, seg.sub_i
+            beaten = (dev[i] <= dev[j]).all(axis=1) & (seg.cut[i] <= seg.cut[j])
+            keep[j[beaten]] = False
+        new = (off + np.nonzero(keep)[0], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
+        if pool is None or not pool[0].size:
+            return new
+        old_dev, new_dev = dev_all[pool[0]], dev_all[new[0]]
+        beaten = ((new_dev[None, :, :] <= old_dev[:, None, :]).all(axis=2)
+                  & (new[4][None, :] <= pool[4][:, None])).any(axis=1)
+        alive = ~beaten & reach
+        return tuple(np.concatenate([old[alive], fresh]) for old, fresh in zip(pool, new))
+
+    def _walk(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
+        chain, reps = [], []
+        x, m = self.offsets[-1] - 1, self.end_offset
+        while True:
+            chain.append(x)
+            if x == 0:
+                break
+            j, mj, r = (int(v) for v in back[x, m])
+            reps.append(r)
+            x, m = j, mj
+        return chain[::-1], reps[::-1]
+
+    def pad(self, stage_of: List[int], replicas: List[int], T: float) -> Optional[List[int]]:
+        """Whole nodes added to stages (so no later stage moves within its node) until K devices are
+        used, each to the slowest stage it speeds up without passing T; None if none can take one."""
+        return pad_placed(self.units, stage_of, replicas, self.opts, T)
+
+
+def _placed_times(comp, par, reps: np.ndarray, opts: CostOptions) -> np.ndarray:
+    firsts = np.concatenate([[0], np.cumsum(reps)[:-1]])
+    return np.array([c / r + allreduce_at(p, int(f), int(r), opts) for c, p, r, f in zip(comp, par, reps, firsts)])
+
+
+def pad_placed(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions,
+               T: float) -> Optional[List[int]]:
+    reps = np.array(replicas, dtype=np.int64)
+    left = opts.devices - int(reps.sum())
+    if left == 0 or opts.fewer_devices:
+        return [int(r) for r in reps]
+    G = int(opts.gpus_per_node)
+    if left % G:
+        return None
+    comp, par = _stage_sums(units, stage_of, len(reps))
+    while left > 0:
+        now = _placed_times(comp, par, reps, opts)
+        best, pick = None, None
+        for s in range(len(reps)):
+            trial = reps.copy()
+            trial[s] += G
+            then = _one_time(comp[s], par[s], trial, s, opts)
+            if then > T * (1 + 1e-12):
+                continue
+            key = (0, -now[s]) if then < now[s] else (1, then - now[s])
+            if best is None or key < best:
+                best, pick = key, s
+        if pick is None:
+            return None
+        reps[pick] += G
+        left -= G
+    return [int(r) for r in reps]
+
+
+def _one_time(c: float, p: float, reps: np.ndarray, s: int, opts: CostOptions) -> float:
+    first = int(reps[:s].sum())
+    return c / int(reps[s]) + allreduce_at(p, first, int(reps[s]), opts)
+
+
+def placed_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
+    """A plan's bottleneck on ``units`` under the two-level model (as ``costmodel.evaluate`` charges it)."""
+    S = len(replicas)
+    comp, par, cut = stage_totals(units, stage_of, S)
+    reps = np.asarray(replicas, dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(reps)[:-1]])
+    ranks = [list(range(f, f + r)) for f, r in zip(firsts, reps)]
+    sync = np.zeros(S)  # weights tied across stages: synced over every rank of every stage holding them
+    for nbytes, users in units.shared.values():
+        holders = sorted({stage_of[u] for u in users})
+        if len(holders) > 1:
+            group = [x for h in holders for x in ranks[h]]
+            for h in holders:
+                par[h] -= nbytes
+                sync[h] += tied_sync_s(nbytes, ranks[h], group, opts)
+    times = _placed_times(comp, par, reps, opts) + sync
+    for b in range(S - 1):
+        if cut[b + 1] > 0:
+            c = cut_at(cut[b + 1], int(firsts[b]), int(reps[b]), int(reps[b + 1]), opts)
+            times[b] = max(times[b], c)
+            times[b + 1] = max(times[b + 1], c)
+    return float(times.max())
