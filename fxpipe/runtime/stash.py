@@ -15,7 +15,7 @@ function itself when a parameter is tied under two names). How a version is
 made depends on the optimizer:
 
 - *copy-free* (``fxpipe.runtime.optim``'s out-of-place optimizers): a version
-  is a set of detached aliases of the master's tensors. The optimizer then
+  is a set of aliases (``.data``) of the master's tensors. The optimizer then
   rebinds each parameter to a new tensor instead of writing the old one, so
   the aliases keep the weights the forward saw, and nothing is copied;
 - *copy* (any in-place optimizer): a version is a set of detached clones.
