@@ -20,8 +20,8 @@ validator and the simulator all walk the same instructions (the torchgpipe
 A 1F1B rank of stage ``j`` runs ``in_flight`` forwards before its first
 backward: the count the cost model charges memory for
 (``passes.partition.costmodel.in_flight`` says why it is what it is). The
-same order serves ``1f1b-flush`` (one step per flush) and ``1f1b-stash`` (a
-step after every backward, weights stashed per minibatch).
+same order serves ``1f1b-flush`` (one step per flush), ``1f1b-stash`` (a
+step after every backward, weights stashed per minibatch) and ``2bw``.
 
 ``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) splits
 each backward in ``B m`` (input gradients: what the previous stage waits for)
@@ -34,6 +34,16 @@ instead of ``F + B + W``, and the deferred ``W`` fill the cool-down where
 stage holds ``max_k n_k`` microbatches: the input stage's count under 1F1B,
 the same peak. With equal ``F``, ``B``, ``W`` the bubble goes from
 ``(S-1)(F+B+W)`` to ``(S-1)(F+B-W)`` (tests/fxpipe/test_simulate.py).
+
+``2bw`` is PipeDream-2BW (Narayanan et al., ICML 2021): 1F1B without a flush
+over ``steps`` batches of ``microbatches`` each, gradients accumulated over a
+batch and one update right after the batch's last backward on the rank. The
+forwards of batch ``b`` run on weight version ``b - 1`` (the weights after
+``b - 1`` updates; version 0 for batch 0), so the update that follows batch
+``b`` applies a gradient computed on ``W(b - 1)`` to ``W(b)``:
+``W(b + 1) = W(b) - lr * grad f(W(b - 1))``. Each rank then holds at most two
+versions; ``validate`` checks that the order allows it (batch ``b``'s first
+forward after the update of batch ``b - 2``).
 """
 from __future__ import annotations
 
@@ -57,28 +67,33 @@ def in_flight(layout: Layout, stage: int, schedule: str = DEFAULT_SCHEDULE, micr
 
 def build_schedule(schedule: str, layout: Layout, microbatches: int,
                    links: Sequence[Tuple[int, int]], tied_stages: Sequence[int] = (),
-                   blocking_links: Sequence[Tuple[int, int]] = ()) -> Dict[int, List[Action]]:
+                   blocking_links: Sequence[Tuple[int, int]] = (), steps: int = 1) -> Dict[int, List[Action]]:
     """The action list of every rank for one step of ``microbatches``.
 
     For ``1f1b-stash`` a "step" is a window of ``microbatches`` minibatches,
-    each followed by its own weight update. ``blocking_links``: links that
-    carry a non-tensor value, whose receives are not moved early. The
-    result is a ``Schedule`` (a dict that remembers its layout, so
-    ``validate`` knows the all-reduce groups).
+    each followed by its own weight update. ``2bw`` covers ``steps`` batches
+    of ``microbatches`` (numbered ``0 .. steps * microbatches - 1``) without
+    draining between them; the other schedules take ``steps=1`` only.
+    ``blocking_links``: links that carry a non-tensor value, whose receives
+    are not moved early. The result is a ``Schedule`` (a dict that remembers
+    its layout, so ``validate`` knows the all-reduce groups).
     """
-    links = _check(schedule, layout, microbatches, links, tied_stages)
+    links = _check(schedule, layout, microbatches, links, tied_stages, steps)
     tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
     out = Schedule(name=schedule, layout=layout, microbatches=microbatches, links=links, tied_stages=tuple(sorted(tied)))
     for stage in range(layout.num_stages):
         reduce = layout.replicas[stage] > 1 or stage in tied
         for replica, rank in enumerate(layout.ranks(stage)):
-            mbs = list(range(replica, microbatches, layout.replicas[stage]))
-            order = _compute_order(schedule, layout, stage, mbs, reduce)
+            mbs = list(range(replica, microbatches * steps, layout.replicas[stage]))
+            order = _compute_order(schedule, layout, stage, mbs, reduce, microbatches)
             out[rank] = early_receives(_lower(order, stage, layout, links), stage, layout, set(blocking_links))
     return out
 
 
-def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], reduce: bool) -> List[Action]:
+def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], reduce: bool,
+                   batch: int) -> List[Action]:
+    if schedule == "2bw":
+        return _batch_updates(_one_f_one_b(mbs, in_flight(layout, stage, schedule)), mbs, batch, reduce)
     if schedule == "gpipe":
         order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
     elif schedule == "zb-h1":
@@ -96,6 +111,17 @@ def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], re
                 stepped.append(Action(Kind.STEP, a.mb))
         return stepped
     return order + ([Action(Kind.ALLREDUCE)] if reduce else []) + [Action(Kind.STEP)]
+
+
+def _batch_updates(order: List[Action], mbs: List[int], batch: int, reduce: bool) -> List[Action]:
+    """An update (``STEP`` of the batch's last microbatch here) after each batch's last backward on the rank."""
+    last = {m // batch: m for m in mbs}
+    out: List[Action] = []
+    for a in order:
+        out.append(a)
+        if a.kind is Kind.B and last[a.mb // batch] == a.mb:
+            out += ([Action(Kind.ALLREDUCE)] if reduce else []) + [Action(Kind.STEP, a.mb)]
+    return out
 
 
 def _one_f_one_b(mbs: List[int], window: int) -> List[Action]:
@@ -172,12 +198,16 @@ def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[in
 
 
 def _check(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]],
-           tied_stages: Sequence[int]) -> List[Tuple[int, int]]:
+           tied_stages: Sequence[int], steps: int = 1) -> List[Tuple[int, int]]:
     """Reject requests that cannot make a valid schedule, saying what would."""
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
+    if steps < 1 or (steps > 1 and schedule != "2bw"):
+        raise ScheduleError(f"steps={steps}: only 2bw builds several steps into one action list (1 otherwise)")
+    if schedule == "2bw":
+        _check_two_versions(layout, microbatches)
     S = layout.num_stages
     clean = sorted({(int(a), int(b)) for a, b in links})
     for a, b in clean:
@@ -194,6 +224,22 @@ def _check(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tup
     if schedule == "1f1b-stash":
         _check_stash_groups(layout, microbatches, tied_stages)
     return clean
+
+
+def _check_two_versions(layout: Layout, microbatches: int) -> None:
+    """2bw's batch ``b`` starts after the update of ``b - 2`` only if a batch outlasts the warm-up.
+
+    A rank of stage ``j`` runs ``F(x)`` right after ``B(x - n_j)`` (its own
+    microbatches, ``n_j`` in flight) and updates after its batch's last
+    backward, so it needs ``n_j <= microbatches / r_j + 1``.
+    """
+    for j, r in enumerate(layout.replicas):
+        n = in_flight(layout, j, "2bw")
+        if n > microbatches // r + 1:
+            need = (n - 1) * r
+            raise ScheduleError(f"2bw: stage {j} keeps {n} microbatches in flight, more than a batch of "
+                                f"{microbatches} gives each of its {r} replica(s) plus one, so it would need a "
+                                f"third weight version; use --microbatches >= {need}")
 
 
 def _check_stash_groups(layout: Layout, microbatches: int, tied_stages: Sequence[int]) -> None:

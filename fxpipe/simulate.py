@@ -154,6 +154,8 @@ class _Clock:
         self.arrival: Dict[tuple, float] = {}
         self.version = {r: 0 for r in schedule}
         self.flight: Dict[int, Dict[int, int]] = {r: {} for r in schedule}  # mb -> weight version
+        # 2bw: batch b's forwards run on version b - 1 (fxpipe.schedule), whatever the rank is at
+        self.batch = schedule.microbatches if getattr(schedule, "name", None) == "2bw" else None
         self.peak = {r: 0 for r in schedule}
         self.stretch = stretch  # (rank, n-th busy event) -> slowdown from sharing cores
         self.busy_n = {r: 0 for r in schedule}
@@ -175,7 +177,7 @@ class _Clock:
         if a.kind is Kind.F:
             self._wait_messages(rank, a)
             self._add(rank, c.fwd_s + self.overhead_s, a, "compute")
-            self.flight[rank][a.mb] = self.version[rank]
+            self.flight[rank][a.mb] = self.version[rank] if self.batch is None else max(0, a.mb // self.batch - 1)
             self._memory(rank, c)
         elif a.kind is Kind.B:
             self._wait_messages(rank, a)
@@ -363,7 +365,9 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         M = _round_up_for_stash(M, layout)
     if not tied_stages:
         tied_stages = [s.index for s in plan.stages if s.tied_bytes]
-    built = build_schedule(schedule, layout, M, links, tied_stages)
+    # 2bw: two steps, so the second runs on the first's weights (two versions, no drain between them)
+    steps = {"steps": 2} if schedule == "2bw" else {}
+    built = build_schedule(schedule, layout, M, links, tied_stages, **steps)
     sim_options.setdefault("bandwidth", plan_bandwidth(plan))
     result = simulate(built, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)
     return result, built

@@ -14,7 +14,12 @@ Two checks, both naming the rank and the action at fault:
   send ran, ``ALLREDUCE`` is a barrier of its group (the replicas of the
   stage, plus every rank of the tied stages when the stage holds tied
   parameters). If no rank can move, the error lists where every rank is
-  stuck and on whom.
+  stuck and on whom;
+- *versions* (``2bw`` only): each rank's forwards of batch ``b`` come after
+  its update of batch ``b - 2`` (they run on the weights that update made,
+  and at most two versions are kept) and its backwards of batch ``b`` between
+  the updates of ``b - 1`` and ``b`` (the gradient they accumulate is that
+  batch's).
 
 ``execution_order`` yields one legal global order of the actions; the
 simulator replays it with times, so validator and simulator agree by
@@ -73,6 +78,8 @@ def validate(schedule: Mapping[int, Sequence[Action]], layout: Optional[Layout] 
     """
     groups = _groups_for(schedule, layout, tied_stages)
     check_matching(schedule)
+    if getattr(schedule, "name", None) == "2bw":
+        check_two_versions(schedule, schedule.microbatches)
     for _ in execution_order(schedule, groups):
         pass
 
@@ -144,6 +151,22 @@ def _check_order(rank: int, actions: Sequence[Action]) -> None:
     if waiting_w:
         raise ScheduleError(f"rank {rank}: B of microbatches {sorted(waiting_w)} has no W after it "
                             "(a list with W actions needs one per backward)", rank, None)
+
+
+def check_two_versions(schedule: Mapping[int, Sequence[Action]], batch: int) -> None:
+    """2bw's weight-version rule on every rank, for batches of ``batch`` microbatches."""
+    for rank, actions in schedule.items():
+        updates = 0  # the version the rank's weights are at: updates so far
+        for a in actions:
+            b = a.mb // batch
+            if a.kind is Kind.STEP:
+                updates += 1
+            elif a.kind is Kind.F and updates < b - 1:
+                raise ScheduleError(f"rank {rank}: {a} (batch {b}) runs before the update of batch {b - 2}: it "
+                                    f"would need weight version {b - 1}, not made yet (a third version)", rank, a)
+            elif a.kind is Kind.B and updates != b:
+                raise ScheduleError(f"rank {rank}: {a} (batch {b}) runs after {updates} updates; its gradient "
+                                    f"belongs between the updates of batches {b - 1} and {b}", rank, a)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ Schedules: ``1f1b-flush`` (default; equals single-device training with
 gradient accumulation over the step's microbatches: the gradient of the mean
 microbatch loss), ``gpipe`` (same result, all forwards then all backwards),
 ``1f1b-stash`` (PipeDream: an update after every minibatch, each backward on
-the weights its forward used; a "step" is M minibatches).
+the weights its forward used; a "step" is M minibatches), ``2bw``
+(PipeDream-2BW: one update per M microbatches with no flush, each step's
+gradient computed on the weights before the previous update; two weight
+versions).
 
 Mistakes the parent can see (counts below 1, a first batch unlike
 example_inputs, a --split of another model, a missing or damaged checkpoint)

@@ -97,19 +97,21 @@ class GradClipper:
         """
         grads = [p.grad for p in self.counted if p.grad is not None]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:
-            norms = [torch.linalg.vector_norm(g, dtype=torch.float32 if g.element_size() < 4 else None)
-                     for g in grads]
-            sq = torch.stack(norms).double().pow(2).sum()
+        if grads:  # one foreach call per precision: half-precision gradients are summed in float32
+            low = [g for g in grads if g.element_size() < 4]
+            high = [g for g in grads if g.element_size() >= 4]
+            norms = list(torch._foreach_norm(high)) if high else []
+            norms += list(torch._foreach_norm(low, 2, dtype=torch.float32)) if low else []
+            sq = torch.stack([n.double() for n in norms]).pow(2).sum()
         if self.group is not None:
             with peer_guard("all-reduce of the gradient norm"):
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
         norm = sq.sqrt()
         coef = torch.clamp(self.max_norm / (norm + EPS), max=1.0)  # NaN stays NaN, as in clip_grad_norm_
         with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            scaled = [p.grad for p in self.params if p.grad is not None]
+            if scaled:
+                torch._foreach_mul_(scaled, coef)
         return norm
 
 

@@ -7,7 +7,7 @@ One small handler per action kind (as a flat instruction interpreter):
   schedule posts them one compute action early, ``fxpipe.schedule``).
 - ``F m`` runs the stage on the weight version the stash hands out, inside a
   ``passes.comm.MailboxTransport`` bound for ``m``; the last stage also
-  computes the loss (scaled by ``1/M`` in flush and gpipe, so the step's
+  computes the loss (scaled by ``1/M`` in flush, gpipe and 2bw, so the step's
   gradient is the gradient of the mean microbatch loss). With ``precision``
   bf16/fp16 the stage and the loss run under autocast and sent values are
   cast to the split's wire dtype (``fxpipe.runtime.precision``); with
@@ -26,7 +26,8 @@ One small handler per action kind (as a flat instruction interpreter):
   1f1b-stash action list) keeps a few microbatches' sends, not all of them.
 - ``ALLREDUCE`` combines gradients over replicas and tied copies.
 - ``STEP`` steps the optimizer, clears gradients and, with stashing, starts a
-  new weight version. With fp16 the loss scaler first unscales the gradients
+  new weight version (``fxpipe.runtime.stash``: 2bw keeps the old one for
+  the next batch). With fp16 the loss scaler first unscales the gradients
   and, if any rank saw inf/nan, every rank skips the update.
 
 Microbatch numbers in an action list are local to that list; ``run`` is given
@@ -96,7 +97,7 @@ class Executor:
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step, Kind.W: self._weight_grad}
-        self._compiled: Optional[Tuple[Sequence[Action], list]] = None  # (action list, its program)
+        self._compiled: Optional[Tuple[Sequence[Action], list, List[int]]] = None  # (action list, program, versioned)
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
         self.recompute, self.scaler = recompute, scaler
@@ -106,14 +107,15 @@ class Executor:
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
-        self._versioned = {base + m for m in _updated_in_flight(actions)}
+        program, updated = self._program(actions)
+        self._versioned = {base + m for m in updated}
         self._split = any(a.kind is Kind.W for a in actions)
         self._input_done: set = set()  # microbatches past B and before W
         if self._split and self.recompute:
             raise ExecutorError("a schedule with W actions (zb-h1) with recomputation is not supported yet; "
                                 "use --recompute none")
         tracing = self.tracer.enabled
-        for handler, a in self._program(actions):
+        for handler, a in program:
             g = base + a.mb if a.mb >= 0 else -1
             try:
                 if tracing:
@@ -144,13 +146,19 @@ class Executor:
                 "mailboxes": len(self.inflight), "sends": self.p2p.pending_sends,
                 "recvs": self.p2p.pending_recvs}
 
-    def _program(self, actions: Sequence[Action]) -> List[Tuple[Callable[[Action, int], None], Action]]:
-        """Each action with its handler, worked out once per action list (the loop runs the same list every step)."""
+    def _program(self, actions: Sequence[Action]) -> Tuple[List[Tuple[Callable[[Action, int], None], Action]],
+                                                          List[int]]:
+        """Each action with its handler, and the microbatches that need a weight version of their
+        own (``_updated_in_flight``).
+
+        Worked out once per action list (the loop runs the same list every
+        step): per action, the run then costs one call, no lookups.
+        """
         if self._compiled is not None and self._compiled[0] is actions:
-            return self._compiled[1]
+            return self._compiled[1], self._compiled[2]
         program = [(self._handlers[a.kind], a) for a in actions]
-        self._compiled = (actions, program)
-        return program
+        self._compiled = (actions, program, _updated_in_flight(actions))
+        return program, self._compiled[2]
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
@@ -249,6 +257,7 @@ class Executor:
         apply = self.scaler is None or self.scaler.prepare_step(self.stash.master.values())
         if self.before_step is not None:
             self.before_step(g)  # learning rate, clipping: collective, so it runs on a skipped step too
+        self.stash.before_update()
         if apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -6,10 +6,17 @@ directly from spawned processes. It reads the split (duck-typed: ``stages``,
 hand-written stage modules that follow the ``passes.comm`` contract run too.
 
 Steps. ``1f1b-flush``, ``gpipe`` and ``zb-h1`` repeat one step's action list. With
-``1f1b-stash`` a "step" is ``M`` minibatches, each with its own update, and
-the pipeline does not drain between steps: one action list covers the run
-up to the next checkpoint (or the end), where it drains so the checkpoint
-holds one consistent weight version.
+``1f1b-stash`` a "step" is ``M`` minibatches, each with its own update; with
+``2bw`` a step is one batch of ``M`` microbatches and its one update. Both
+keep the pipeline full between steps: one action list covers the run up to
+the next checkpoint (or the end), where it drains so the checkpoint holds
+one consistent weight version.
+
+Weight versions (``fxpipe.runtime.stash``): with a stashing schedule and the
+built-in ``sgd`` / ``adamw``, the optimizer updates out of place
+(``fxpipe.runtime.optim``) and versions cost no copy; ``weight_stash="copy"``
+(or an optimizer the out-of-place step does not cover) uses torch's
+optimizer and a copy of the weights per version.
 
 Before every optimizer update the rank sets the step's learning rate
 (``fxpipe.runtime.lr_schedule``) and, with ``clip_grad_norm``, clips the
@@ -33,14 +40,22 @@ from fxpipe.runtime.clipping import GradClipper, make_clipper
 from fxpipe.runtime.data import batch_dim
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
+from fxpipe.runtime.heap import keep_freed_memory
 from fxpipe.runtime.lr_schedule import LRScheduleError, check_lr_schedule, lr_at, set_lr
+from fxpipe.runtime.optim import copy_free_optimizer, is_out_of_place
 from fxpipe.runtime.precision import LossScaler, check_precision
 from fxpipe.runtime.recompute import check_recompute, recomputes
+from passes.errors import FxpipeError
 from passes.partition.costmodel import DEFAULT_SCHEDULE
 from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer, rank_path
 from fxpipe.runtime.transport import P2P, wires_of
+
+STASHING = ("1f1b-stash", "2bw")  # schedules whose forwards can be overtaken by an update
+CONTINUOUS = ("1f1b-stash", "2bw")  # schedules that run several steps per action list
+WEIGHT_STASH = ("copy-free", "copy")
+
 
 @dataclass
 class TrainConfig:
@@ -65,6 +80,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine | linear (fxpipe.runtime.lr_schedule)
     warmup_steps: int = 0
     min_lr: float = 0.0  # where cosine and linear decay to
+    weight_stash: str = "copy-free"  # copy-free | copy: how stashing schedules keep weight versions
 
     def __post_init__(self) -> None:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
@@ -73,6 +89,10 @@ class TrainConfig:
         check_recompute(self.recompute, self.schedule)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
+        if self.weight_stash not in WEIGHT_STASH:
+            raise FxpipeError(f"weight_stash {self.weight_stash!r} is not one of {', '.join(WEIGHT_STASH)}")
+        if self.schedule == "2bw":
+            _check_2bw(self)
 
     def lr_of(self, step: int) -> float:
         """The learning rate of 0-based ``step``."""
@@ -87,7 +107,19 @@ class TrainConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
-def make_optimizer(cfg: TrainConfig, module: nn.Module) -> torch.optim.Optimizer:
+def _check_2bw(cfg: TrainConfig) -> None:
+    """What 2bw does not support, refused before any worker starts."""
+    if cfg.clip_grad_norm is not None:
+        # the global norm would make every stage wait at its update for the last one to finish the batch
+        raise FxpipeError("--clip-grad-norm is not supported with --schedule 2bw; use 1f1b-flush or gpipe "
+                          "to clip, or drop --clip-grad-norm")
+    if cfg.resume:
+        raise FxpipeError("--resume is not supported with --schedule 2bw: a checkpoint holds one weight version "
+                          "and 2bw's next batch runs on the one before it; resume with 1f1b-flush, or start over")
+
+
+def make_optimizer(cfg: TrainConfig, module: nn.Module, copy_free: bool = False) -> torch.optim.Optimizer:
+    """The stage's optimizer; ``copy_free``: the out-of-place ``sgd`` / ``adamw`` where they cover the options."""
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:  # a stage without parameters still takes STEP actions
         params = [nn.Parameter(torch.zeros(()))]
@@ -96,6 +128,12 @@ def make_optimizer(cfg: TrainConfig, module: nn.Module) -> torch.optim.Optimizer
     # times faster for a stage of many small tensors, and with stashing the step is paid every microbatch
     fused = {"fused": True} if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else {}
     more = cfg.optimizer_options
+    if copy_free and cfg.optimizer in ("sgd", "adamw"):
+        plain = {"lr": cfg.lr, **({"momentum": cfg.momentum} if cfg.optimizer == "sgd" else {}), **wd, **fused,
+                 **more}
+        opt = copy_free_optimizer(cfg.optimizer, params, plain)
+        if opt is not None:
+            return opt
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, **{"lr": cfg.lr, "momentum": cfg.momentum, **wd, **fused, **more})
     if cfg.optimizer == "adamw":
@@ -121,7 +159,7 @@ class TrainResult:
 
 def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
     """(first step, steps) runs of one action list each."""
-    if cfg.schedule != "1f1b-stash":
+    if cfg.schedule not in CONTINUOUS:
         return [(s, 1) for s in range(start, cfg.steps)]
     every = cfg.checkpoint_every if cfg.checkpoint and cfg.checkpoint_every > 0 else cfg.steps
     out, s = [], start
@@ -160,9 +198,10 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
         data = _on_device(data, device)
     module = split.stages[stage].to(device)
     module.train()
-    stashing = cfg.schedule == "1f1b-stash"
-    stash = WeightStash(module, stash=stashing)
-    optimizer = make_optimizer(cfg, module)
+    stashing = cfg.schedule == "1f1b-stash"  # an update per minibatch (2bw: per batch, as flush)
+    optimizer = make_optimizer(cfg, module, copy_free=cfg.schedule in STASHING and cfg.weight_stash == "copy-free")
+    stash = WeightStash(module, stash=cfg.schedule in STASHING, copy_free=is_out_of_place(optimizer),
+                        batch=cfg.microbatches if cfg.schedule == "2bw" else None)
     groups = make_groups(layout, split.tied, rank)
     # the name the stage's parameters() keep: a tensor the stage holds under two names is one parameter
     local_of = {orig: local for local, orig in split.param_names[stage].items() if local in stash.master}
@@ -181,7 +220,7 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
                   flatten=getattr(split, "flatten_inputs", list),
                   unflatten=getattr(split, "unflatten_outputs", lambda out: out), precision=cfg.precision,
                   recompute=recomputes(cfg.recompute, cfg.recompute_stages, stage), scaler=scaler)
-    return _Rank(stage, module, optimizer, ex, None if stashing else groups.replica, tracer, clipper)
+    return _Rank(stage, module, optimizer, ex, None if cfg.schedule in CONTINUOUS else groups.replica, tracer, clipper)
 
 
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
@@ -195,10 +234,11 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     """
     if build is None:
         from fxpipe.schedule import build_schedule as build
+    keep_freed_memory()  # every step allocates the same again (fxpipe.runtime.heap)
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
-    M, stashing = cfg.microbatches, cfg.schedule == "1f1b-stash"
+    M, stashing, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
     info = checkpoint_info(cfg)
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
     stats = StepStats(clipping=r.clipper is not None)
@@ -207,19 +247,20 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
                             r.ex.losses, r.loss_group, notes=stats.note)
     current = [start]  # the flush/gpipe step running now
-    r.ex.before_step = _before_step(cfg, r, stats, reporter if stashing else None, current)
+    r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
     blocking = sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
         current[0] = first
         if n not in cache:
+            more = {"steps": n} if cfg.schedule == "2bw" else {}
             cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages,
-                             blocking)[rank]
-        if reporter is not None and stashing:
+                             blocking, **more)[rank]
+        if reporter is not None and continuous:
             reporter.expect(cache[n], first * M)
         r.ex.run(cache[n], base=first * M)
-        if reporter is not None and not stashing:
+        if reporter is not None and not continuous:
             reporter.step_done(first)
         done = first + n
         if cfg.checkpoint and (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0 or done == cfg.steps):
@@ -243,10 +284,11 @@ def _before_step(cfg: TrainConfig, r: _Rank, stats: StepStats, stash_reporter: O
                  current: List[int]) -> Callable[[int], None]:
     """What runs right before every optimizer update: the step's learning rate, then clipping.
 
-    ``g`` is the global minibatch whose backward the update follows (stash:
-    its step is ``g // M``) or -1 (flush, gpipe: the step in ``current``).
-    With stash the step line is printed from here too, once the step's last
-    update on the last stage is clipped, so its norm counts in the line.
+    ``g`` is the global minibatch whose backward the update follows (stash,
+    2bw: its step is ``g // M``) or -1 (flush, gpipe: the step in
+    ``current``). With stash and 2bw the step line is printed from here too,
+    once the step's last update on the last stage is clipped, so its norm
+    counts in the line.
     """
     def hook(g: int) -> None:
         step = g // cfg.microbatches if g >= 0 else current[0]

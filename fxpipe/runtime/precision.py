@@ -58,11 +58,11 @@ def precision_dtype(precision: str) -> torch.dtype:
 def check_precision(precision: str, schedule: str) -> None:
     """Fail before any worker starts on a combination that cannot run."""
     precision_dtype(precision)
-    if precision == "fp16" and schedule == "1f1b-stash":
+    if precision == "fp16" and schedule in ("1f1b-stash", "2bw"):
         # each minibatch's step would need an all-rank agreement on inf/nan in the middle of the
         # pipeline (ranks step at different times there): not supported
-        raise PrecisionError("--precision fp16 (dynamic loss scaling) runs with --schedule 1f1b-flush or "
-                             "gpipe, not 1f1b-stash; use --precision bf16 with 1f1b-stash")
+        raise PrecisionError(f"--precision fp16 (dynamic loss scaling) runs with --schedule 1f1b-flush or "
+                             f"gpipe, not {schedule}; use --precision bf16 with {schedule}")
 
 
 def autocast(precision: str, device: torch.device) -> ContextManager:
@@ -107,10 +107,9 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         inv = 1.0 / self.scale
         local_bad = False
-        for g in grads:
-            g.mul_(inv)
-        if grads:
-            local_bad = not bool(torch.stack([g.float().abs().max() for g in grads]).isfinite().all())
+        if grads:  # foreach: one call over the stage's gradients, not one per tensor
+            torch._foreach_mul_(grads, inv)
+            local_bad = not bool(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
         flag = torch.tensor([1.0 if local_bad else 0.0], device=self.device)
         if dist.is_available() and dist.is_initialized():
             with peer_guard("all-reduce of the fp16 inf/nan flag"):

@@ -1,9 +1,9 @@
 """Per-step loss and throughput, printed by the last stage.
 
 A step ends, for flush and gpipe, when its action list has run (optimizer
-step included); with ``1f1b-stash`` the pipeline never stops between steps,
-so a step ends when the last stage is about to apply the update of the last
-of the step's minibatches it computes (``backward_done`` is called then). samples/s is the step's samples over the wall
+step included); with ``1f1b-stash`` and ``2bw`` the pipeline never stops
+between steps, so a step ends when the last stage is about to apply the
+step's last update (``backward_done`` is called then). samples/s is the step's samples over the wall
 time since the previous step ended (checkpoint writing excluded). The
 learning rate and, when clipping, the gradient norm follow the loss: the
 global norm (flush, gpipe) or, with stash, the largest norm of the last
@@ -39,9 +39,9 @@ class Reporter:
         self.t_last = time.perf_counter()
 
     def expect(self, actions: Sequence[Any], base: int) -> None:
-        """Count, per step, the forwards this rank runs in ``actions`` (stash)."""
+        """Count, per step, the updates this rank runs in ``actions`` (stash: one per minibatch; 2bw: one)."""
         for a in actions:
-            if a.kind is Kind.F:
+            if a.kind is Kind.STEP and a.mb >= 0:
                 s = (base + a.mb) // self.M
                 self.left[s] = self.left.get(s, 0) + 1
 

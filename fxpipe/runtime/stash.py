@@ -8,15 +8,29 @@ current PyTorch autograd rejects that, because the saved tensors of ``m``'s
 graph were modified in place.
 
 So the stash never mutates a tensor that a graph saved. The module's own
-parameters are the *master* copy that the optimizer updates. In stash mode each
-weight version is a set of detached clones of the master (made lazily at the
-first forward after a step), and a forward runs the stage on its version
-(the version's tensors put in the parameter slots for the call, as
-``torch.func.functional_call`` does; that function itself when a parameter
-is tied under two names). The backward accumulates into
-the version's ``.grad``; ``backward_done`` moves that into the master's
-``.grad`` and drops the version once no microbatch in flight uses it. Buffers
-(BatchNorm statistics) are not versioned: they are the module's own.
+parameters are the *master* that the optimizer updates; a forward that an
+update will overtake runs on a *version*: a dict of tensors put in the
+parameter slots for the call (as ``torch.func.functional_call`` does; that
+function itself when a parameter is tied under two names). How a version is
+made depends on the optimizer:
+
+- *copy-free* (``fxpipe.runtime.optim``'s out-of-place optimizers): a version
+  is a set of aliases (``.data``) of the master's tensors. The optimizer then
+  rebinds each parameter to a new tensor instead of writing the old one, so
+  the aliases keep the weights the forward saw, and nothing is copied;
+- *copy* (any in-place optimizer): a version is a set of detached clones.
+
+Either is made lazily at the first forward that needs it. The backward
+accumulates into the version's ``.grad``; ``backward_done`` moves that into
+the master's ``.grad`` and drops the version once no microbatch in flight
+uses it and no later forward will (PipeDream frees a version after its last
+backward). Buffers (BatchNorm statistics) are not versioned: they are the
+module's own.
+
+Which version a forward uses: the newest (``1f1b-stash``), or with
+``batch=M`` (``2bw``) the version ``b - 1`` for global microbatch ``g`` of
+batch ``b = g // M`` (version ``k`` = the weights after ``k`` updates), which
+``before_update`` keeps alive across the update that makes version ``b``.
 
 Without stashing (flush, gpipe) there is one version, the master itself, and
 the stage is simply called; no copy is made.
@@ -29,11 +43,20 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from passes.errors import FxpipeError
+
+
+class StashError(FxpipeError):
+    """A forward asked for a weight version the stash no longer (or not yet) holds."""
+
 
 class WeightStash:
-    def __init__(self, module: nn.Module, stash: bool) -> None:
+    def __init__(self, module: nn.Module, stash: bool, copy_free: bool = False, batch: Optional[int] = None) -> None:
+        """``copy_free``: the optimizer updates out of place (versions alias the master);
+        ``batch``: 2bw's batch size (forwards of batch ``b`` use version ``b - 1``)."""
         self.module = module
         self.stash = stash
+        self.copy_free, self.batch = copy_free, batch
         self.master: Dict[str, nn.Parameter] = dict(module.named_parameters())
         # functional_call's weight tying scans the module on every call; only pay for it when a
         # parameter really is registered under two names in this stage
@@ -41,7 +64,7 @@ class WeightStash:
         # where each parameter lives: (owning submodule's _parameters dict, leaf name), for the swap
         self._slots = [(module.get_submodule(n.rpartition(".")[0])._parameters, n.rpartition(".")[2], n)
                        for n in self.master]
-        self.version = 0  # the version the next forward uses
+        self.version = 0  # the master's version: updates applied so far
         self._versions: Dict[int, Dict[str, torch.Tensor]] = {}
         self._users: Dict[int, int] = {}  # version -> microbatches in flight on it
         self._mb_version: Dict[int, int] = {}
@@ -53,7 +76,7 @@ class WeightStash:
 
     def forward(self, mb: int, args: Any, versioned: bool = True,
                 wrap: Optional[Callable[[Callable[..., Any], Any], Any]] = None) -> Any:
-        """Run the stage for microbatch ``mb`` on the current version and remember which.
+        """Run the stage for microbatch ``mb`` on its version (see the module docstring) and remember which.
 
         ``versioned=False``: the caller knows no update happens before ``mb``'s
         backward (the last stage's ``F m, B m, STEP``), so the master itself
@@ -62,18 +85,40 @@ class WeightStash:
         puts the same weight version in place each time).
         """
         run = wrap or (lambda call, a: call(*a))
-        if not self.stash or not versioned:
+        if not self.stash:
             return run(self.module, args)
-        v = self.version
-        if v not in self._versions:
-            self._versions[v] = {n: p.detach().clone().requires_grad_(p.requires_grad)
-                                 for n, p in self.master.items()}
+        v = self._version_of(mb)
+        if v == self.version and not versioned:
+            return run(self.module, args)
+        if v == self.version:
+            self.keep_current()
+        elif v not in self._versions:
+            raise StashError(f"microbatch {mb} needs weight version {v}, but this stage is at version "
+                             f"{self.version} and keeps {sorted(self._versions)}: the schedule runs it out of order")
         self._users[v] = self._users.get(v, 0) + 1
         self._mb_version[mb] = v
         weights = self._versions[v]
         if self._tied:
             return run(lambda *a: functional_call(self.module, weights, a, strict=False, tie_weights=True), args)
         return run(lambda *a: self._call_on(weights, a), args)
+
+    def _version_of(self, mb: int) -> int:
+        return self.version if self.batch is None else max(0, mb // self.batch - 1)
+
+    def keep_current(self) -> None:
+        """Make the current weights a version of their own (aliases or copies), once; the first
+        forward after an update that needs a version of its own does it."""
+        if self.version not in self._versions:
+            # copy-free: ``.data`` shares the storage but not the version counter, so the optimizer's
+            # in-place work on the parameter's next tensor does not look like a write to this one
+            take = (lambda p: p.data) if self.copy_free else (lambda p: p.detach().clone())
+            self._versions[self.version] = {n: take(p).requires_grad_(p.requires_grad)
+                                            for n, p in self.master.items()}
+
+    def before_update(self) -> None:
+        """Called right before the optimizer changes the master: 2bw's next batch runs on these weights."""
+        if self.stash and self.batch is not None:
+            self.keep_current()
 
     def _call_on(self, weights: Dict[str, torch.Tensor], args: Any) -> Any:
         """Call the stage with ``weights`` in its parameter slots, then put the master back.
@@ -113,14 +158,16 @@ class WeightStash:
             self._release(v)
 
     def stepped(self) -> None:
-        """The optimizer updated the master: later forwards use a new version."""
+        """The optimizer updated the master: later forwards use a newer version."""
         if not self.stash:
             return
-        old = self.version
         self.version += 1
-        self._release(old)
+        for v in list(self._versions):
+            self._release(v)
 
     def _release(self, v: int) -> None:
-        if self._users.get(v, 0) == 0 and v != self.version:
+        """Drop ``v`` once no microbatch in flight uses it and no later forward will."""
+        oldest_needed = self.version if self.batch is None else self.version - 1
+        if self._users.get(v, 0) == 0 and v < oldest_needed:
             self._versions.pop(v, None)
             self._users.pop(v, None)

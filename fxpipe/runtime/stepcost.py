@@ -10,8 +10,9 @@ measured").
 
 So before training the parent times, per stage, the very optimizer the
 workers build (``make_optimizer``) on throwaway copies of the stage's
-parameters with gradients set, one thread as the workers run; with stashing,
-plus the copy of the weights that makes the next version. The model's own
+parameters with gradients set, one thread as the workers run; with a copying
+stash (``weight_stash="copy"``), plus the copy of the weights that makes the
+next version (the default copy-free stash has none). The model's own
 parameters and optimizer state are never touched. A stage over
 ``SAMPLE_NUMEL`` elements is timed on one tensor of that size and the time
 scaled by its element count (a fused step is linear in bytes), so the copies
@@ -26,13 +27,14 @@ from typing import Any, List
 import torch
 import torch.nn as nn
 
-from fxpipe.runtime.loop import TrainConfig, make_optimizer
+from fxpipe.runtime.loop import STASHING, TrainConfig, make_optimizer
+from fxpipe.runtime.optim import is_out_of_place
 
 SAMPLE_NUMEL = 16 * 2**20  # 64 MiB of fp32
 
 
 def stage_step_s(stage: nn.Module, cfg: TrainConfig, repeats: int = 5, warmup: int = 2) -> float:
-    """Median seconds of one optimizer step (and, stashing, one weight copy) for ``stage``."""
+    """Median seconds of one optimizer step (and, with a copying stash, one weight copy) for ``stage``."""
     params = [p for p in stage.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     if numel > SAMPLE_NUMEL:
@@ -45,8 +47,9 @@ def _time_step(params: List[torch.Tensor], cfg: TrainConfig, repeats: int, warmu
     copies = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in params])
     for p in copies:
         p.grad = torch.zeros_like(p)
-    opt = make_optimizer(cfg, copies)
-    stash = cfg.schedule == "1f1b-stash"
+    stashing = cfg.schedule in STASHING
+    opt = make_optimizer(cfg, copies, copy_free=stashing and cfg.weight_stash == "copy-free")
+    stash = stashing and not is_out_of_place(opt)  # a copying stash clones the weights once per update
     times = []
     for i in range(warmup + repeats):
         start = time.perf_counter()

@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # only annotations: the CLI's parser imports this module for 
     from passes.costgraph import CostGraph, CostNode
 
 COST_MODELS = ("fxpipe", "pipedream")
-SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1")  # the one list: the CLI, the runtime and show read it
+SCHEDULES = ("1f1b-stash", "1f1b-flush", "gpipe", "zb-h1", "2bw")  # the one list: the CLI, the runtime and show read it
 DEFAULT_SCHEDULE = "1f1b-flush"  # equals single-device training with gradient accumulation
 REPLICATION = ("any", "pow2", "none")
 
@@ -470,7 +470,7 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
         return int(cap)
     if schedule == "1f1b-stash":
         window = math.ceil(sum(replicas[stage:]) / r)
-    elif schedule == "1f1b-flush":
+    elif schedule in ("1f1b-flush", "2bw"):  # 2bw: flush's order, without the drain
         window = _flush_window(stage, replicas)
     elif schedule == "zb-h1":  # a microbatch's activations live until its deferred W
         window = max(_flush_window(k, replicas) for k in range(len(replicas)))
@@ -491,20 +491,22 @@ def most_in_flight(opts: CostOptions) -> int:
     """An upper bound of ``in_flight`` on every layout of ``opts.devices`` ranks (1F1B-flush:
     ``r_j n_j <= 2 r_j - 1 + r_{j+1} n_{j+1}``, so ``n_j < 2K``); CP-SAT's domain for the count."""
     K, M = opts.devices, opts.num_microbatches
-    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "zb-h1": min(2 * K, M), "gpipe": M}[opts.schedule]
+    return {"1f1b-stash": K, "1f1b-flush": min(2 * K, M), "zb-h1": min(2 * K, M), "gpipe": M,
+            "2bw": 2 * K}[opts.schedule]
 
 
 def planned_microbatches(opts: CostOptions) -> Optional[int]:
     """Microbatches per action list that a plan's memory is costed for (``in_flight``); a 1F1B-stash
-    run never drains, so its count is not capped by ``microbatches``."""
-    return None if opts.schedule == "1f1b-stash" else opts.num_microbatches
+    or 2BW run never drains, so its count is not capped by ``microbatches``."""
+    return None if opts.schedule in ("1f1b-stash", "2bw") else opts.num_microbatches
 
 
 def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
-    """Weight copies a device keeps: one per microbatch in flight with stashing, else one."""
+    """Weight copies a device keeps: one per microbatch in flight with stashing, two with 2BW (the
+    previous step's weights and the current ones), else one."""
     if opts.schedule == "1f1b-stash":
         return in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
-    return 1
+    return 2 if opts.schedule == "2bw" else 1
 
 
 def device_memory_bytes(param_bytes: float, act_bytes: float, versions: int, flight: int, extra_copies: float) -> int:

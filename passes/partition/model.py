@@ -203,7 +203,7 @@ class PartitionModel:
         limit = m.NewIntVar(0, 10**12, "mem") if self.minimise_memory else int(opts.memory // unit)
         self.mem_var = limit
         counts = [sum(r * y for r, y in self.y[k].items()) for k in range(S)]
-        window = self._windows(counts) if opts.schedule in ("1f1b-flush", "zb-h1") else None
+        window = self._windows(counts) if opts.schedule in ("1f1b-flush", "zb-h1", "2bw") else None
         self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
         for b in range(S):
             w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most_in_flight(opts) + 1)}
@@ -213,7 +213,7 @@ class PartitionModel:
             pm = self._sum_var(b, [p / unit for p in u_.param_bytes], {p: nb / unit for p, (nb, _) in u_.shared.items()}, "PM", up=True)
             am = self._sum_var(b, [a / unit for a in u_.act_bytes], {}, "AM", up=True)
             for n, v in w.items():
-                versions = n if opts.schedule == "1f1b-stash" else 1
+                versions = n if opts.schedule == "1f1b-stash" else 2 if opts.schedule == "2bw" else 1
                 factor = int(math.ceil(1000 * (versions + 1 + opts.optimizer_state)))
                 m.Add(factor * pm + 1000 * n * am <= 1000 * limit).OnlyEnforceIf(v)
         if self.minimise_memory:
@@ -241,6 +241,8 @@ class PartitionModel:
                 m.Add(nflight >= per_replica).OnlyEnforceIf(y)
             elif opts.schedule == "1f1b-stash":
                 m.Add(r * nflight >= sum(counts[b:])).OnlyEnforceIf(y)
+            elif opts.schedule == "2bw":  # flush's window, never capped: the run does not drain
+                m.Add(nflight >= window[b]).OnlyEnforceIf(y)
             else:  # the smaller of the window and the microbatches the replica gets
                 pipeline = m.NewBoolVar(f"pipe{b}_{r}")
                 for k in (range(len(window)) if opts.schedule == "zb-h1" else (b,)):  # zb-h1: the deepest window

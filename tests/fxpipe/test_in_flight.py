@@ -30,6 +30,8 @@ def step_lengths(schedule, replicas):
     lcm = math.lcm(*replicas)
     if schedule == "1f1b-stash":
         return [lcm, 36]
+    if schedule == "2bw":  # a step must outlast the warm-up (two weight versions): long ones only
+        return [24, 36]
     return [max(replicas), 5, 24]
 
 
@@ -89,10 +91,12 @@ def _cpsat_in_flight(replicas, schedule, M):
     return [solver.Value(f) for f in model.flight]
 
 
-@pytest.mark.parametrize("schedule,M", [("1f1b-flush", 24), ("1f1b-flush", 5), ("1f1b-stash", 36), ("gpipe", 5)])
+@pytest.mark.parametrize("schedule,M", [("1f1b-flush", 24), ("1f1b-flush", 5), ("1f1b-stash", 36), ("gpipe", 5),
+                                        ("2bw", 5)])
 def test_cpsat_memory_constraint_uses_the_cost_models_count(schedule, M):
     for replicas in LAYOUTS:
-        cap = None if schedule == "1f1b-stash" else M  # a stash run never drains: its plans are costed uncapped
+        # stash and 2bw runs never drain: their plans are costed uncapped
+        cap = None if schedule in ("1f1b-stash", "2bw") else M
         want = [in_flight(j, replicas, schedule, cap) for j in range(len(replicas))]
         assert _cpsat_in_flight(replicas, schedule, M) == want, replicas
 

@@ -8,9 +8,10 @@ peak. Linux resets the high-water mark (``VmHWM``) when ``5`` is written to
 """
 from __future__ import annotations
 
+import os
 import resource
 import socket
-from typing import Dict
+from typing import Dict, Tuple
 
 _BASE: Dict[str, float] = {}
 
@@ -52,3 +53,8 @@ def growth_mib() -> float:
     """Peak since the mark minus the resident size at the mark."""
     peak = peak_mib()
     return peak - _BASE.get("rss", peak)
+
+
+def load_note(before: Tuple[float, float, float]) -> str:
+    """The 1-minute load average before a benchmark and now, for its table's footer."""
+    return f"load average {before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"

@@ -6,17 +6,22 @@ Two models (a GPT-style stack and a deep MLP), each cut at the same block
 boundaries into 2 and 4 stages, the same number of microbatches, CPU gloo,
 one thread per rank. Per configuration a fresh set of processes runs:
 
-- fxpipe ``1f1b-flush``, ``1f1b-stash``, ``gpipe``, ``zb-h1``: the model captured and
+- fxpipe ``1f1b-flush``, ``1f1b-stash``, ``gpipe``, ``zb-h1``, ``2bw``: the model captured and
   split by fxpipe (``passes.split``) at those boundaries, once, in the parent
   process, and saved; every rank loads the saved split (as ``fxpipe train``'s
   workers do) and trains it with ``fxpipe.runtime.loop.train``;
+  ``1f1b-stash:copy`` (not run by default) is ``1f1b-stash`` with
+  ``weight_stash="copy"``, the stash that clones weights (peer of the
+  default copy-free one);
 - torch ``Schedule1F1B`` and ``ScheduleGPipe``: ``PipelineStage`` on
   ``nn.Sequential`` chunks holding the same modules; ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (two stages per rank, rank ``r`` holding
   chunks ``r`` and ``r + ranks``) and ``ScheduleZBVZeroBubble`` (rank ``r``
   holding chunks ``r`` and ``2 ranks - 1 - r``): the same pieces cut into
   twice as many chunks. A torch schedule that fails to run is reported, not
-  fatal.
+  fatal. Torch's ranks get the allocator setting fxpipe's ranks make
+  (``fxpipe.runtime.heap``), so the comparison is of schedules, not of
+  ``malloc`` settings.
 
 Throughput is samples/s of one step (M microbatches) measured on the last
 stage between consecutive step ends (optimizer step included), median over
@@ -24,7 +29,9 @@ stage between consecutive step ends (optimizer step included), median over
 times, interleaved with the others, and the best median is kept (load from
 other processes only ever slows a run down). The ratio divides an fxpipe
 schedule's rate by the fastest torch schedule's in the same configuration;
-the summary line per configuration is fxpipe's fastest over torch's fastest. Memory is the peak resident set size during training of the
+the summary line per configuration is fxpipe's fastest over torch's fastest;
+"/ flush" compares the stashing schedules with fxpipe's ``1f1b-flush`` of the
+same round set. Memory is the peak resident set size during training of the
 rank that peaked highest (Linux ``VmHWM``, reset when training starts), and
 its growth (that peak minus the resident size when training started): what
 activations, stashed weights and communication buffers added. It is a benchmark, not a test: the
@@ -48,12 +55,14 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tools.bench.procmem import free_port, growth_mib, mark_baseline, peak_mib
+from tools.bench.procmem import free_port, growth_mib, load_note, mark_baseline, peak_mib
 
-FX = ("1f1b-flush", "1f1b-stash", "gpipe", "zb-h1")
+FX = ("1f1b-flush", "1f1b-stash", "gpipe", "zb-h1", "2bw")
+MORE = ("1f1b-stash:copy",)  # run only when asked for by --schedules
 TORCH = ("torch-1f1b", "torch-gpipe", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv")
 VIRTUAL = {"torch-interleaved-1f1b": "ScheduleInterleaved1F1B", "torch-interleaved-zb": "ScheduleInterleavedZeroBubble",
            "torch-zbv": "ScheduleZBVZeroBubble"}  # two stages per rank
+STASHING = ("1f1b-stash", "1f1b-stash:copy", "2bw")
 
 
 # ------------------------------------------------------------------ models
@@ -169,7 +178,9 @@ def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: in
 
     _, x, y, loss = MODELS[model]()
     split = SplitModel.load(split_dir)  # as `fxpipe train`'s workers do: the parent split once
-    cfg = TrainConfig(schedule=kind, microbatches=M, steps=steps, lr=1e-3, log=False)
+    schedule, _, stash = kind.partition(":")
+    cfg = TrainConfig(schedule=schedule, microbatches=M, steps=steps, lr=1e-3, log=False,
+                      weight_stash=stash or "copy-free")
     mark_baseline()
     res = train(rank=rank, layout=Layout.of([1] * stages), split=split, cfg=cfg, data=lambda g: ((x,), y),
                 loss_fn=loss)
@@ -178,6 +189,9 @@ def _run_fxpipe(rank: int, kind: str, model: str, stages: int, M: int, steps: in
 
 def _run_torch(rank: int, kind: str, model: str, stages: int, M: int, steps: int, split_dir: str) -> List[float]:
     from torch.distributed import pipelining
+    from fxpipe.runtime.heap import keep_freed_memory
+
+    keep_freed_memory()  # the allocator setting fxpipe's train() makes: schedules compared, not allocators
     from fxpipe.runtime.loop import TrainConfig, make_optimizer
 
     pieces, x, y, loss = MODELS[model]()
@@ -233,7 +247,7 @@ def run_config(kind: str, model: str, stages: int, M: int, steps: int) -> Dict[s
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         split_dir = os.path.join(out, "split")
-        if kind in FX:
+        if kind not in TORCH:
             pieces, x, _, _ = MODELS[model]()
             _fxpipe_split(pieces, x, bounds(len(pieces), stages)).save(split_dir)
         mp.start_processes(_entry, args=(stages, port, (kind, model, stages, M, steps, split_dir), out), nprocs=stages,
@@ -258,7 +272,7 @@ def main(argv: Sequence[str] = ()) -> int:
     args = p.parse_args(list(argv) or None)
     from tabulate import tabulate
 
-    kinds = [k for k in TORCH + FX if k in args.schedules.split(",")]
+    kinds = [k for k in TORCH + FX + MORE if k in args.schedules.split(",")]
     load0 = os.getloadavg()
     rows, summary, failed = [], [], []
     for model in args.models.split(","):
@@ -278,21 +292,22 @@ def main(argv: Sequence[str] = ()) -> int:
                     if kind not in got or r["median"] > got[kind]["median"]:
                         got[kind] = r
             best = {side: max((k for k in got if k in kinds_of), key=lambda k: got[k]["median"], default=None)
-                    for side, kinds_of in (("fx", FX), ("torch", TORCH))}
-            for kind in [k for k in FX + TORCH if k in got]:
+                    for side, kinds_of in (("fx", FX + MORE), ("torch", TORCH))}
+            flush = got.get("1f1b-flush")
+            for kind in [k for k in FX + MORE + TORCH if k in got]:
                 r = got[kind]
-                ratio = f"{r['median'] / got[best['torch']]['median']:.2f}" if kind in FX and best["torch"] else ""
-                rows.append([model, stages, args.microbatches, kind, f"{r['median']:.1f}", ratio,
+                ratio = f"{r['median'] / got[best['torch']]['median']:.2f}" if kind not in TORCH and best["torch"] else ""
+                vs_flush = f"{r['median'] / flush['median']:.2f}" if kind in STASHING and flush else ""
+                rows.append([model, stages, args.microbatches, kind, f"{r['median']:.1f}", ratio, vs_flush,
                              f"{r['peak']:.0f}", f"{r['growth']:.0f}"])
             if best["fx"] and best["torch"]:
                 summary.append(f"{model} x{stages}: fxpipe's fastest ({best['fx']}) / torch's fastest "
                                f"({best['torch']}) = {got[best['fx']]['median'] / got[best['torch']]['median']:.2f}")
     print(tabulate(rows, headers=["model", "stages", "M", "schedule", "samples/s", "fxpipe / torch's fastest",
-                                  "peak RSS MiB", "RSS growth MiB"]))
+                                  "/ flush", "peak RSS MiB", "RSS growth MiB"]))
     print("\n".join(summary + failed))
-    load1 = os.getloadavg()
-    print(f"CPU gloo, 1 thread per rank, {os.cpu_count()} cores; load average {load0[0]:.1f} before, "
-          f"{load1[0]:.1f} after; median of {args.steps} steps after {args.warmup} warm-up steps, best of {args.rounds} interleaved rounds")
+    print(f"CPU gloo, 1 thread per rank, {os.cpu_count()} cores; {load_note(load0)}; median of {args.steps} "
+          f"steps after {args.warmup} warm-up steps, best of {args.rounds} interleaved rounds")
     return 0
 
 

@@ -8,7 +8,11 @@ The references are written here, from the definitions, without the runtime:
   forward runs on a snapshot of its stage's current weights, its backward uses
   that snapshot, and every backward updates the stage's weights (replicas
   average their k-th gradients and update together). The order of forwards
-  and backwards on each rank is the schedule's, the only input it takes.
+  and backwards on each rank is the schedule's, the only input it takes;
+- ``two_bw_model``: PipeDream-2BW's semantics on the unsplit model: step
+  ``t``'s gradient (of the mean loss over its ``M`` microbatches) is computed
+  on the weights before the previous update, ``W(t - 1)`` (``W(-1) = W(0)``),
+  and the optimizer applies it to ``W(t)``.
 """
 from __future__ import annotations
 
@@ -81,6 +85,25 @@ def optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
 def accumulate(name: str, steps: int, M: int, opt: str, lr: float) -> Dict[str, torch.Tensor]:
     model, _ = fakes.MODELS[name]()
     return accumulate_model(model, fakes.Data(*fakes.DIMS[name]), fakes.mse, steps, M, opt, lr)
+
+
+def two_bw_model(model: nn.Module, data: Any, loss_fn: Any, steps: int, M: int, opt: str,
+                 lr: float, momentum: float = 0.0) -> Dict[str, torch.Tensor]:
+    """``model`` trained in place with 2BW's ``W(t + 1) = W(t) - lr * grad f(W(t - 1))`` (torch's optimizer)."""
+    o = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum) if opt == "sgd" else \
+        optimizer(opt, model.parameters(), lr)
+    before = copy.deepcopy(model)  # W(t - 1); ties survive deepcopy, so parameters() pair up with model's
+    for s in range(steps):
+        for m in range(M):
+            (x,), y = data(s * M + m)
+            (loss_fn(before(x), y) / M).backward()
+        now = copy.deepcopy(model)  # W(t): the next step's gradient is computed on it
+        for p, q in zip(model.parameters(), before.parameters()):
+            p.grad = q.grad
+        o.step()
+        o.zero_grad()
+        before = now
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def accumulate_model(model: nn.Module, data: Any, loss_fn: Any, steps: int, M: int, opt: str,

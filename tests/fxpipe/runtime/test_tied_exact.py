@@ -18,7 +18,11 @@ minibatches, each its own update): every parameter within 1e-9 of its change
   backward where one weight has several users in a stage): single-process
   training of the unsplit model on the mean microbatch loss of each step;
 - ``1f1b-stash``, SGD: ``cases.pipedream_split``, the PipeDream reference
-  (weight stashing, replicas averaging, tied copies summing their stages).
+  (weight stashing, replicas averaging, tied copies summing their stages);
+- ``2bw``, SGD with momentum and AdamW: ``cases.two_bw_model``, PipeDream-2BW
+  on the unsplit model (each step's gradient computed on the weights before
+  the previous update). The stash runs copy-free (out-of-place optimizer);
+  ``1f1b-stash`` also runs once with ``weight_stash="copy"``.
 
 Before ties survived the stage files, the weight tied inside one stage was
 0.2 to 0.75 of its change away (one user's gradient was lost).
@@ -90,8 +94,9 @@ CASES = {
 }
 LAYOUTS = [(1,), (2,), (1, 1), (1, 1, 1), (1, 2, 1)]
 RUNS = [(name, schedule, opt) for name in CASES for schedule, opts in
-        (("1f1b-flush", ("sgd", "adamw")), ("gpipe", ("sgd", "adamw")), ("1f1b-stash", ("sgd",)),
-         ("zb-h1", ("sgd",))) for opt in opts]
+        (("1f1b-flush", ("sgd", "adamw")), ("gpipe", ("sgd", "adamw")), ("1f1b-stash", ("sgd", "sgd-copy")),
+         ("zb-h1", ("sgd",)), ("2bw", ("sgd", "adamw"))) for opt in opts]
+MOMENTUM = {"1f1b-stash": 0.0, "2bw": 0.9}  # momentum's state must survive the out-of-place update too
 
 
 def _model(name: str) -> nn.Module:
@@ -117,8 +122,10 @@ def _save_split(name: str, layout: Tuple[int, ...], folder: str) -> Any:
 
 
 def _cfg(schedule: str, opt: str) -> Dict[str, Any]:
+    name = opt.split("-")[0]
     return TrainConfig(log=False, schedule=schedule, microbatches=M, steps=STEPS if schedule != "1f1b-stash" else 2,
-                       optimizer=opt, lr=LR[opt]).to_json()
+                       optimizer=name, lr=LR[name], momentum=MOMENTUM.get(schedule, 0.0),
+                       weight_stash="copy" if opt.endswith("-copy") else "copy-free").to_json()
 
 
 def _rank(rank: int, layout: Tuple[int, ...], folders: Dict[str, str], runs: Sequence[Tuple[str, str, str]]
@@ -136,6 +143,7 @@ def _rank(rank: int, layout: Tuple[int, ...], folders: Dict[str, str], runs: Seq
 
 
 def _reference(name: str, split: Any, layout: Tuple[int, ...], schedule: str, opt: str) -> Dict[str, torch.Tensor]:
+    opt = opt.split("-")[0]
     if schedule == "1f1b-stash":
         lay = Layout.of(layout)
         tied_stages = sorted({s for st in split.tied.values() for s in st})
@@ -143,6 +151,9 @@ def _reference(name: str, split: Any, layout: Tuple[int, ...], schedule: str, op
         return cases.pipedream_split(split, layout, cases.orders_of(acts, lay), LR[opt], CASES[name].data,
                                      CASES[name].loss)
     model = _model(name)
+    if schedule == "2bw":
+        cases.two_bw_model(model, CASES[name].data, CASES[name].loss, STEPS, M, opt, LR[opt], MOMENTUM["2bw"])
+        return {k: p.detach() for k, p in model.named_parameters()}
     cases.accumulate_model(model, CASES[name].data, CASES[name].loss, STEPS, M, opt, LR[opt])
     return {k: p.detach() for k, p in model.named_parameters()}
 

@@ -1,0 +1,105 @@
+"""Optimizers that update out of place, so a weight stash needs no copies.
+
+With weight stashing (``1f1b-stash``, ``2bw``) a forward's weights must stay
+unchanged until its backward, while the optimizer keeps updating. An
+in-place optimizer forces the stash to clone the weights for every version.
+These optimizers instead give each parameter a new tensor and rebind the
+parameter to it (``p.data = new``): the tensors an earlier forward used
+(``fxpipe.runtime.stash`` holds aliases of them) are never written again, so
+they *are* that version, and the stash copies nothing.
+
+They are ``torch.optim.SGD`` / ``torch.optim.AdamW`` with ``step`` wrapped:
+same options, same state (``state_dict`` and checkpoints are torch's
+format). Two ways to write the new tensors:
+
+- SGD without momentum: ``new = p - lr * (g + wd * p)`` in ``torch._foreach``
+  calls, one pass that reads the old tensor and writes the new one, where a
+  copying stash pays the update plus a clone. The arithmetic is torch's op
+  for op (bit-identical to ``torch.optim.SGD`` in float64, fused or not;
+  tests/fxpipe/runtime/test_copy_free.py);
+- everything else (momentum, AdamW): each parameter is first rebound to a
+  fresh copy of itself and torch's own step (fused where the caller asked)
+  updates the copy in place: torch's arithmetic by construction, and the
+  same work as a copying stash's clone plus step. (An out-of-place AdamW
+  written in ``_foreach`` calls would make eight passes over the weights
+  with one dispatch per tensor per op, against the fused kernel's one pass:
+  slower on CPU than the copy it saves.)
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+_UNSUPPORTED = ("capturable", "differentiable")
+
+
+def _rebind(params: List[torch.Tensor], new: List[torch.Tensor]) -> None:
+    """Point every parameter at its new tensor; the old tensor stays whole for whoever holds it."""
+    for p, n in zip(params, new):
+        p.data = n
+
+
+class _OutOfPlace:
+    """``step`` that never writes a tensor a parameter held before it."""
+
+    out_of_place = True
+    param_groups: List[Dict[str, Any]]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> Optional[torch.Tensor]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rest = False
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and not self._update(group, params):
+                _rebind(params, [p.detach().clone() for p in params])  # torch's in-place step writes these
+                rest = True
+        if rest:
+            super().step()  # type: ignore[misc]  # on the copies: groups done above have no .grad left to use
+        return loss
+
+    def _update(self, group: Dict[str, Any], params: List[torch.Tensor]) -> bool:
+        """Update ``params`` into new tensors where a direct out-of-place step exists; False: not here."""
+        return False
+
+
+class CopyFreeSGD(_OutOfPlace, torch.optim.SGD):
+    """``torch.optim.SGD``; without momentum, the update writes the new tensors directly."""
+
+    def _update(self, group: Dict[str, Any], params: List[torch.Tensor]) -> bool:
+        if group["momentum"] != 0:
+            return False
+        grads = [p.grad for p in params]
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        if group["weight_decay"] != 0:
+            grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+        _rebind(params, torch._foreach_add(params, grads, alpha=-float(group["lr"])))
+        for p in params:  # done: torch's step, if it runs for other groups, must skip these
+            p.grad = None
+        return True
+
+
+class CopyFreeAdamW(_OutOfPlace, torch.optim.AdamW):
+    """``torch.optim.AdamW`` stepping on fresh copies of the parameters."""
+
+
+def copy_free_optimizer(name: str, params: List[nn.Parameter], options: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:
+    """The out-of-place ``sgd`` / ``adamw`` over ``params``, or None where its options need torch's own."""
+    if any(options.get(k) for k in _UNSUPPORTED) or any(p.is_sparse for p in params):
+        return None
+    if name == "sgd":
+        return CopyFreeSGD(params, **options)
+    if name == "adamw":
+        return CopyFreeAdamW(params, **options)
+    return None
+
+
+def is_out_of_place(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` leaves the tensors it replaces untouched (a stash may then alias them)."""
+    return bool(getattr(optimizer, "out_of_place", False))
