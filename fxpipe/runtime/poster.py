@@ -1,8 +1,7 @@
 """Posting point-to-point messages from a thread of their own, so the rank keeps computing.
 
-Measured on the 2-core machine under load, with 2 gloo ranks training the
-benchmark GPT: a ``dist.isend`` / ``dist.irecv`` call returns after 2.4 to
-5.6 ms median (90th percentile 14 to 40 ms) while using 0.17 ms of CPU: the
+A gloo ``dist.isend`` / ``dist.irecv`` call can return milliseconds after it
+was made while using a fraction of that in CPU (README, Benchmarks): the
 calling thread sleeps inside gloo (its I/O thread holds the pair's lock) and
 the rank's next forward or backward waits for nothing. One poster thread per
 process takes the posts instead, in the order the executor makes them (so
