@@ -306,14 +306,19 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
         if lower is None:
             return None
         plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
+        plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+        plans += [plain[0]] if plain else []
         bound = lower[1].bound - lower[2]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
     if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
-        again = _searched(graph, opts, deadline, cones, keep_dead=True)  # plans that pay for dead nodes
-        scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+        # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
+        # attention mask folded away like an input, whose bytes then cross every boundary unseen)
+        tries = [[]] + ([branches.input_only_cones(graph, opts)] if opts.gpus_per_node is None else [])
+        for again in (_searched(graph, opts, deadline, c, keep_dead=True) for c in tries):
+            scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+    scored = [(*_loose_ends(graph, opts, a, reps, e), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
-    ev, assignment = _loose_ends(graph, opts, assignment, replicas, ev)
     bound = max(bound, ideal)
     if opts.gpus_per_node is None and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,

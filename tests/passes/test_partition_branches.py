@@ -68,7 +68,8 @@ def test_hf_gpt2_mask_segment_is_planned_and_bounded_by_the_segment_dp(K):
     start = time.monotonic()
     res = partition(g, K, time_limit=10)
     assert time.monotonic() - start < 10.5
-    assert res.method == "segment DP"
+    # the segment DP answers within 1 %; above 0.1 % CP-SAT gets the rest of the time and may find a better plan
+    assert res.method == "segment DP" or res.status != "OPTIMAL"
     assert g.total_compute_s() / K * (1 - 1e-12) <= res.bound_s <= res.bottleneck_s
     assert res.gap <= 0.01
     assert sum(res.replicas) == K and is_convex(g, res.assignment)
