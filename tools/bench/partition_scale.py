@@ -44,53 +44,55 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
 
 
-def profiled_gpt() -> CostGraph:
-    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
-    if CACHE.exists():
-        return CostGraph.load(CACHE)
-    import torch
-
-    sys.path.insert(0, str(ROOT))
-    import examples.gpt as gpt
-    from passes.capture import capture
-    from passes.profile import profile, to_cost_graph
-
-    torch.manual_seed(0)
-    model = gpt.GPT(dim=128, layers=2, context=64)
-    x = torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
-    gm = capture(model, (x,))
-    profile(gm, (x,), repeats=2, warmup=1)
-    graph = to_cost_graph(gm)
-    CACHE.parent.mkdir(exist_ok=True)
-    graph.save(CACHE)
-    return graph
-
-
-def hf_gpt2(tied: bool) -> Optional[CostGraph]:
-    """The 12-layer HF GPT-2 profile (see the module docstring); None without transformers."""
-    cache = ROOT / "fxpipe-out" / f"hf-gpt2-{'tied' if tied else 'untied'}-profile.json"
+def _profiled(cache: Path, build) -> CostGraph:
+    """The profile cached at ``cache``, else ``build()``'s (model, example input) captured, profiled
+    (2 repeats) and cached."""
     if cache.exists():
         return CostGraph.load(cache)
-    try:
-        import transformers
-    except ImportError:
-        return None
     import torch
 
     from passes.capture import capture
     from passes.profile import profile, to_cost_graph
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=12, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=tied)
-    model = transformers.GPT2LMHeadModel(cfg)
-    x = torch.randint(0, 512, (4, 64))
+    model, x = build()
     gm = capture(model, (x,))
     profile(gm, (x,), repeats=2, warmup=1)
     graph = to_cost_graph(gm)
     cache.parent.mkdir(exist_ok=True)
     graph.save(cache)
     return graph
+
+
+def profiled_gpt() -> CostGraph:
+    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
+    def build():
+        import torch
+
+        sys.path.insert(0, str(ROOT))
+        import examples.gpt as gpt
+        return gpt.GPT(dim=128, layers=2, context=64), torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
+
+    return _profiled(CACHE, build)
+
+
+def hf_gpt2(tied: bool) -> Optional[CostGraph]:
+    """The 12-layer HF GPT-2 profile (see the module docstring); None without transformers."""
+    cache = ROOT / "fxpipe-out" / f"hf-gpt2-{'tied' if tied else 'untied'}-profile.json"
+
+    def build():
+        import torch
+        import transformers
+
+        cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=12, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                      tie_word_embeddings=tied)
+        return transformers.GPT2LMHeadModel(cfg), torch.randint(0, 512, (4, 64))
+
+    try:
+        return _profiled(cache, build)
+    except ImportError:
+        return None
 
 
 HF = {"hf-gpt2": True, "hf-gpt2-untied": False}  # row label -> tied head
