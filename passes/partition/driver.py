@@ -289,6 +289,11 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     exactly K devices counts stages instead of devices (``stage_count.py``).
     Nearly free nodes fold into their producers first
     (``segments.folded_units``); the bound is lowered by what that can cost.
+    Where a segment is too large because of a branch computed from the inputs
+    alone (an attention mask), the plan comes from the graph with that branch
+    as one node and the bound from the graph with it free (``branches.py``).
+    Every candidate plan is scored on ``graph``; a tied weight's real sync
+    gets its plans re-searched (``retie.py``).
     """
     if opts.memory is not None:
         return None
