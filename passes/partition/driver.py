@@ -28,7 +28,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import SolveResult
-from passes.partition import placed, stage_count
+from passes.partition import branches, placed, retie, stage_count
 
 
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
@@ -289,12 +289,114 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     exactly K devices counts stages instead of devices (``stage_count.py``).
     Nearly free nodes fold into their producers first
     (``segments.folded_units``); the bound is lowered by what that can cost.
+    Where a segment is too large because of a branch computed from the inputs
+    alone (an attention mask), the plan comes from the graph with that branch
+    as one node and the bound from the graph with it free (``branches.py``).
+    Every candidate plan is scored on ``graph``; a tied weight's real sync
+    gets its plans re-searched (``retie.py``).
     """
     if opts.memory is not None:
         return None
+    cones: List[branches.Cone] = []
+    found = _searched(graph, opts, deadline, cones)
+    if found is None and opts.replication != "none" and opts.gpus_per_node is None:
+        cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
+        found = _searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
+    if found is None:
+        return None
+    plan, solution, margin, size = found
+    plans, bound = [plan], solution.bound - margin
+    if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
+        lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline)
+        if lower is None:
+            return None
+        plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
+        plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+        plans += [plain[0]] if plain else []
+        bound = lower[1].bound - lower[2]
+    ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
+    scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
+    if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
+        # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
+        # attention mask folded away like an input, whose bytes then cross every boundary unseen)
+        tries = [[]] + ([branches.input_only_cones(graph, opts)] if opts.gpus_per_node is None else [])
+        for again in (_searched(graph, opts, deadline, c, keep_dead=True) for c in tries):
+            scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+    scored = [(*_loose_ends(graph, opts, a, reps, e), reps) for e, a, reps in scored]
+    ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
+    bound = max(bound, ideal)
+    if opts.gpus_per_node is None and tied_weights(graph, assignment):
+        better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
+                                 lambda heavier: (_searched(heavier, opts, deadline, cones, True) or [None])[0],
+                                 bound * (1 + OPTIMAL_GAP), deadline)
+        if better is not None:
+            (assignment, replicas), ev = better
+    result = PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                             bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
+                             objective_s=solution.objective, bound_s=min(bound, ev.bottleneck_s),
+                             wall_s=time.monotonic() - start, units=size, method="segment DP")
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return result
+
+
+def _loose_ends(graph: CostGraph, opts: CostOptions, assignment: Dict[str, int], replicas: List[int], ev):
+    """Weightless nodes computed from model inputs alone whose results nobody uses (export's guard
+    checks, an unused arange) where they slow a stage least, each connected group together: the
+    DP leaves them out (``folded_units``), and any stage may run them."""
+    succ, pred = graph.successors(), {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        pred[v].append(u)
+    names = model_nodes(graph, opts)
+    dead: set = set()
+    for n in reversed(names):
+        node = graph.nodes[n]
+        if node.op != "output" and not node.params and node.param_bytes == 0 and not node.is_input \
+                and all(v in dead for v in succ[n]):
+            dead.add(n)
+    loose: Dict[str, str] = {}  # node -> the first node of its group
+    for n in names:
+        if n in dead and all(graph.nodes[p].is_input or p in loose for p in pred[n]):
+            roots = {loose[p] for p in pred[n] if p in loose}
+            loose[n] = min(roots, key=names.index) if roots else n
+            for other, root in loose.items():
+                if root in roots:
+                    loose[other] = loose[n]
+    groups: Dict[str, float] = {}
+    for n, root in loose.items():
+        groups[root] = groups.get(root, 0.0) + graph.nodes[n].compute_s
+    if not any(groups.values()) or opts.gpus_per_node is not None:
+        return ev, assignment
+    times = [s.time_s for s in ev.stages]  # taken out where they were; each group adds compute / r
+    for n in loose:
+        times[assignment[n]] -= graph.nodes[n].compute_s / ev.stages[assignment[n]].replicas
+    moved, where = dict(assignment), {}
+    for root in sorted(groups, key=lambda r: -groups[r]):
+        where[root] = min(range(len(times)), key=lambda s: times[s] + groups[root] / replicas[s])
+        times[where[root]] += groups[root] / replicas[where[root]]
+    moved.update({n: where[root] for n, root in loose.items()})
+    again = evaluate(graph, moved, replicas, opts)
+    return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
+
+
+def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+              keep_dead: bool = False):
+    """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
+    ``graph`` with each cone as one node (``branches.contracted``), or None."""
+    merged = branches.contracted(graph, cones) if cones else graph
+    solved = _segment_dp(merged, opts, deadline, keep_dead)
+    if solved is None:
+        return None
+    units, found, margin = solved
+    assignment = branches.expand(_to_nodes(merged, units, found.stage_of), cones)
+    return (assignment, found.replicas), found, margin, len(units)
+
+
+def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False):
+    """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``)."""
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
-                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
+                                 keep_dead=keep_dead)
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
@@ -312,11 +414,7 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
         found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None
-    bound = max(found.bound - fold_margin(units, folded), 0.0)
-    solved = SolveResult("FEASIBLE", found.stage_of, found.replicas, found.objective, bound, time.monotonic() - start)
-    result = _result(graph, units, opts, solved, start, None, "segment DP")
-    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
-    return result
+    return units, found, fold_margin(units, folded)
 
 
 def _result(graph: CostGraph, units: Units, opts: CostOptions, solved: SolveResult, start: float,

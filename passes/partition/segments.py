@@ -36,7 +36,7 @@ from passes.partition.downsets import downsets_from
 
 
 def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
-                 tiny_input: float = -1.0) -> Tuple[Units, List[float]]:
+                 tiny_input: float = -1.0, keep_dead: bool = False) -> Tuple[Units, List[float]]:
     """Units with free nodes folded away (see the module docstring); also each unit's folded compute.
 
     A node folds into a producer's group u when it holds no weights, costs at
@@ -49,6 +49,9 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     segment's groups), so ``fold_margin`` of it, subtracted from a bound on the
     folded graph, bounds the original. A node that sends nothing and has no
     placed producer is left out (its compute too: that only lowers a bound).
+    ``keep_dead``: charge dead nodes' compute to the group they join, for a
+    search whose plans are scored as they are (their bound is then lowered by
+    it through ``fold_margin``).
     """
     names = model_nodes(graph, opts)
     index = {n: i for i, n in enumerate(names)}
@@ -92,7 +95,8 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     units = build_units(graph, opts, list(groups.values()))
     folded = []
     for i, members in enumerate(units.members):
-        units.compute[i] -= sum(graph.nodes[m].compute_s for m in members if m in dead)  # dropped: a relaxation
+        if not keep_dead:
+            units.compute[i] -= sum(graph.nodes[m].compute_s for m in members if m in dead)  # dropped: a relaxation
         folded.append(units.compute[i] - graph.nodes[members[0]].compute_s)
     return units, folded
 

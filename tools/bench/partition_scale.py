@@ -15,6 +15,13 @@ with the last), each of the PP stages replicated DP times, scored by
 
     python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
         [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
+        [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (needs transformers; skipped without)
+
+HF GPT-2 (``--hf-gpt2``): GPT2LMHeadModel from a tiny config (vocab 512,
+context 64, width 64, 12 layers, 2 heads; batch 4), captured through export
+and profiled once per head kind (cached in ``fxpipe-out/``). Its graph keeps
+what export makes of the attention mask: a few dozen small weightless nodes
+beside the embeddings.
 
 Wall times are CPU-bound: other processes on the machine inflate them.
 """
@@ -37,30 +44,62 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
 
 
-def profiled_gpt() -> CostGraph:
-    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
-    if CACHE.exists():
-        return CostGraph.load(CACHE)
+def _profiled(cache: Path, build) -> CostGraph:
+    """The profile cached at ``cache``, else ``build()``'s (model, example input) captured, profiled
+    (2 repeats) and cached."""
+    if cache.exists():
+        return CostGraph.load(cache)
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    import examples.gpt as gpt
     from passes.capture import capture
     from passes.profile import profile, to_cost_graph
 
     torch.manual_seed(0)
-    model = gpt.GPT(dim=128, layers=2, context=64)
-    x = torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
+    model, x = build()
     gm = capture(model, (x,))
     profile(gm, (x,), repeats=2, warmup=1)
     graph = to_cost_graph(gm)
-    CACHE.parent.mkdir(exist_ok=True)
-    graph.save(CACHE)
+    cache.parent.mkdir(exist_ok=True)
+    graph.save(cache)
     return graph
 
 
+def profiled_gpt() -> CostGraph:
+    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
+    def build():
+        import torch
+
+        sys.path.insert(0, str(ROOT))
+        import examples.gpt as gpt
+        return gpt.GPT(dim=128, layers=2, context=64), torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
+
+    return _profiled(CACHE, build)
+
+
+def hf_gpt2(tied: bool) -> Optional[CostGraph]:
+    """The 12-layer HF GPT-2 profile (see the module docstring); None without transformers."""
+    cache = ROOT / "fxpipe-out" / f"hf-gpt2-{'tied' if tied else 'untied'}-profile.json"
+
+    def build():
+        import torch
+        import transformers
+
+        cfg = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=12, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                      tie_word_embeddings=tied)
+        return transformers.GPT2LMHeadModel(cfg), torch.randint(0, 512, (4, 64))
+
+    try:
+        return _profiled(cache, build)
+    except ImportError:
+        return None
+
+
+HF = {"hf-gpt2": True, "hf-gpt2-untied": False}  # row label -> tied head
+
+
 def _block_of(node: CostNode) -> Optional[int]:
-    m = re.match(r"blocks\.(\d+)(\.|$)", node.module_path)
+    m = re.match(r"(?:blocks|transformer\.h)\.(\d+)(\.|$)", node.module_path)
     return int(m.group(1)) if m else None
 
 
@@ -133,13 +172,13 @@ def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
     return best
 
 
-def run_row(depth: int, devices: int, time_limit: float, machine: Dict[str, float]) -> Dict[str, object]:
+def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -> Dict[str, object]:
     """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own).
 
     ``machine``: the partitioner's network options (``bandwidth``, and for a two-level machine
     ``gpus_per_node`` and ``intra_bandwidth``); the uniform layout is scored under the same ones.
     """
-    graph = deep_gpt(depth)
+    graph = hf_gpt2(HF[depth]) if depth in HF else deep_gpt(int(depth))
     extra = {k: v for k, v in machine.items() if v is not None}
     start = time.monotonic()
     res = partition(graph, devices, time_limit=time_limit, **extra)
@@ -159,19 +198,26 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s between nodes (default 10 Gbit/s)")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="a two-level machine: G devices per node")
     ap.add_argument("--intra-bandwidth", type=float, default=None, help="bytes/s inside a node (with G)")
+    ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
                "intra_bandwidth": args.intra_bandwidth}
     if args.row:
-        depth, k = (int(x) for x in args.row.split(","))
-        print(json.dumps(run_row(depth, k, args.time_limit, machine)))
+        depth, k = args.row.split(",")
+        print(json.dumps(run_row(depth, int(k), args.time_limit, machine)))
         return 0
     from tabulate import tabulate
 
     profiled_gpt()  # profile once before the rows
+    depths = [d for d in args.depths.split(",") if d]
+    if args.hf_gpt2:
+        found = [label for label, tied in HF.items() if hf_gpt2(tied) is not None]
+        if not found:
+            print("HF GPT-2 rows skipped: transformers is not installed", file=sys.stderr)
+        depths += found
     rows = []
-    for depth in (int(x) for x in args.depths.split(",")):
+    for depth in depths:
         for k in (int(x) for x in args.devices.split(",")):
             cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
                    "--time-limit", str(args.time_limit)]

@@ -1,0 +1,106 @@
+"""Side branches computed from the inputs alone (HF GPT-2's attention mask), for the segment DP.
+
+HF GPT-2 builds its attention mask from position indices in a few dozen small
+weightless nodes (arange, cumsum, index, comparisons) that run beside the
+embeddings and meet them only at the first attention. That branch and the
+embedding path form one segment (``segments.py``) whose downsets are the
+product of both sides' (over 200,000), too many for the DP. Here each such
+branch is handled twice, and the two answers bracket the optimum:
+
+* A *cone* is an exit node ``x`` whose value is computed from the inputs
+  alone (no weights upstream) and read by a node that is not, together with
+  the weightless input-only nodes all of whose readers lie in the cone (so
+  only ``x`` is read from outside it, and every cone node is an ancestor of
+  ``x``), and the nodes nobody reads (checks) that read a cone node.
+* **Plan** (``contracted``): each cone becomes one node (its compute summed,
+  ``x``'s output), a restriction of the plans, so the DP's plan on it is a
+  plan of the real graph, scored there.
+* **Bound** (``relaxed``): every cone node but ``x`` costs nothing and sends
+  nothing. Any plan of the real graph is then a plan of the relaxed graph
+  with no stage slower (less compute, no cut larger: a cone node's readers
+  are in the cone, and the values it reads are read there still), except that
+  a stage holding only such nodes would hold no compute; it can join the
+  stage before it, whose outgoing cut does not grow (the cone sends nothing
+  but through ``x``) and whose devices stay the same, or, if it is the first
+  stage, the stage after it, which then has no incoming cut. So the relaxed
+  optimum on at most K devices is a lower bound, and so is ``sum C / K``.
+
+The bound loses at most the branch's compute, which matters only where the
+stages are balanced to within that much.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Tuple
+
+from passes.costgraph import CostGraph
+from passes.partition.coarsen import model_nodes
+from passes.partition.costmodel import CostOptions
+
+Cone = Tuple[str, List[str]]  # exit node, the cone's nodes in graph order (exit last)
+
+
+def input_only_cones(graph: CostGraph, opts: CostOptions) -> List[Cone]:
+    """The cones (see the module docstring) of more than one node."""
+    names = model_nodes(graph, opts)
+    placed = set(names)
+    preds: Dict[str, List[str]] = {n: [] for n in names}
+    readers: Dict[str, List[str]] = {n: [] for n in names}
+    for u, v in graph.edges:
+        if v in placed:
+            preds[v].append(u)
+        if u in placed and v in placed:
+            readers[u].append(v)
+    free: Dict[str, bool] = {}
+    for n in names:
+        node = graph.nodes[n]
+        free[n] = (not node.params and node.param_bytes == 0 and node.op != "output" and not node.is_input
+                   and all(free.get(p, False) or graph.nodes[p].is_input for p in preds[n]))
+    dead = {n for n in names if free[n] and not readers[n]}  # checks whose result nobody reads
+    exits = [n for n in names if free[n] and any(not free[r] for r in readers[n])]
+    taken = set(exits)
+    cones: List[Cone] = []
+    for x in reversed(exits):
+        cone = {x}
+        for n in reversed(names):
+            live = [r for r in readers[n] if r not in dead]
+            if free[n] and n not in taken and live and all(r in cone for r in live):
+                cone.add(n)
+        cone |= {d for d in dead - taken if any(p in cone for p in preds[d])}
+        taken |= cone
+        if len(cone) > 1:
+            cones.append((x, [n for n in names if n in cone]))
+    return cones
+
+
+def contracted(graph: CostGraph, cones: List[Cone]) -> CostGraph:
+    """Each cone as one node named after its exit (see the module docstring: a restriction)."""
+    rep = {n: x for x, members in cones for n in members}
+    nodes = {}
+    for name, node in graph.nodes.items():
+        if name not in rep:
+            nodes[name] = node
+        elif rep[name] == name:
+            members = [graph.nodes[m] for x, ms in cones if x == name for m in ms]
+            nodes[name] = dataclasses.replace(node, fwd_s=sum(m.fwd_s for m in members),
+                                              bwd_s=sum(m.bwd_s for m in members))
+    edges = [(rep.get(u, u), rep.get(v, v)) for u, v in graph.edges]
+    edges = list(dict.fromkeys((u, v) for u, v in edges if u != v))
+    return CostGraph(nodes=nodes, edges=edges, info=dict(graph.info), param_sizes=dict(graph.param_sizes))
+
+
+def relaxed(graph: CostGraph, cones: List[Cone]) -> CostGraph:
+    """Every cone node but its exit free and silent (see the module docstring: a relaxation)."""
+    quiet = {n for x, members in cones for n in members if n != x}
+    nodes = {name: dataclasses.replace(node, fwd_s=0.0, bwd_s=0.0, out_bytes=0) if name in quiet else node
+             for name, node in graph.nodes.items()}
+    return CostGraph(nodes=nodes, edges=list(graph.edges), info=dict(graph.info), param_sizes=dict(graph.param_sizes))
+
+
+def expand(assignment: Dict[str, int], cones: List[Cone]) -> Dict[str, int]:
+    """A plan of the contracted graph as a plan of the real one: a cone sits with its exit."""
+    out = dict(assignment)
+    for x, members in cones:
+        for m in members:
+            out[m] = assignment[x]
+    return out
