@@ -51,9 +51,18 @@ class Poster:
         self._queue.put((handle, op, args, kwargs))
         return handle
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread once the posts before it are made, and wait for it: the process group
+        must not be torn down under a thread that may still be inside gloo."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
     def _loop(self) -> None:
         while True:
-            handle, op, args, kwargs = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, op, args, kwargs = item
             try:
                 handle._work = op(*args, **kwargs)
             except BaseException as exc:  # surfaces at the handle's wait, on the executor's thread
@@ -72,3 +81,12 @@ def poster() -> Poster:
         if _POSTER is None:
             _POSTER = Poster()
         return _POSTER
+
+
+def stop_poster() -> None:
+    """Stop the process's poster thread, if one runs (before ``destroy_process_group``)."""
+    global _POSTER
+    with _LOCK:
+        if _POSTER is not None:
+            _POSTER.close()
+            _POSTER = None

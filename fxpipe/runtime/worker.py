@@ -38,6 +38,7 @@ import torch.distributed as dist
 from fxpipe.layout import Layout
 from fxpipe.runtime.data import FromBatches, RepeatExample, as_tuple, batch_dim
 from fxpipe.runtime.failure import describe, record
+from fxpipe.runtime.poster import stop_poster
 from fxpipe.runtime import payload
 from fxpipe.runtime.loop import TrainConfig, TrainResult, train
 from passes.errors import FxpipeError
@@ -107,6 +108,7 @@ def run(run_dir: str, rank: int, world: int, seen: Dict[str, Any]) -> int:
                        loss_fn=spec.loss_fn, device=device)
         report(run_dir, job.get("save"), split, layout, rank, result)
     finally:
+        stop_poster()
         dist.destroy_process_group()
     return 0
 
