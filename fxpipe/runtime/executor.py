@@ -37,7 +37,7 @@ message tags unique across steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -75,6 +75,13 @@ class _InFlight:
     wgrad: Optional[WeightGrad] = None  # between B m and W m of a split backward
 
 
+class _Program(NamedTuple):
+    actions: Sequence[Action]
+    steps: List[Tuple[Callable[[Action, int], None], Action]]
+    updated: List[int]  # microbatches with an optimizer step between their F and B
+    split: bool  # W actions: each backward in an input half (B) and a weight half (W)
+
+
 class Executor:
     def __init__(self, *, rank: int, layout: Layout, stage: int, module: nn.Module, input_indices: Sequence[int],
                  is_last: bool, stash: WeightStash, optimizer: torch.optim.Optimizer, p2p: P2P,
@@ -97,7 +104,7 @@ class Executor:
         self._handlers = {Kind.F: self._forward, Kind.B: self._backward, Kind.SEND_F: self._send_f,
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step, Kind.W: self._weight_grad}
-        self._compiled: Optional[Tuple[Sequence[Action], list, List[int]]] = None  # (action list, program, versioned)
+        self._compiled: Optional[_Program] = None  # the last action list's, reused while the list is the same
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
         self.recompute, self.scaler = recompute, scaler
@@ -107,15 +114,12 @@ class Executor:
 
     def run(self, actions: Sequence[Action], base: int = 0) -> None:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
-        program, updated = self._program(actions)
-        self._versioned = {base + m for m in updated}
-        self._split = any(a.kind is Kind.W for a in actions)
+        compiled = self._program(actions)
+        self._versioned = {base + m for m in compiled.updated}
+        self._split = compiled.split  # zb-h1 (TrainConfig refuses it with recomputation)
         self._input_done: set = set()  # microbatches past B and before W
-        if self._split and self.recompute:
-            raise ExecutorError("a schedule with W actions (zb-h1) with recomputation is not supported yet; "
-                                "use --recompute none")
         tracing = self.tracer.enabled
-        for handler, a in program:
+        for handler, a in compiled.steps:
             g = base + a.mb if a.mb >= 0 else -1
             try:
                 if tracing:
@@ -146,19 +150,17 @@ class Executor:
                 "mailboxes": len(self.inflight), "sends": self.p2p.pending_sends,
                 "recvs": self.p2p.pending_recvs}
 
-    def _program(self, actions: Sequence[Action]) -> Tuple[List[Tuple[Callable[[Action, int], None], Action]],
-                                                          List[int]]:
-        """Each action with its handler, and the microbatches that need a weight version of their
-        own (``_updated_in_flight``).
+    def _program(self, actions: Sequence[Action]) -> "_Program":
+        """Each action with its handler, the microbatches that need a weight version of their own
+        (``_updated_in_flight``) and whether backwards are split in B and W.
 
         Worked out once per action list (the loop runs the same list every
         step): per action, the run then costs one call, no lookups.
         """
-        if self._compiled is not None and self._compiled[0] is actions:
-            return self._compiled[1], self._compiled[2]
-        program = [(self._handlers[a.kind], a) for a in actions]
-        self._compiled = (actions, program, _updated_in_flight(actions))
-        return program, self._compiled[2]
+        if self._compiled is None or self._compiled.actions is not actions:
+            self._compiled = _Program(actions, [(self._handlers[a.kind], a) for a in actions],
+                                      _updated_in_flight(actions), any(a.kind is Kind.W for a in actions))
+        return self._compiled
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
