@@ -3,8 +3,8 @@
 Exact methods behind one call. First the segment DP (``chain.py`` over the
 lattice of ``segments.py``): the graph's downset lattice as a chain of small
 per-segment lattices, searched by bisection on the bottleneck with the fewest
-replicas per stage in closed form; it proves transformers with 100 blocks on
-1024 devices optimal in seconds (``stage_count`` counts stages instead of
+replicas per stage in closed form; it proves 96-block transformers on 1024
+devices (flat network) optimal in about 2 s (``stage_count`` counts stages instead of
 devices for replication ``none`` on exactly K). Where it does not apply (memory
 limits, a segment with too many downsets)
 or does not prove its plan, the downset DP (``downsets.py``) on small

@@ -1,6 +1,6 @@
 """Exact partitioning over ALL convex plans by parametric search on the bottleneck T.
 
-For a given T, ``_devices_needed`` is a DP over the points of the downset
+For a given T, ``devices_needed`` is a DP over the points of the downset
 lattice (``segments.py``: the concatenation of small per-segment lattices):
 ``dev[i] = min over downsets j ⊂ i of dev[j] + r(j, i, T)``, where
 ``r(j, i, T)`` is the fewest replicas that bring stage ``i \\ j`` under T
@@ -60,6 +60,7 @@ class ChainSolver:
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
         self.shared_users = np.array([len(users) for _, users in units.shared.values()])
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
+        self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
 
     # ------------------------------------------------------------ one T
@@ -152,10 +153,9 @@ class ChainSolver:
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
         """Stage per unit and replicas, walking back from the full set."""
         chain, reps = self._walk(back)
-        point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
         stage_of = [0] * len(self.units)
         for s in range(len(reps)):
-            inside = self._members(chain[s + 1], point_seg) & ~self._members(chain[s], point_seg)
+            inside = self._members(chain[s + 1]) & ~self._members(chain[s])
             for u in np.nonzero(inside)[0]:
                 stage_of[u] = s
         return stage_of, reps
@@ -176,8 +176,8 @@ class ChainSolver:
         """Replicas spread over exactly K devices within T (``pad``)."""
         return pad(self.units, stage_of, replicas, self.opts, T)
 
-    def _members(self, point: int, point_seg) -> np.ndarray:
-        a = int(point_seg[point])
+    def _members(self, point: int) -> np.ndarray:
+        a = int(self.point_seg[point])
         seg = self.segs[a]
         out = np.zeros(len(self.units), dtype=bool)
         first = seg.units[0] if seg.units else 0

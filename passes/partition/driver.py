@@ -16,7 +16,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 from passes.costgraph import CostGraph
@@ -322,7 +322,8 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
         tries = [[]] + ([branches.input_only_cones(graph, opts)] if opts.gpus_per_node is None else [])
         for again in (_searched(graph, opts, deadline, c, keep_dead=True) for c in tries):
             scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
-    scored = [(*_loose_ends(graph, opts, a, reps, e), reps) for e, a, reps in scored]
+    loose = _loose_groups(graph, opts)
+    scored = [(*_loose_ends(graph, loose, a, reps, e, opts), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
     bound = max(bound, ideal)
     if opts.gpus_per_node is None and tied_weights(graph, assignment):
@@ -339,10 +340,12 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     return result
 
 
-def _loose_ends(graph: CostGraph, opts: CostOptions, assignment: Dict[str, int], replicas: List[int], ev):
+def _loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
     """Weightless nodes computed from model inputs alone whose results nobody uses (export's guard
-    checks, an unused arange) where they slow a stage least, each connected group together: the
-    DP leaves them out (``folded_units``), and any stage may run them."""
+    checks, an unused arange), each mapped to the first node of its connected group, and each
+    group's compute; none on a two-level machine, whose placed plans ``_loose_ends`` leaves alone."""
+    if opts.gpus_per_node is not None:
+        return {}, {}
     succ, pred = graph.successors(), {n: [] for n in graph.nodes}
     for u, v in graph.edges:
         pred[v].append(u)
@@ -364,7 +367,15 @@ def _loose_ends(graph: CostGraph, opts: CostOptions, assignment: Dict[str, int],
     groups: Dict[str, float] = {}
     for n, root in loose.items():
         groups[root] = groups.get(root, 0.0) + graph.nodes[n].compute_s
-    if not any(groups.values()) or opts.gpus_per_node is not None:
+    return loose, groups
+
+
+def _loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]], assignment: Dict[str, int],
+                replicas: List[int], ev, opts: CostOptions):
+    """The loose groups of ``_loose_groups`` where they slow a stage least: the DP leaves them out
+    (``folded_units``), and any stage may run them."""
+    loose, groups = found
+    if not any(groups.values()):
         return ev, assignment
     times = [s.time_s for s in ev.stages]  # taken out where they were; each group adds compute / r
     for n in loose:

@@ -303,7 +303,6 @@ class PlacedChainSolver(ChainSolver):
         dev_all = np.full((total, G), K + 1, dtype=np.int64)
         back = np.zeros((total, G, 3), dtype=np.int64)
         pool = None  # earlier points that may still start a stage (``_from_pool``)
-        self._dev_all_ref = dev_all
         for a, seg in enumerate(self.segs):
             if time.monotonic() > deadline:
                 raise DeadlineExceeded()
@@ -318,7 +317,7 @@ class PlacedChainSolver(ChainSolver):
             rest[seg.compute >= self.segs[-1].compute[-1]] = 0
             reach = None
             if pool is not None and pool[0].size:
-                reach = self._from_pool(pool, seg, T, dev, src_b)
+                reach = self._from_pool(pool, seg, T, dev, src_b, dev_all)
                 dev[dev + rest[:, None] > K] = K + 1
             if seg.sub_j.size:
                 self._inside(seg, off, T, dev, src_b)
@@ -335,7 +334,7 @@ class PlacedChainSolver(ChainSolver):
             self.end_offset = 0
         return int(last[self.end_offset]), back
 
-    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b):
+    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
         """Stages from pool points to this segment's points; returns which pool points still reach.
 
         ``pool``: (global ids, compute, params, shared counts, cut) of the earlier points. A stage
@@ -356,7 +355,7 @@ class PlacedChainSolver(ChainSolver):
         st = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
                                                 cc[None], cp[None], cs[None], ccut[None],
                                                 (ids == 0)[:, None], ends[None, :]), T)
-        rows = self._dev_all_ref[ids]
+        rows = dev_all[ids]
         src = _Sources(rows, G, K)
         start, start_m = _crossing_start(src, s, st.lo2, st.hi2, G, K)
         start = start.reshape(n, d + 1)

@@ -33,8 +33,8 @@ from passes.partition.segments import Segment
 
 
 def applies(opts: CostOptions, units: Units) -> bool:
-    """Replication none on exactly K devices, with at least K units that have compute."""
-    return opts.replication == "none" and not opts.fewer_devices and sum(units.has_compute) >= opts.devices
+    """At least as many units with compute as the K stages that replication none on exactly K needs."""
+    return sum(units.has_compute) >= opts.devices
 
 
 def _shift(bits: np.ndarray) -> np.ndarray:
@@ -65,8 +65,6 @@ class StageCountSolver(ChainSolver):
         bits = np.arange(self.words * 64)[None, :] < np.arange(K + 2)[:, None]  # up to count n - 1
         self.below = np.packbits(bits.reshape(K + 2, self.words, 64)[..., ::-1], axis=2,
                                  bitorder="big").view(">u8").astype(np.uint64).reshape(K + 2, self.words)
-        self._reach = None
-        self._T = math.nan
 
     def _fits(self, j, i, T: float) -> np.ndarray:
         """Whether stages (j, i) (global point ids, broadcastable) run within T on one device."""
@@ -105,8 +103,7 @@ class StageCountSolver(ChainSolver):
             pool = self._next(pool, alive, seg, off, mine, reach)
             if not pool.size and a < len(self.segs) - 1:
                 return K + 1, None
-        self._reach, self._T = reach, T
-        return (K if _has(reach[-1], K) else K + 1), None
+        return (K if _has(reach[-1], K) else K + 1), (reach, T)
 
     def _inside(self, seg: Segment, off: int, T: float, mine, room) -> None:
         """Stages inside the segment, one size of point at a time (a stage's start is a smaller point)."""
@@ -137,11 +134,10 @@ class StageCountSolver(ChainSolver):
     def _walk(self, back) -> Tuple[List[int], List[int]]:
         """Back from the full point with K stages: any earlier point reaching k - 1 that starts a stage
         meeting T (earlier segments' points are all subsets; in the same segment, its subsets)."""
-        reach, T, K = self._reach, self._T, self.opts.devices
-        point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1
+        (reach, T), K = back, self.opts.devices
         chain, x = [self.offsets[-1] - 1], self.offsets[-1] - 1
         for k in range(K, 0, -1):
-            a = int(point_seg[x])
+            a = int(self.point_seg[x])
             earlier = np.arange(self.offsets[a])
             seg = self.segs[a]
             inside = self.offsets[a] + seg.sub_j[seg.sub_i == x - self.offsets[a]]
