@@ -72,7 +72,13 @@ class Plan:
         path = Path(path)
         if not path.exists():
             raise FxpipeError(f"plan file not found: {path}")
-        return cls.from_json(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise FxpipeError(f"cannot read plan {path}: {exc}; pass the plan.json written by `fxpipe split`") from exc
+        if not isinstance(data, dict) or "stages" not in data:
+            raise FxpipeError(f"{path} is not a plan (no 'stages'); pass plan.json or the folder `fxpipe split` wrote")
+        return cls.from_json(data)
 
     # ------------------------------------------------------------ printing
     def table(self) -> str:

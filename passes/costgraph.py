@@ -132,12 +132,20 @@ class CostGraph:
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CostGraph":
-        """Load a JSON profile, or a PipeDream ``graph.txt`` (by content)."""
+        """Load a JSON profile, or a PipeDream ``graph.txt`` (by content); a damaged file (truncated,
+        hand-edited, not a profile) is one clear error."""
         path = _existing(path)
         text = path.read_text()
-        if text.lstrip().startswith("{"):
-            return cls.from_json(json.loads(text), source=str(path))
-        return from_pipedream_text(text, source=str(path))
+        try:
+            if text.lstrip().startswith("{"):
+                return cls.from_json(json.loads(text), source=str(path))
+            return from_pipedream_text(text, source=str(path))
+        except FxpipeError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            what = "is not valid JSON" if isinstance(exc, json.JSONDecodeError) else "is not a profile fxpipe can read"
+            raise FxpipeError(f"{path} {what} ({type(exc).__name__}: {exc}); write it again with "
+                              "`fxpipe profile MODEL -o FILE` or pass the model itself") from exc
 
 
 # ------------------------------------------------------------ PipeDream

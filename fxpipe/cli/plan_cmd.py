@@ -84,7 +84,9 @@ def load_source(source: str) -> "CostGraph":
     """
     path = Path(source)
     if path.suffix != ".py" and (path.exists() or ":" not in source):
-        return load_profile(path)
+        from passes.costgraph import CostGraph
+
+        return CostGraph.load(path)
     try:
         from fxpipe.loader import load_model
     except ImportError as exc:
@@ -94,20 +96,6 @@ def load_source(source: str) -> "CostGraph":
     from passes.profile import to_cost_graph
 
     return to_cost_graph(profile_model(load_model(source)))  # timed as `fxpipe split` times it
-
-
-def load_profile(path: Path) -> "CostGraph":
-    """``CostGraph.load``, with a damaged file (truncated, hand-edited, not a profile) as one clear error."""
-    from passes.costgraph import CostGraph
-
-    try:
-        return CostGraph.load(path)
-    except FxpipeError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-        what = "is not valid JSON" if isinstance(exc, json.JSONDecodeError) else "is not a profile fxpipe can read"
-        raise FxpipeError(f"{path} {what} ({type(exc).__name__}: {exc}); write it again with "
-                          "`fxpipe profile MODEL -o FILE` or pass the model itself") from exc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,17 +26,6 @@ class ShowInput:
     links: Optional[List[tuple]] = None  # from split.json when the split is there
 
 
-def load_plan(path: Path) -> Plan:
-    """The ``Plan`` in ``plan.json``."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FxpipeError(f"cannot read plan {path}: {exc}; pass the plan.json written by `fxpipe split`") from exc
-    if not isinstance(data, dict) or "stages" not in data:
-        raise FxpipeError(f"{path} is not a plan (no 'stages'); pass plan.json or the folder `fxpipe split` wrote")
-    return Plan.from_json(data)
-
-
 def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
     """Resolve ``PLAN_OR_OUTDIR`` (and an explicit ``--profile``) into a ``ShowInput``."""
     path = Path(target)
@@ -46,7 +35,7 @@ def load_input(target: str, profile: Optional[str] = None) -> ShowInput:
     if not plan_path.exists():
         raise FxpipeError(f"{path} has no plan.json; run `fxpipe split MODEL -o {path}` first")
     notes: List[str] = []
-    plan = load_plan(plan_path)
+    plan = Plan.load(plan_path)
     prof = Path(profile) if profile else plan_path.parent / "profile.json"
     graph = None
     if prof.exists() or profile:  # a --profile that does not exist: CostGraph.load says so
