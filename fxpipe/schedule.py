@@ -102,14 +102,8 @@ def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], re
         order = _deferred_weights(_one_f_one_b(mbs, window), first - window)
     else:
         order = _one_f_one_b(mbs, in_flight(layout, stage, schedule))  # capped by the replica's microbatches
-    if schedule == "1f1b-stash":
-        stepped: List[Action] = []
-        for a in order:
-            stepped.append(a)
-            if a.kind is Kind.B:
-                stepped += [Action(Kind.ALLREDUCE)] if reduce else []
-                stepped.append(Action(Kind.STEP, a.mb))
-        return stepped
+    if schedule == "1f1b-stash":  # an update after every backward: batches of one
+        return _batch_updates(order, mbs, 1, reduce)
     return order + ([Action(Kind.ALLREDUCE)] if reduce else []) + [Action(Kind.STEP)]
 
 

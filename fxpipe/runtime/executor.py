@@ -74,6 +74,11 @@ class _InFlight:
     forwarded: bool = False
     wgrad: Optional[WeightGrad] = None  # between B m and W m of a split backward
 
+    @property
+    def holds_graph(self) -> bool:
+        """An autograd graph of this microbatch is still alive (its B or its W not run yet)."""
+        return self.loss is not None or bool(self.tokens) or self.wgrad is not None
+
 
 class _Program(NamedTuple):
     actions: Sequence[Action]
@@ -131,8 +136,8 @@ class Executor:
                 mark_action(exc, a, g)
                 raise
         self.p2p.wait_sends()
-        if self.inflight and any(f.loss is not None or f.tokens or f.wgrad for f in self.inflight.values()):
-            left = sorted(m for m, f in self.inflight.items() if f.loss is not None or f.tokens or f.wgrad)
+        if any(f.holds_graph for f in self.inflight.values()):
+            left = sorted(m for m, f in self.inflight.items() if f.holds_graph)
             raise ExecutorError(f"rank {self.rank}: the action list ended with microbatches {left} "
                                 "forwarded but never backwarded")
         self.inflight.clear()
@@ -146,7 +151,7 @@ class Executor:
         ``recvs``: messages posted and not yet waited.
         """
         return {"weight_versions": self.stash.versions_kept,
-                "graphs": sum(1 for f in self.inflight.values() if f.loss is not None or f.tokens or f.wgrad),
+                "graphs": sum(1 for f in self.inflight.values() if f.holds_graph),
                 "mailboxes": len(self.inflight), "sends": self.p2p.pending_sends,
                 "recvs": self.p2p.pending_recvs}
 
@@ -302,7 +307,9 @@ def send_lag(layout: Layout) -> int:
     replicas' all-reduce (up to ``m + r - 1``). At ``B g`` this rank has
     posted every send of the microbatches before ``g``, so once ``g - m``
     exceeds both bounds the peer needs nothing more from this rank and the
-    wait returns at once: no new ordering, no deadlock.
+    wait returns at once: no new ordering, no deadlock. The 1F1B-flush count
+    bounds every schedule's forwards in flight: it is at least PipeDream's
+    (1f1b-stash), and zb-h1 and 2bw run flush's windows.
     """
     ahead = max(in_flight(layout, j, "1f1b-flush") for j in range(layout.num_stages))
     return ahead + max(layout.replicas) + 1

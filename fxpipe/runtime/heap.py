@@ -6,8 +6,10 @@ version per update). glibc's ``malloc`` serves blocks above its mmap
 threshold (128 KiB at start) with ``mmap`` and gives them back to the kernel
 on ``free``, and trims freed memory at the top of the heap beyond 128 KiB,
 so the next allocation of that size pays page faults and the kernel's
-zeroing again (a stage of 256 KiB weight tensors and a stash that makes a
-new version per update pays that every microbatch; README, Benchmarks).
+zeroing again. glibc raises the mmap threshold by itself after freeing a
+mapped block (unless something called ``mallopt``); fixing both thresholds
+high makes the process keep its memory whatever it allocated before. What
+this gains over glibc's own dynamic threshold has not been measured.
 
 ``keep_freed_memory`` raises both thresholds (``mallopt``), so blocks up to
 ``mmap_threshold`` come from the heap and the heap is not trimmed below

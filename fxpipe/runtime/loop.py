@@ -198,25 +198,25 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
         data = _on_device(data, device)
     module = split.stages[stage].to(device)
     module.train()
-    stashing = cfg.schedule == "1f1b-stash"  # an update per minibatch (2bw: per batch, as flush)
+    update_per_mb = cfg.schedule == "1f1b-stash"  # an update per minibatch (2bw: per batch, as flush)
     optimizer = make_optimizer(cfg, module, copy_free=cfg.schedule in STASHING and cfg.weight_stash == "copy-free")
     stash = WeightStash(module, stash=cfg.schedule in STASHING, copy_free=is_out_of_place(optimizer),
                         batch=cfg.microbatches if cfg.schedule == "2bw" else None)
     groups = make_groups(layout, split.tied, rank)
     # the name the stage's parameters() keep: a tensor the stage holds under two names is one parameter
     local_of = {orig: local for local, orig in split.param_names[stage].items() if local in stash.master}
-    reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if stashing else 1.0)
+    reducer = GradReducer(groups, stash.master, local_of, 1.0 / layout.replicas[stage] if update_per_mb else 1.0)
     clipper = None
     if cfg.clip_grad_norm is not None:  # after make_groups: every rank creates groups in one order
         clipper = make_clipper(cfg.clip_grad_norm, layout, rank, stash.master, split.param_names[stage],
-                               split.tied, stashing, device)
+                               split.tied, update_per_mb, device)
     tracer = Tracer(rank, enabled=bool(cfg.trace))
     scaler = LossScaler(device=device) if cfg.precision == "fp16" else None
     p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
     ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],
                   is_last=stage == layout.num_stages - 1, stash=stash, optimizer=optimizer, p2p=p2p,
                   reducer=reducer, data=data, loss_fn=loss_fn,
-                  loss_scale=1.0 if stashing else 1.0 / cfg.microbatches, tracer=tracer,
+                  loss_scale=1.0 if update_per_mb else 1.0 / cfg.microbatches, tracer=tracer,
                   flatten=getattr(split, "flatten_inputs", list),
                   unflatten=getattr(split, "unflatten_outputs", lambda out: out), precision=cfg.precision,
                   recompute=recomputes(cfg.recompute, cfg.recompute_stages, stage), scaler=scaler)
@@ -238,7 +238,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
-    M, stashing, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
+    M, update_per_mb, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
     info = checkpoint_info(cfg)
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
     stats = StepStats(clipping=r.clipper is not None)
@@ -255,7 +255,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
         current[0] = first
         if n not in cache:
             more = {"steps": n} if cfg.schedule == "2bw" else {}
-            cache[n] = build(cfg.schedule, layout, n * M if stashing else M, sorted(split.links), tied_stages,
+            cache[n] = build(cfg.schedule, layout, n * M if update_per_mb else M, sorted(split.links), tied_stages,
                              blocking, **more)[rank]
         if reporter is not None and continuous:
             reporter.expect(cache[n], first * M)

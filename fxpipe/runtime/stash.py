@@ -17,7 +17,8 @@ made depends on the optimizer:
 - *copy-free* (``fxpipe.runtime.optim``'s out-of-place optimizers): a version
   is a set of aliases (``.data``) of the master's tensors. The optimizer then
   rebinds each parameter to a new tensor instead of writing the old one, so
-  the aliases keep the weights the forward saw, and nothing is copied;
+  the aliases keep the weights the forward saw, and the stash copies nothing (the
+  optimizer's step may: AdamW and SGD with momentum clone before torch's fused step);
 - *copy* (any in-place optimizer): a version is a set of detached clones.
 
 Either is made lazily at the first forward that needs it. The backward

@@ -33,6 +33,7 @@ the caller for milliseconds while posting.
 """
 from __future__ import annotations
 
+import math
 import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ class P2P:
                 grad = torch.zeros(w.tensor.shape, dtype=self._dtypes[w.index])
             self._isend(grad, peer, self._tag(w, mb, _BWD), mb)
 
-    def release_sends(self, upto: int) -> None:
+    def release_sends(self, upto: float) -> None:
         """Wait for, and drop, every send of a microbatch ``<= upto``: their tensors are freed.
 
         Only safe for microbatches whose receives every peer has certainly
@@ -224,9 +225,8 @@ class P2P:
         self._sends = keep
 
     def wait_sends(self) -> None:
-        for mb, work, _, peer in self._sends:
-            self._wait(work, f"a send of microbatch {mb}", peer)
-        self._sends.clear()
+        """Wait for every send still pending (the end of an action list)."""
+        self.release_sends(math.inf)
 
     # ------------------------------------------------------------ receives
     def recv_forward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:

@@ -204,12 +204,12 @@ class PartitionModel:
         self.mem_var = limit
         counts = [sum(r * y for r, y in self.y[k].items()) for k in range(S)]
         window = self._windows(counts) if opts.schedule in ("1f1b-flush", "zb-h1", "2bw") else None
-        flight = []  # per stage slot: the microbatches in flight the memory constraint uses
+        self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
         for b in range(S):
             w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most_in_flight(opts) + 1)}
             m.Add(sum(w.values()) == self.used[b])
-            flight.append(sum(n * v for n, v in w.items()))
-            self._in_flight(b, flight[b], counts, window)
+            self.flight.append(sum(n * v for n, v in w.items()))
+            self._in_flight(b, self.flight[b], counts, window)
             pm = self._sum_var(b, [p / unit for p in u_.param_bytes], {p: nb / unit for p, (nb, _) in u_.shared.items()}, "PM", up=True)
             am = self._sum_var(b, [a / unit for a in u_.act_bytes], {}, "AM", up=True)
             for n, v in w.items():

@@ -79,7 +79,8 @@ def _time(model: str, opt: str, mode: str, repeats: int) -> float:
 
 
 def _set_heap(heap: str) -> None:
-    """kept: as fxpipe's ranks run (fxpipe.runtime.heap); default: glibc's initial thresholds, fixed."""
+    """kept: as fxpipe's ranks run (fxpipe.runtime.heap); default: glibc's initial thresholds, fixed by
+    mallopt (which also turns off glibc's dynamic threshold: not what a process that never calls it gets)."""
     if heap == "kept":
         keep_freed_memory()
     else:
@@ -92,8 +93,9 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best median is kept")
     p.add_argument("--models", default="gpt,mlp")
     p.add_argument("--heap", choices=("kept", "default", "both"), default="kept",
-                   help="kept: freed memory stays in the process, as fxpipe's ranks run; default: glibc's "
-                        "128 KiB mmap and trim thresholds; both: a row set of each, interleaved")
+                   help="kept: freed memory stays in the process, as fxpipe's ranks run; default: mmap and "
+                        "trim thresholds fixed at glibc's initial 128 KiB (mallopt: glibc's dynamic "
+                        "threshold off); both: a row set of each, interleaved")
     args = p.parse_args(list(argv) or None)
     from tabulate import tabulate
 
