@@ -87,7 +87,9 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     along dim 0), or a list of them. ``example_inputs``: one microbatch;
     default the inputs of ``batches``' first item. ``loss_fn(outputs,
     targets)``: default the sum of the outputs' means (a smoke test, ignores
-    targets). ``microbatches`` defaults to ``devices``.
+    targets). ``microbatches`` defaults to what ``fxpipe plan`` plans with
+    (``4 x devices``, see ``costmodel.default_microbatches``), or to the
+    microbatches a reused ``split`` was planned for.
 
     ``optimizer``: ``"sgd"``, ``"adamw"`` or a ``torch.optim.Optimizer``
     class defined at module level (each stage builds its own over its
@@ -116,7 +118,8 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     if launcher == "none" and not run_dir:
         raise PreflightError("--launcher none writes the run folder for your own torchrun: give --run-dir DIR")
     cfg_options, plan_options = _sort_options(options, TrainConfig)
-    cfg = TrainConfig(schedule=schedule, microbatches=microbatches or devices or 4, steps=steps,
+    M = microbatches or _default_microbatches(devices, schedule, split, plan_options.get("memory"))
+    cfg = TrainConfig(schedule=schedule, microbatches=M, steps=steps,
                       optimizer=_optimizer_name(optimizer, isinstance(model, str)),
                       lr=lr if lr is not None else (0.01 if optimizer == "sgd" else 0.001),
                       checkpoint=checkpoint, resume=resume, timeout_s=timeout, **cfg_options)
@@ -145,6 +148,32 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     if own:
         shutil.rmtree(run_dir, ignore_errors=True)
     return outcome
+
+
+def _default_microbatches(devices: Optional[int], schedule: str, split: Optional[str],
+                          memory: Optional[int]) -> int:
+    """Microbatches per step when none are asked for: the planner's default, so the
+    pipeline that trains is the one the plan and its prediction were made for.
+
+    With ``M = devices`` the 1F1B bubble ``(S-1)/(M+S-1)`` is near half the step
+    on many stages; the planner's ``4 x devices`` keeps it under 20 % and costs
+    1F1B no memory (it holds a pipeline's depth of microbatches whatever M is).
+    A reused split keeps the count it was planned (and simulated) for.
+    """
+    from passes.partition.costmodel import default_microbatches
+
+    if devices:
+        return default_microbatches(devices, schedule, memory)
+    plan_file = os.path.join(split, "plan.json") if split else None
+    if plan_file and os.path.exists(plan_file):
+        from fxpipe.plan import Plan
+
+        plan = Plan.load(plan_file)
+        saved = (plan.options or {}).get("microbatches")
+        if saved:
+            return int(saved)
+        return default_microbatches(sum(s.replicas for s in plan.stages), schedule, memory)
+    return 4
 
 
 def _optimizer_name(optimizer: Any, model_file: bool) -> str:

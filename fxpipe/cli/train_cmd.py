@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--devices", "-k", type=at_least(1), default=None, help="number of workers (ranks)")
     p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE)
     p.add_argument("--microbatches", "-m", type=at_least(1), default=None,
-                   help="microbatches per step (default: the number of devices)")
+                   help="microbatches per step (default: 4 x devices, as `fxpipe plan`; with --split, the plan's)")
     p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.01 sgd, 0.001 adamw)")
