@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from passes.errors import FxpipeError
 from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 
-from fxpipe.units import parse_bandwidth, parse_memory
+from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 
 if TYPE_CHECKING:
     from passes.costgraph import CostGraph
@@ -33,19 +33,19 @@ def register(subparsers) -> None:
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The partitioner's options (``--devices`` and the cost model's), shared with ``fxpipe split``."""
-    p.add_argument("--devices", "-k", type=int, required=True, help="number of devices K")
+    p.add_argument("--devices", "-k", type=at_least(1), required=True, help="number of devices K")
     p.add_argument("--bandwidth", type=parse_bandwidth, default=1.25e9,
                    help="bytes/s between stages, or between nodes with --gpus-per-node "
                         "(1.25e9, 10Gbit/s, 1.25GB/s; default 10 Gbit/s)")
     p.add_argument("--allreduce-bandwidth", type=parse_bandwidth, default=None,
                    help="bytes/s inside a replica group (default: --bandwidth); not with --gpus-per-node")
-    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+    p.add_argument("--gpus-per-node", type=at_least(1), default=None, metavar="G",
                    help="devices per node (K must be a multiple): links and all-reduce inside a node run at "
                         "--intra-bandwidth, across nodes at --bandwidth")
     p.add_argument("--intra-bandwidth", type=parse_bandwidth, default=None,
                    help="bytes/s between two devices of one node (with --gpus-per-node; default --bandwidth)")
     p.add_argument("--memory", type=parse_memory, default=None, help="bytes per device (16GiB, 1.6e10); default unchecked")
-    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4 x K; gpipe with --memory: K)")
+    p.add_argument("--microbatches", type=at_least(1), default=None, help="microbatches per step (default 4 x K; gpipe with --memory: K)")
     p.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
                    help=f"schedule the plan is for (memory, in-flight counts); default {DEFAULT_SCHEDULE}, as fxpipe train")
     p.add_argument("--cost-model", choices=("fxpipe", "pipedream"), default="fxpipe")
@@ -53,11 +53,11 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="replicas per stage: any count, powers of two, or none (straight pipeline)")
     p.add_argument("--fewer-devices", action="store_true", help="allow plans that leave devices idle")
     p.add_argument("--optimizer-state", type=float, default=1.0, help="optimizer bytes per weight byte (Adam: 2)")
-    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
+    p.add_argument("--time-limit", type=positive_float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--solver", choices=("auto", "cpsat"), default="auto",
                    help="auto: exact downset DP when the graph has few downsets, else CP-SAT; cpsat: always CP-SAT")
-    p.add_argument("--workers", type=int, default=2, help="CP-SAT worker threads (default 2)")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per microbatch (default: from the profile)")
+    p.add_argument("--workers", type=at_least(1), default=2, help="CP-SAT worker threads (default 2)")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="samples per microbatch (default: from the profile)")
 
 
 def partition_kwargs(args: argparse.Namespace) -> dict:

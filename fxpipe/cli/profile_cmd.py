@@ -29,11 +29,11 @@ def register(subparsers) -> None:
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=at_least(1), default=1,
                    help="torch intra-op threads while timing on CPU (default 1: then each node is timed in "
                         "CPU time of its thread, which other jobs on the machine do not inflate; 0 = torch's default, "
                         "timed in wall time)")
-    p.add_argument("--top", type=int, default=None, help="show only the N nodes with the largest forward+backward")
+    p.add_argument("--top", type=at_least(1), default=None, help="show only the N nodes with the largest forward+backward")
     p.add_argument("-o", "--output", help="write the profile JSON here (input of `fxpipe plan`)")
     p.set_defaults(func=run)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from passes.errors import FxpipeError
 from passes.partition.costmodel import SCHEDULES
+from fxpipe.units import at_least
 
 
 def register(subparsers) -> None:
@@ -24,10 +25,10 @@ def register(subparsers) -> None:
     p.add_argument("--text", action="store_true", help="print the stage table and an ASCII timeline instead")
     p.add_argument("--schedule", choices=SCHEDULES,
                    help="schedule to simulate (default: the plan's)")
-    p.add_argument("--microbatches", type=int, help="microbatches per step to simulate (default: the plan's)")
+    p.add_argument("--microbatches", type=at_least(1), help="microbatches per step to simulate (default: the plan's)")
     p.add_argument("--format", choices=("html", "dot", "svg", "png"), default="html",
                    help="html (default, self-contained) or the graph through Graphviz")
-    p.add_argument("--width", type=int, default=100, help="columns of the ASCII timeline (--text)")
+    p.add_argument("--width", type=at_least(20), default=100, help="columns of the ASCII timeline (--text)")
     p.set_defaults(func=run)
 
 

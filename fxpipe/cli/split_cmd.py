@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, List
 
 from fxpipe.cli.plan_cmd import add_plan_options, partition_kwargs
+from fxpipe.units import at_least
 
 
 def register(subparsers: Any) -> None:
@@ -33,7 +34,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to profile on (default cpu)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per node (default 3)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed repetitions per node (default 3)")
     p.add_argument("-o", "--output", metavar="OUTDIR", default=None,
                    help="folder to write (default fxpipe-out/<model name>)")
     p.set_defaults(func=run)
