@@ -82,3 +82,15 @@ def test_plan_of_a_model_times_nodes_as_split_does(monkeypatch):
     ns = runpy.run_path(str(model))
     split(ns["model"], ns["example_inputs"], 2, time_limit=2, progress=False)
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0]["threads"] == 1
+
+
+@pytest.mark.parametrize("option,value,says", [("--devices", "0", "--devices/-k: must be at least 1"),
+                                               ("--microbatches", "0", "--microbatches: must be at least 1"),
+                                               ("--time-limit", "0", "--time-limit: must be positive"),
+                                               ("--workers", "-1", "--workers: must be at least 1")])
+def test_cli_refuses_a_zero_before_loading_anything(option, value, says, capsys):
+    args = ["plan", str(VGG), "--devices", "4", option, value]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
