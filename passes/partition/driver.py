@@ -411,17 +411,15 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
     if opts.replication == "none" and not opts.fewer_devices:
         if not stage_count.applies(opts, units):
             return None
-        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        score = lambda stage_of, reps: placed.placed_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
     else:
-        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None
