@@ -153,6 +153,8 @@ class ChainSolver:
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
+            least = self._least_devices(seg, T)
+            dev = np.maximum(dev, least)
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
@@ -163,7 +165,7 @@ class ChainSolver:
                     cand = dev[j[lo:hi]] + R2[lo:hi]
                     k = int(cand.argmin())
                     if cand[k] < dev[x]:
-                        dev[x] = cand[k]
+                        dev[x] = max(cand[k], least[x])
                         src[x] = (off + j[lo + k], R2[lo + k])
             dev_all[off:off + d] = dev
             back[off:off + d] = src
@@ -171,6 +173,14 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _least_devices(self, seg: Segment, T: float):
+        """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
+        took off the units (``Units.hidden``), over T (every stage time is at least compute / r); 0
+        without such compute, where the per-stage counts already say more."""
+        if not self.units.hidden:
+            return np.zeros(len(seg.compute), dtype=np.int64)
+        return np.ceil((seg.compute + seg.hidden) / T * (1 - 1e-12)).astype(np.int64)
 
     def _near(self, T: float) -> List[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment."""

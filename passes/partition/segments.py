@@ -140,6 +140,7 @@ class Segment:
     cut: np.ndarray  # (points,) bytes crossing out of the downset
     shared: np.ndarray  # (points, n_shared + n_pairs): users of each shared weight inside the downset, then
     # for every (shared weight, user) pair (``user_pairs``) 1 where that user is inside
+    hidden: np.ndarray  # (points,) compute of ``Units.hidden`` that the downset forces in (prefix included)
     sub_j: np.ndarray  # pairs (j, i) of points of this segment with j a strict subset of i
     sub_i: np.ndarray
 
@@ -261,6 +262,11 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int
     for k, (_, u) in enumerate(pairs):
         inside[:, k] = member[:, pos[u]] if u in pos else float(u < local[0])
     counts = np.hstack([counts, inside])
+    hidden = np.zeros(len(masks))
+    for seconds, forcing in units.hidden:
+        mine = [pos[u] for u in forcing if u in pos]
+        before = any(u < local[0] for u in forcing)
+        hidden += seconds * (before | member[:, mine].any(axis=1))
     packed = np.packbits(member, axis=1) if L else np.zeros((len(masks), 0), dtype=np.uint8)
     sub_j, sub_i = [], []
     for i in range(len(masks)):
@@ -268,7 +274,7 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int
         sub_j.append(js)
         sub_i.append(np.full(js.size, i))
     cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if masks else (lambda xs: np.zeros(0, dtype=np.int64))
-    return Segment(local, member, compute, params, cut, counts, cat(sub_j), cat(sub_i))
+    return Segment(local, member, compute, params, cut, counts, hidden, cat(sub_j), cat(sub_i))
 
 
 def user_pairs(shared: List[Tuple[int, List[int]]]) -> List[Tuple[int, int]]:
