@@ -38,9 +38,11 @@ as one copy per stage; every step the runtime sums the copies' gradients over
 all ranks of those stages (``fxpipe.runtime.groups``). Each of those stages
 pays that all-reduce of the whole group (``tied_sync_s``) besides its
 replicas' all-reduce of its other weights, so a tied weight costs time even on
-stages without replicas. The solvers cannot see which stages share a weight
-until the plan is complete: they charge it like the stage's own weights, which
-is never more (``tied_sync_s``), so their bounds stay bounds, and ``evaluate``
+stages without replicas. The solvers cannot see the other holders' replicas
+until the plan is complete: they charge the group at the least size it can
+have (``tied_floor_s``: the stage's ranks plus ``partner_replicas``, what the
+other users of the weight need at the bottleneck searched), which is never
+more than ``tied_sync_s``, so their bounds stay bounds, and ``evaluate``
 scores the plan they return.
 
 Memory per device of stage j (both models; PipeDream itself only checks
