@@ -101,29 +101,34 @@ class ChainSolver:
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
-        params, tied, shares, outside = self._held(pi - pj, sj, si)
-        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied, self._partner_count(shares, outside, T))
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied, self._partner_count(shares, flags, T))
 
     def _held(self, params, sj, si):
         """For stages (j, i): weight bytes with the shared weights they hold, the bytes another stage holds
-        too, which weights those are, and which of each weight's users lie outside the stage (before j
-        or after i); ``sj``, ``si``: the points' ``Segment.shared`` rows."""
+        too, which weights those are, and each weight user's flags at j and at i (a user inside j or
+        not inside i lies outside the stage); ``sj``, ``si``: the points' ``Segment.shared`` rows."""
         n = self.shared_bytes.size
         if not n:
             return params, 0.0, None, None
         inside = si[..., :n] - sj[..., :n]
         held = inside > 0.5
         shares = held & (inside < self.shared_users - 0.5)
-        outside = np.maximum(sj[..., n:], 1.0 - si[..., n:])
-        return params + held @ self.shared_bytes, shares @ self.shared_bytes, shares, outside
+        return params + held @ self.shared_bytes, shares @ self.shared_bytes, shares, (sj[..., n:], si[..., n:])
 
-    def _partner_count(self, shares, outside, T: float):
+    def _partner_count(self, shares, flags, T: float):
         """Fewest replicas the other holders of a stage's tied weights have at T (the module docstring):
-        per weight the most its outside users need, then the least over the weights it shares."""
+        per weight the most its outside users need, then the least over the weights it shares; 1 for
+        stages that share none (only those few are worked out)."""
         if shares is None:
             return 1
-        some = np.where(shares, self._partners.least(outside, T), np.inf).min(axis=-1)
-        return np.where(np.isfinite(some), some, 1)
+        some = np.nonzero(shares.any(axis=-1))
+        out = np.ones(shares.shape[:-1])
+        if some[0].size:
+            at_j, at_i = (np.broadcast_to(f, shares.shape[:-1] + f.shape[-1:])[some] for f in flags)
+            need = self._partners.least(np.maximum(at_j, 1.0 - at_i), T)
+            out[some] = np.where(shares[some], need, np.inf).min(axis=-1)
+        return out
 
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""

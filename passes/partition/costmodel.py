@@ -407,37 +407,44 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     """
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     top = len(allowed) - 1
-    C, P, c_in, c_out, tie, q = np.broadcast_arrays(*(np.asarray(x, dtype=float)
-                                                     for x in (compute, params, cut_in, cut_out, tied, partners)))
+    every = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out, tied, partners)))
+    C, c_in, c_out = every[0], every[2], every[3]
     floor = np.maximum(C, 2.0 * np.maximum(c_in, c_out) / opts.bandwidth) / T
     lo = np.searchsorted(allowed, np.maximum(1.0, np.ceil(floor * (1 - 1e-12))))
     out = np.full(C.shape, opts.devices + 1, dtype=np.int64)
-    ok = lo <= top
-    where = np.nonzero(ok.ravel())[0]
-    sel = np.unravel_index(where, C.shape)
+    flat_out = out.reshape(-1)
+    pos = np.nonzero((lo <= top).ravel())[0]  # the stages still open, as flat positions
+    sel = np.unravel_index(pos, C.shape)
+    cols, lo = [x[sel] for x in every], lo[sel]  # their numbers, narrowed as answers are found
 
-    def time_at(s, index):
-        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, tie[s], q[s])
+    def time_at(index, which=slice(None)):
+        C_, P_, i_, o_, t_, q_ = (x[which] for x in cols)
+        return stage_time_s(C_, P_, i_, o_, allowed[index], opts, t_, q_)
 
-    first = time_at(sel, lo[sel]) <= T
-    out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]
-    sel = tuple(w[~first] for w in sel)
-    if not sel[0].size:
+    def settle(found, index):
+        """Record the answers ``found`` (a mask of the open stages) and keep the others open."""
+        nonlocal pos, cols
+        flat_out[pos[found]] = allowed[index[found]]
+        pos, cols = pos[~found], [x[~found] for x in cols]
+        return ~found
+
+    rest = settle(time_at(lo) <= T, lo)
+    if not pos.size:
         return out
-    ia = np.maximum(lo[sel], min(int(np.searchsorted(allowed, 2)), top))
-    fa = time_at(sel, ia)
-    good_a = fa <= T
-    out[tuple(w[good_a] for w in sel)] = allowed[ia[good_a]]
-    sel, ia, fa = tuple(w[~good_a] for w in sel), ia[~good_a], fa[~good_a]
+    ia = np.maximum(lo[rest], min(int(np.searchsorted(allowed, 2)), top))
+    fa = time_at(ia)
+    rest = settle(fa <= T, ia)
+    ia, fa = ia[rest], fa[rest]
     tops = np.full(ia.shape, top)
     if opts.cost_model == "fxpipe":  # a tied weight's ring grows with r (see above)
-        bent = np.nonzero(tie[sel] > 0)[0]
+        bent = np.nonzero(cols[4] > 0)[0]
         if bent.size:
-            tops[bent] = fastest_index(lambda idx, k: time_at(tuple(w[bent[k]] for w in sel), idx), ia[bent], tops[bent])
-    ft = time_at(sel, tops)
-    keep = (ft <= T) & (ia < tops)  # the answer lies in (ia, tops]
-    sel, ia, fa, ft, tops = tuple(w[keep] for w in sel), ia[keep], fa[keep], ft[keep], tops[keep]
-    if not sel[0].size:
+            tops[bent] = fastest_index(lambda idx, k: time_at(idx, bent[k]), ia[bent], tops[bent])
+    ft = time_at(tops)
+    keep = (ft <= T) & (ia < tops)  # the answer lies in (ia, tops]; none fits the others
+    pos, cols = pos[keep], [x[keep] for x in cols]
+    ia, fa, ft, tops = ia[keep], fa[keep], ft[keep], tops[keep]
+    if not pos.size:
         return out
     ra, rt = allowed[ia].astype(float), allowed[tops].astype(float)
     alpha = (fa - ft) / (1.0 / ra - 1.0 / rt)
@@ -445,20 +452,17 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.where(T > beta, alpha / (T - beta), rt)
     e = np.clip(np.searchsorted(allowed, np.nan_to_num(est, nan=rt) * (1 - 1e-9)), ia + 1, tops)
-    fe = time_at(sel, e) <= T
-    fp = np.where(e - 1 > ia, time_at(sel, e - 1) <= T, False)
-    exact = fe & ~fp
-    out[tuple(w[exact] for w in sel)] = allowed[e[exact]]
-    rest = ~exact  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
+    fe = time_at(e) <= T
+    fp = np.where(e - 1 > ia, time_at(e - 1) <= T, False)
+    rest = settle(fe & ~fp, e)  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
     lo2 = np.where(fe, ia + 1, e + 1)[rest]
     hi2 = np.where(fe, e - 1, tops)[rest]
-    sel = tuple(w[rest] for w in sel)
     while (lo2 < hi2).any():
         mid = (lo2 + hi2) // 2
-        good = time_at(sel, mid) <= T
+        good = time_at(mid) <= T
         hi2 = np.where((lo2 < hi2) & good, mid, hi2)
         lo2 = np.where((lo2 < hi2) & ~good, mid + 1, lo2)
-    out[sel] = allowed[hi2]
+    flat_out[pos] = allowed[hi2]
     return out
 
 

@@ -279,22 +279,23 @@ class PlacedChainSolver(ChainSolver):
         """What ``_stage_intervals`` needs of stages (j, i) (arrays that broadcast, flattened): compute,
         weight bytes, cuts in and out, weight bytes another stage holds too, of those the bytes synced
         across nodes for sure, whether the stage starts at the empty point, and which weights it shares
-        and which of their users lie outside it (``ChainSolver._held``); ``first``/``last``: the stage
+        and its users' flags at j and at i (``ChainSolver._held``); ``first``/``last``: the stage
         starts at the empty point / ends at the full one.
 
         With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
         different nodes, so a weight both hold (``_ends_tied``) is synced at B2.
         """
-        params, tied, shares, outside = self._held(pi - pj, sj, si)
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
         far = np.zeros(1)
         if shares is not None and self.opts.devices > self.G and not self.opts.fewer_devices:
             ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
             far = (shares & ends) @ self.shared_bytes
         C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
         flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
-        rows = lambda x: None if x is None else np.broadcast_to(x, C.shape + x.shape[-1:]).reshape(C.size, -1)  # noqa: E731
+        rows = lambda x: np.broadcast_to(x, C.shape + x.shape[-1:]).reshape(C.size, -1)  # noqa: E731
         return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied), flat(far),
-                flat(np.asarray(first)), rows(shares), rows(outside))
+                flat(np.asarray(first)), None if shares is None else rows(shares),
+                None if flags is None else tuple(rows(f) for f in flags))
 
     def _stage_intervals(self, stages, T: float) -> _Stages:
         """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``).
@@ -302,13 +303,13 @@ class PlacedChainSolver(ChainSolver):
         A stage sharing a weight syncs it over its ranks and at least ``partners`` more
         (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or the weight is held at
         both ends, else at least at B1 (``costmodel.tied_floor_s`` on the flat models of each rate)."""
-        C, params, cut_in, cut_out, tied, far, first, shares, outside = stages
+        C, params, cut_in, cut_out, tied, far, first, shares, flags = stages
         o = self.opts
         lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)  # one replica never crosses nodes
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
         some = np.nonzero(tied > 0)[0]
         if some.size:
-            q = self._partner_count(shares[some], outside[some], T)
+            q = self._partner_count(shares[some], tuple(f[some] for f in flags), T)
             c, p, t, f = C[some], params[some], tied[some], far[some]
             fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
             inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
