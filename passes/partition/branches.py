@@ -25,8 +25,13 @@ branch is handled twice, and the two answers bracket the optimum:
   stage, the stage after it, which then has no incoming cut. So the relaxed
   optimum on at most K devices is a lower bound, and so is ``sum C / K``.
 
-The bound loses at most the branch's compute, which matters only where the
-stages are balanced to within that much.
+The relaxed graph forgets the cone's compute, but a plan of the real graph
+still runs it: every cone node but the checks is an ancestor of ``x``, so any
+prefix of stages that holds a node downstream of it holds it too.
+``hidden_compute`` lists that compute with the units that force it in, and the
+segment DP counts it in the devices each prefix needs (``Units.hidden``), so
+the bound gives up only how the branch's compute splits between stages, not
+its share of the devices.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition.coarsen import model_nodes
+from passes.partition.coarsen import Units, model_nodes
 from passes.partition.costmodel import CostOptions
 
 Cone = Tuple[str, List[str]]  # exit node, the cone's nodes in graph order (exit last)
@@ -104,3 +109,52 @@ def expand(assignment: Dict[str, int], cones: List[Cone]) -> Dict[str, int]:
         for m in members:
             out[m] = assignment[x]
     return out
+
+
+def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tuple[float, List[int]]]:
+    """``Units.hidden`` for ``units`` of ``relaxed(graph, cones)``: per cone node upstream of its exit, the
+    compute the units do not count of it (all of it, but the exit's where a unit holds the exit), with
+    the units that force it into a prefix: its own, or, where folding left it in none (placed like a
+    model input), those holding its nearest placed descendants (see the module docstring)."""
+    unit_of = units.unit_of()
+    succ = graph.successors()
+    preds: Dict[str, List[str]] = {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        preds[v].append(u)
+    out = []
+    for x, members in cones:
+        upstream = _ancestors(x, set(members), preds)
+        for n in members:
+            if n not in upstream:
+                continue
+            counted = graph.nodes[n].compute_s if n == x and n in unit_of else 0.0
+            seconds = graph.nodes[n].compute_s - counted
+            if seconds > 0:
+                out.append((seconds, _placed_below(n, unit_of, succ)))
+    return out
+
+
+def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:
+    """``x`` and the nodes of ``within`` it descends from through ``within``."""
+    seen, todo = {x}, [x]
+    while todo:
+        for p in preds[todo.pop()]:
+            if p in within and p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
+
+
+def _placed_below(n: str, unit_of: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
+    """The unit holding ``n``, or those holding the first nodes downstream of it that sit in a unit."""
+    if n in unit_of:
+        return [unit_of[n]]
+    found, seen, todo = set(), {n}, [n]
+    while todo:
+        for v in succ[todo.pop()]:
+            if v in unit_of:
+                found.add(unit_of[v])
+            elif v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return sorted(found)

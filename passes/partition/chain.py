@@ -21,7 +21,13 @@ dropped when a later point contains it with no more devices used and no more
 bytes cut (it is then at least as good a start for every later stage).
 Shared (tied) weights count once per stage: a stage holds weight p iff one of
 p's users lies in ``i \\ j``, i.e. the users counted in ``i`` exceed those in ``j``;
-it shares p with another stage iff not all of them do (``costmodel.tied_floor_s``).
+it shares p with another stage iff not all of them do. Its sync then runs over
+its own ranks and those of every stage holding another user of p, so each
+user u outside the stage (inside j, or outside i: ``Segment.shared`` keeps a
+flag per user) brings at least the replicas u's unit needs alone within T
+(``costmodel.partner_replicas``); the stage is charged ``tied_floor_s`` with the
+largest of those (the smallest over its tied weights, if several). No plan
+within T has a smaller group, so an infeasible T stays a proof.
 """
 from __future__ import annotations
 
@@ -34,8 +40,9 @@ import numpy as np
 
 from passes.partition.coarsen import Units
 from passes.partition.heuristic import Solution
-from passes.partition.costmodel import CostOptions, min_replicas, stage_time_s
-from passes.partition.segments import Segment
+from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_bound, min_replicas,
+                                        partner_replicas, stage_time_s, tied_floor_s, tied_sync_s)
+from passes.partition.segments import Segment, user_pairs
 
 
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
@@ -54,11 +61,39 @@ class ChainSolution:
     complete: bool  # the bisection closed (bound within ``TOLERANCE`` (0.03 %) of the plan)
 
 
+class _Partners:
+    """Per shared weight, the fewest replicas that the stages holding its users outside a stage have.
+
+    Each user's unit lies whole in one stage, which at bottleneck T needs at
+    least ``costmodel.partner_replicas`` of the unit alone (its compute, its
+    weights, the shared one tied); the stages holding users outside a stage
+    have at least the largest of those among those users. Computed once per T
+    for every (weight, user) pair (``segments.user_pairs``).
+    """
+
+    def __init__(self, units: Units, opts: CostOptions) -> None:
+        shared = list(units.shared.values())
+        pairs = user_pairs(shared)
+        holds = {u: sum(nb for nb, users in shared if u in users) for _, u in pairs}
+        self.compute = np.array([units.compute[u] for _, u in pairs])
+        self.params = np.array([units.param_bytes[u] + holds[u] for _, u in pairs], dtype=float)
+        self.tied = np.array([float(shared[w][0]) for w, _ in pairs])
+        self.starts = np.r_[0, np.cumsum([len(users) for _, users in shared])[:-1]].astype(np.int64)
+        self.opts, self._at = opts, (None, None)
+
+    def least(self, outside: np.ndarray, T: float) -> np.ndarray:
+        """Per weight (last axis), the most replicas needed by a user flagged in ``outside`` (last axis: pairs)."""
+        if self._at[0] != T:
+            self._at = (T, partner_replicas(self.compute, self.params, self.tied, T, self.opts).astype(float))
+        return np.maximum.reduceat(outside * self._at[1], self.starts, axis=-1)
+
+
 class ChainSolver:
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
         self.shared_users = np.array([len(users) for _, users in units.shared.values()])
+        self._partners = _Partners(units, flat_bound(opts, fast=True))
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
         self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
@@ -66,12 +101,34 @@ class ChainSolver:
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
-        params, tied = pi - pj, 0.0
-        if self.shared_bytes.size:
-            inside = si - sj
-            params = params + (inside > 0.5) @ self.shared_bytes
-            tied = ((inside > 0.5) & (inside < self.shared_users - 0.5)) @ self.shared_bytes
-        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied)
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
+        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied, self._partner_count(shares, flags, T))
+
+    def _held(self, params, sj, si):
+        """For stages (j, i): weight bytes with the shared weights they hold, the bytes another stage holds
+        too, which weights those are, and each weight user's flags at j and at i (a user inside j or
+        not inside i lies outside the stage); ``sj``, ``si``: the points' ``Segment.shared`` rows."""
+        n = self.shared_bytes.size
+        if not n:
+            return params, 0.0, None, None
+        inside = si[..., :n] - sj[..., :n]
+        held = inside > 0.5
+        shares = held & (inside < self.shared_users - 0.5)
+        return params + held @ self.shared_bytes, shares @ self.shared_bytes, shares, (sj[..., n:], si[..., n:])
+
+    def _partner_count(self, shares, flags, T: float):
+        """Fewest replicas the other holders of a stage's tied weights have at T (the module docstring):
+        per weight the most its outside users need, then the least over the weights it shares; 1 for
+        stages that share none (only those few are worked out)."""
+        if shares is None:
+            return 1
+        some = np.nonzero(shares.any(axis=-1))
+        out = np.ones(shares.shape[:-1])
+        if some[0].size:
+            at_j, at_i = (np.broadcast_to(f, shares.shape[:-1] + f.shape[-1:])[some] for f in flags)
+            need = self._partners.least(np.maximum(at_j, 1.0 - at_i), T)
+            out[some] = np.where(shares[some], need, np.inf).min(axis=-1)
+        return out
 
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
@@ -101,6 +158,8 @@ class ChainSolver:
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
+            least = self._least_devices(seg, T)
+            dev = np.maximum(dev, least)
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
@@ -111,7 +170,7 @@ class ChainSolver:
                     cand = dev[j[lo:hi]] + R2[lo:hi]
                     k = int(cand.argmin())
                     if cand[k] < dev[x]:
-                        dev[x] = cand[k]
+                        dev[x] = max(cand[k], least[x])
                         src[x] = (off + j[lo + k], R2[lo + k])
             dev_all[off:off + d] = dev
             back[off:off + d] = src
@@ -119,6 +178,14 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _least_devices(self, seg: Segment, T: float):
+        """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
+        took off the units (``Units.hidden``), over T (every stage time is at least compute / r); 0
+        without such compute, where the per-stage counts already say more."""
+        if not self.units.hidden:
+            return np.zeros(len(seg.compute), dtype=np.int64)
+        return np.ceil((seg.compute + seg.hidden) / T * (1 - 1e-12)).astype(np.int64)
 
     def _near(self, T: float) -> List[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment."""
@@ -190,7 +257,10 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
     """Replicas using exactly K devices with no stage slower than T (None if the greedy fails).
 
     Each step gives the next allowed replica count to the slowest stage that
-    it speeds up, else to the stage it slows least, never past T.
+    it speeds up, else to the stage it slows least, never past T. A stage
+    holding a tied weight also slows the other holders (their group grows), so
+    its step counts the slowest of them, and may not push one past T (or past
+    its time now, where the DP's floor already left it above T).
     """
     reps = np.array(replicas, dtype=np.int64)
     left = opts.devices - int(reps.sum())
@@ -198,16 +268,16 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
         return [int(r) for r in reps]
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     comp, par = _stage_sums(units, stage_of, len(reps))
-    tied = _stage_tied(units, stage_of, len(reps))
+    groups = tied_groups(units, stage_of)
     while left > 0:
         pos = np.searchsorted(allowed, reps, side="right")
         nxt = allowed[np.minimum(pos, len(allowed) - 1)]
         usable = (pos < len(allowed)) & (nxt - reps <= left)
-        now = stage_time_s(comp, par, 0.0, 0.0, reps, opts, tied)
-        then = stage_time_s(comp, par, 0.0, 0.0, nxt, opts, tied)
+        now = group_times(comp, par, groups, reps, opts)
+        then = _times_after(comp, par, groups, reps, np.arange(len(reps)), nxt, now, T, opts)
         usable &= then <= T * (1 + 1e-12)
         if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
-            jump = _first_fit_above(comp, par, tied, reps, left, allowed, opts, T)
+            jump = _first_fit_above(comp, par, groups, reps, now, left, allowed, opts, T)
             if jump is None:
                 return None
             s, r = jump
@@ -222,14 +292,31 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
     return [int(r) for r in reps]
 
 
-def _first_fit_above(comp, par, tied, reps, left: int, allowed, opts: CostOptions, T: float):
-    """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage within T."""
+def _times_after(comp, par, groups, reps, stages, counts, now, T: float, opts: CostOptions) -> np.ndarray:
+    """Per pair (``stages[k]`` given ``counts[k]`` replicas, the others as ``reps``): that stage's time, or
+    for a stage holding a tied weight the slowest of it and its partners, infinite where a partner would
+    pass both T and its time ``now``."""
+    trial = np.tile(np.asarray(reps, dtype=np.int64), (len(stages), 1))
+    trial[np.arange(len(stages)), stages] = counts
+    tied = {h for _, holders in groups for h in holders}
+    out = group_times(comp, par, [], trial[np.arange(len(stages)), stages], opts, stages)
+    for k in (k for k, s in enumerate(stages) if s in tied):
+        times = group_times(comp, par, groups, trial[k], opts)
+        worse = np.delete(times > np.maximum(now, T) * (1 + 1e-12), stages[k])
+        out[k] = np.inf if worse.any() else times.max()
+    return out
+
+
+def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: CostOptions, T: float):
+    """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage (and its tied
+    partners, ``_times_after``) within T."""
     best = None
     for s, r in enumerate(reps):
         cand = allowed[(allowed > r) & (allowed - r <= left)]
         if not cand.size:
             continue
-        ok = np.nonzero(stage_time_s(comp[s], par[s], 0.0, 0.0, cand, opts, tied[s]) <= T * (1 + 1e-12))[0]
+        times = _times_after(comp, par, groups, reps, np.full(cand.size, s), cand, now, T, opts)
+        ok = np.nonzero(times <= T * (1 + 1e-12))[0]
         if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
             best = (s, int(cand[ok[0]]))
     return best
@@ -246,14 +333,29 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
     return comp, par
 
 
-def _stage_tied(units: Units, stage_of: List[int], S: int) -> np.ndarray:
-    """Weight bytes per stage that another stage holds too (``stage_time_s``'s ``tied``)."""
-    tied = np.zeros(S)
-    for _, (nb, users) in units.shared.items():
-        holders = {stage_of[u] for u in users}
+def tied_groups(units: Units, stage_of: List[int]) -> List[Tuple[float, List[int]]]:
+    """(bytes, stages holding it) of every shared weight that more than one stage holds."""
+    out = []
+    for nb, users in units.shared.values():
+        holders = sorted({stage_of[u] for u in users})
         if len(holders) > 1:
-            tied[list(holders)] += nb
-    return tied
+            out.append((float(nb), holders))
+    return out
+
+
+def group_times(comp, par, groups, reps, opts: CostOptions, which=None) -> np.ndarray:
+    """Compute plus weight sync of each stage (flat options, no cuts) with every tied weight synced over
+    all ranks of its holders, as ``evaluate`` charges it: ``tied_floor_s`` with the other holders'
+    replicas as partners is the group's exact charge on a flat machine. ``which``: the stages that
+    ``comp``, ``par`` and ``reps`` (then aligned) stand for, default all; ``groups`` then must be []."""
+    idx = np.arange(len(comp)) if which is None else np.asarray(which)
+    reps = np.asarray(reps, dtype=float)
+    own, sync = np.asarray(par, dtype=float)[idx].copy(), np.zeros(reps.shape)
+    for nbytes, holders in groups:
+        others = reps[holders].sum() - reps[holders]
+        own[holders] -= nbytes
+        sync[holders] += tied_floor_s(nbytes, reps[holders], opts, others)
+    return stage_time_s(np.asarray(comp)[idx], own, 0.0, 0.0, reps, opts) + sync
 
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
@@ -331,9 +433,23 @@ def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray,
 
 
 def unit_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
-    """The bottleneck of a plan on ``units`` (``costmodel.stage_time_s`` per stage; a tied weight at its
-    floor, ``tied_floor_s``: ``evaluate`` charges its group)."""
+    """A plan's bottleneck on ``units`` as ``costmodel.evaluate`` charges it (flat or two-level; each
+    tied weight synced over every rank of every stage holding it)."""
     S = len(replicas)
     comp, par, cut = stage_totals(units, stage_of, S)
-    tied = _stage_tied(units, stage_of, S)
-    return max(stage_time_s(comp[s], par[s], cut[s], cut[s + 1], replicas[s], opts, tied[s]) for s in range(S))
+    reps = np.asarray(replicas, dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(reps)[:-1]])
+    ranks = [list(range(f, f + r)) for f, r in zip(firsts, reps)]
+    times = comp / reps
+    for nbytes, holders in tied_groups(units, stage_of):
+        group = [x for h in holders for x in ranks[h]]
+        for h in holders:
+            par[h] -= nbytes
+            times[h] += tied_sync_s(nbytes, ranks[h], group, opts)
+    times += [allreduce_at(p, int(f), int(r), opts) for p, r, f in zip(par, reps, firsts)]
+    for b in range(S - 1):
+        if cut[b + 1] > 0:
+            c = cut_at(cut[b + 1], int(firsts[b]), int(reps[b]), int(reps[b + 1]), opts)
+            times[b] = max(times[b], c)
+            times[b + 1] = max(times[b + 1], c)
+    return float(times.max())

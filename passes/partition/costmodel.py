@@ -38,9 +38,11 @@ as one copy per stage; every step the runtime sums the copies' gradients over
 all ranks of those stages (``fxpipe.runtime.groups``). Each of those stages
 pays that all-reduce of the whole group (``tied_sync_s``) besides its
 replicas' all-reduce of its other weights, so a tied weight costs time even on
-stages without replicas. The solvers cannot see which stages share a weight
-until the plan is complete: they charge it like the stage's own weights, which
-is never more (``tied_sync_s``), so their bounds stay bounds, and ``evaluate``
+stages without replicas. The solvers cannot see the other holders' replicas
+until the plan is complete: they charge the group at the least size it can
+have (``tied_floor_s``: the stage's ranks plus ``partner_replicas``, what the
+other users of the weight need at the bottleneck searched), which is never
+more than ``tied_sync_s``, so their bounds stay bounds, and ``evaluate``
 scores the plan they return.
 
 Memory per device of stage j (both models; PipeDream itself only checks
@@ -245,13 +247,18 @@ def tied_sync_s(param_bytes: float, stage_ranks: Sequence[int], group_ranks: Seq
     like a stage's own all-reduce (``allreduce_on``) over that group; the
     PipeDream model spreads an all-reduce over the r replicas that share the
     stage's microbatches, so its charge is spread over the stage's replicas,
-    not the group's. Either way it is at least ``allreduce_on(param_bytes,
-    stage_ranks)``, what the solvers charge (the ring factor grows with the
-    group, and a group's slowest link is no faster than the stage's when links
-    between nodes are no faster than inside one).
+    not the group's (``_spread``). Either way it grows with the group (the ring
+    factor grows, and a group's slowest link is no faster than the stage's
+    when links between nodes are no faster than inside one), which is what
+    lets the solvers charge ``tied_floor_s`` for a group of a known least size.
     """
-    spread = len(group_ranks) / len(stage_ranks) if opts.cost_model == "pipedream" else 1.0
-    return allreduce_on(param_bytes, group_ranks, opts) * spread
+    return allreduce_on(param_bytes, group_ranks, opts) * _spread(len(stage_ranks), len(group_ranks), opts)
+
+
+def _spread(stage_n, group_n, opts: CostOptions):
+    """The factor on a group all-reduce charged to one stage of it: PipeDream spreads an all-reduce over the
+    replicas sharing the stage's microbatches (so ``group / stage``), fxpipe charges the ring in full."""
+    return np.asarray(group_n, dtype=float) / stage_n if opts.cost_model == "pipedream" else 1.0
 
 
 def allreduce_coeff_at(first: int, r: int, opts: CostOptions) -> float:
@@ -298,15 +305,16 @@ def flat_bound(opts: CostOptions, fast: bool) -> CostOptions:
                                bandwidth=pick(opts.bandwidth, opts.intra_bw))
 
 
-def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, tied=0.0):
+def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, tied=0.0, partners=1):
     """THE stage time of both cost models on a flat network; every solver derives its numbers from it.
 
     ``compute`` (s, fwd+bwd, summed over the stage), ``params`` (weight bytes
     the stage holds, shared weights once), ``cut_in``/``cut_out`` (bytes
     crossing the boundary before/after it), ``r`` replicas, ``tied`` (the
     part of ``params`` that another stage holds too: charged
-    ``tied_floor_s``, the least its sync can cost, since which stages hold it
-    and with how many replicas is only known once the plan is complete). Each
+    ``tied_floor_s``, the least its sync can cost when the other holders have
+    at least ``partners`` replicas, since which stages hold it and with how
+    many replicas is only known once the plan is complete). Each
     cut is charged ``2A/(B·r)`` here, so the maximum over stages equals the
     bottleneck with ``min(r_b, r_b+1)``. Works on numpy arrays elementwise
     (the chain DP calls it on thousands of stages at once). A two-level
@@ -320,31 +328,49 @@ def stage_time_s(compute, params, cut_in, cut_out, r, opts: CostOptions, tied=0.
     r_arr = np.asarray(r, dtype=float)
     cuts = 2.0 * np.maximum(np.asarray(cut_in, dtype=float), np.asarray(cut_out, dtype=float)) / (opts.bandwidth * r_arr)
     tied = np.asarray(tied, dtype=float)
-    sync = _allreduce(np.asarray(params, dtype=float) - tied, r_arr, opts) + tied_floor_s(tied, r_arr, opts)
+    sync = _allreduce(np.asarray(params, dtype=float) - tied, r_arr, opts) + tied_floor_s(tied, r_arr, opts, partners)
     out = combine_stage_time(compute, r_arr, sync, cuts)
     return float(out) if out.ndim == 0 else out
 
 
-def tied_floor_s(tied_bytes, r, opts: CostOptions):
+def tied_floor_s(tied_bytes, r, opts: CostOptions, partners=1):
     """The least ``tied_sync_s`` a stage of ``r`` replicas pays for weights another stage holds too
-    (elementwise, flat options): its group has at least ``r + 1`` ranks.
+    (elementwise, flat options), when every other stage holding them has at least ``partners`` replicas
+    between them: the group has at least ``r + partners`` ranks.
 
-    fxpipe: a ring of ``max(r, 2)`` ranks (the ring of ``r + 1`` would break
-    the shape ``alpha / r + beta`` that ``min_replicas`` relies on for r >= 2);
-    PipeDream: ``r + 1`` ranks spread over r replicas, which falls with r.
-    Never below charging them like the stage's own weights, and exact for a
-    weight tied between two stages without replicas (GPT's embedding and
-    output projection).
+    ``tied_sync_s`` grows with the group, so charging that size is never above
+    the real charge: fxpipe a ring of ``r + partners`` ranks, PipeDream
+    ``4(n-1)/n · P/(B·r)`` for ``n = r + partners``. With ``partners = 1`` this
+    is exact for a weight tied between two stages of which the other has one
+    replica (GPT's embedding and output projection without replicas); the
+    segment DP finds larger ``partners`` from the bottleneck
+    (``partner_replicas``). Under fxpipe the charge grows with r while the
+    compute share falls, so a stage's time is no longer monotone in r
+    (``min_replicas`` says why it still finds the fewest).
     """
     r = np.asarray(r, dtype=float)
-    if opts.cost_model == "pipedream":
-        return 4.0 * np.asarray(tied_bytes, dtype=float) / (opts.bandwidth * (r + 1))
-    return _allreduce(tied_bytes, np.maximum(r, 2.0), opts)
+    group = r + np.asarray(partners, dtype=float)
+    return _allreduce(tied_bytes, group, opts) * _spread(r, group, opts)
 
 
 def tied_floor_coeff(r: int, opts: CostOptions) -> float:
-    """``r · tied_floor_s(P, r) / P``: the weight on tied bytes in ``r·T >= C + ...`` (CP-SAT)."""
+    """``r · tied_floor_s(P, r) / P`` with one partner replica: the weight on tied bytes in
+    ``r·T >= C + ...`` (CP-SAT, which does not search the partners' replicas)."""
     return float(r * tied_floor_s(1.0, r, opts))
+
+
+def partner_replicas(compute, params, tied, T: float, opts: CostOptions) -> np.ndarray:
+    """Fewest replicas of any stage that holds a unit of ``compute`` s and ``params`` weight bytes, of
+    which ``tied`` are shared with another stage, when no stage may exceed bottleneck ``T`` (elementwise).
+
+    Such a stage's time is at least the unit's alone (``stage_time_s`` grows with
+    compute and weight bytes at a fixed r, and a shared weight's group has at
+    least one rank besides the stage), so it needs at least
+    ``min_replicas`` of the unit as a stage; ``devices + 1`` means no plan meets T.
+    A stage holding a tied weight therefore has at least this many partner
+    ranks for every user of the weight outside it (``tied_floor_s``).
+    """
+    return min_replicas(compute, params, 0.0, 0.0, T, opts, tied)
 
 
 def combine_stage_time(compute, r, allreduce, comm):
@@ -353,68 +379,105 @@ def combine_stage_time(compute, r, allreduce, comm):
     return np.maximum(np.asarray(compute, dtype=float) / r + allreduce, comm)
 
 
-def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, tied=0.0) -> np.ndarray:
+def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, tied=0.0,
+                 partners=1) -> np.ndarray:
     """Fewest allowed replicas giving ``stage_time_s <= T`` (elementwise); ``devices + 1`` where none does.
 
     Relies on two properties of ``stage_time_s`` (both models have them; a
     topology-aware model must keep them): it is at least ``compute / r`` and
     each cut term falls with r, so no r below ``max(C/T, 2A/(B·T))`` can do;
-    and from r = 2 on it is monotone in r (fxpipe: ``(C - a)/r + a`` with
-    ``a = 2P/B``; PipeDream: ``(C + b)/r - b/r^2`` with ``b = 4P/B``, falling
-    for r >= 2; a tied weight keeps both shapes, ``tied_floor_s``). So: try the smallest allowed r above that floor; else the
-    time at that r (at least 2) and at the largest r give the answer's place
-    by fitting ``alpha/r + beta`` (exact for fxpipe), which is checked, and
-    bisection settles what the fit missed. If the largest r does not fit
-    either, none does.
+    and from r = 2 on it falls and then rises (quasi-convex), so the counts
+    that fit form an interval and the fewest lies between the floor and the
+    fastest count. Why: PipeDream's ``(C + b)/r - b/r^2`` (``b = 4P/B``) falls
+    for r >= 2, and so does its tied term ``d(1/r - 1/(r(r+q)))`` (``d =
+    4P_tied/B``, q ``partners``). fxpipe's time is ``(C - a)/r + a + c -
+    c/(r+q)`` (``a``, ``c``: 2/B times the own and the tied bytes): the
+    derivative times r^2 is ``-(C - a) + c·(r/(r+q))^2``, which grows with r,
+    so it changes sign at most once, from falling to rising (without tied
+    bytes, c = 0, it is monotone); taking the max with the falling cut terms
+    keeps that shape. So: try the smallest allowed r above the floor; else,
+    from r = ia (the floor, at least 2), find the fastest count ``top``
+    (the largest allowed r for PipeDream and untied stages; a binary search on
+    the slope for fxpipe's tied ones: on a quasi-convex sequence the first r
+    whose successor is no faster is the fastest). If the time at ``top`` does
+    not fit, no count does (every count from ia on is at least that slow).
+    Else the time falls over [ia, top]: fitting ``alpha/r + beta`` through
+    both ends (exact for untied fxpipe stages) places the answer, which is
+    checked, and bisection settles what the fit missed.
     """
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     top = len(allowed) - 1
-    C, P, c_in, c_out, tie = np.broadcast_arrays(*(np.asarray(x, dtype=float)
-                                                  for x in (compute, params, cut_in, cut_out, tied)))
+    every = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out, tied, partners)))
+    C, c_in, c_out = every[0], every[2], every[3]
     floor = np.maximum(C, 2.0 * np.maximum(c_in, c_out) / opts.bandwidth) / T
     lo = np.searchsorted(allowed, np.maximum(1.0, np.ceil(floor * (1 - 1e-12))))
     out = np.full(C.shape, opts.devices + 1, dtype=np.int64)
-    ok = lo <= top
-    where = np.nonzero(ok.ravel())[0]
-    sel = np.unravel_index(where, C.shape)
+    flat_out = out.reshape(-1)
+    pos = np.nonzero((lo <= top).ravel())[0]  # the stages still open, as flat positions
+    sel = np.unravel_index(pos, C.shape)
+    cols, lo = [x[sel] for x in every], lo[sel]  # their numbers, narrowed as answers are found
 
-    def time_at(s, index):
-        return stage_time_s(C[s], P[s], c_in[s], c_out[s], allowed[index], opts, tie[s])
+    def time_at(index, which=slice(None)):
+        C_, P_, i_, o_, t_, q_ = (x[which] for x in cols)
+        return stage_time_s(C_, P_, i_, o_, allowed[index], opts, t_, q_)
 
-    first = time_at(sel, lo[sel]) <= T
-    out[tuple(w[first] for w in sel)] = allowed[lo[sel][first]]
-    sel = tuple(w[~first] for w in sel)
-    if not sel[0].size:
+    def settle(found, index):
+        """Record the answers ``found`` (a mask of the open stages) and keep the others open."""
+        nonlocal pos, cols
+        flat_out[pos[found]] = allowed[index[found]]
+        pos, cols = pos[~found], [x[~found] for x in cols]
+        return ~found
+
+    rest = settle(time_at(lo) <= T, lo)
+    if not pos.size:
         return out
-    ia = np.maximum(lo[sel], min(int(np.searchsorted(allowed, 2)), top))
-    fa, ft = time_at(sel, ia), time_at(sel, np.full(ia.shape, top))
-    good_a = fa <= T
-    out[tuple(w[good_a] for w in sel)] = allowed[ia[good_a]]
-    keep = ~good_a & (ft <= T) & (ia < top)  # the answer lies in (ia, top]
-    sel, ia, fa, ft = tuple(w[keep] for w in sel), ia[keep], fa[keep], ft[keep]
-    if not sel[0].size:
+    ia = np.maximum(lo[rest], min(int(np.searchsorted(allowed, 2)), top))
+    fa = time_at(ia)
+    rest = settle(fa <= T, ia)
+    ia, fa = ia[rest], fa[rest]
+    tops = np.full(ia.shape, top)
+    if opts.cost_model == "fxpipe":  # a tied weight's ring grows with r (see above)
+        bent = np.nonzero(cols[4] > 0)[0]
+        if bent.size:
+            tops[bent] = fastest_index(lambda idx, k: time_at(idx, bent[k]), ia[bent], tops[bent])
+    ft = time_at(tops)
+    keep = (ft <= T) & (ia < tops)  # the answer lies in (ia, tops]; none fits the others
+    pos, cols = pos[keep], [x[keep] for x in cols]
+    ia, fa, ft, tops = ia[keep], fa[keep], ft[keep], tops[keep]
+    if not pos.size:
         return out
-    ra, rt = allowed[ia].astype(float), float(allowed[top])
+    ra, rt = allowed[ia].astype(float), allowed[tops].astype(float)
     alpha = (fa - ft) / (1.0 / ra - 1.0 / rt)
     beta = ft - alpha / rt
     with np.errstate(divide="ignore", invalid="ignore"):
         est = np.where(T > beta, alpha / (T - beta), rt)
-    e = np.clip(np.searchsorted(allowed, np.nan_to_num(est, nan=rt) * (1 - 1e-9)), ia + 1, top)
-    fe = time_at(sel, e) <= T
-    fp = np.where(e - 1 > ia, time_at(sel, e - 1) <= T, False)
-    exact = fe & ~fp
-    out[tuple(w[exact] for w in sel)] = allowed[e[exact]]
-    rest = ~exact  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
+    e = np.clip(np.searchsorted(allowed, np.nan_to_num(est, nan=rt) * (1 - 1e-9)), ia + 1, tops)
+    fe = time_at(e) <= T
+    fp = np.where(e - 1 > ia, time_at(e - 1) <= T, False)
+    rest = settle(fe & ~fp, e)  # bisect on (lo2 - 1, hi2]: time at hi2 fits, below lo2 does not
     lo2 = np.where(fe, ia + 1, e + 1)[rest]
-    hi2 = np.where(fe, e - 1, top)[rest]
-    sel = tuple(w[rest] for w in sel)
+    hi2 = np.where(fe, e - 1, tops)[rest]
     while (lo2 < hi2).any():
         mid = (lo2 + hi2) // 2
-        good = time_at(sel, mid) <= T
+        good = time_at(mid) <= T
         hi2 = np.where((lo2 < hi2) & good, mid, hi2)
         lo2 = np.where((lo2 < hi2) & ~good, mid + 1, lo2)
-    out[sel] = allowed[hi2]
+    flat_out[pos] = allowed[hi2]
     return out
+
+
+def fastest_index(time_at, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per element, the index in [lo, hi] of the least ``time_at(index, which)`` when the times fall and
+    then rise (quasi-convex): the first index whose successor is no faster, by bisection on the slope."""
+    lo, hi = lo.copy(), hi.copy()
+    while True:
+        k = np.nonzero(lo < hi)[0]
+        if not k.size:
+            return lo
+        mid = (lo[k] + hi[k]) // 2
+        rising = time_at(mid + 1, k) >= time_at(mid, k)
+        hi[k] = np.where(rising, mid, hi[k])
+        lo[k] = np.where(rising, lo[k], mid + 1)
 
 
 def default_microbatches(devices: int, schedule: str, memory: Optional[int] = None) -> int:

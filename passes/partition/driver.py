@@ -291,7 +291,8 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     (``segments.folded_units``); the bound is lowered by what that can cost.
     Where a segment is too large because of a branch computed from the inputs
     alone (an attention mask), the plan comes from the graph with that branch
-    as one node and the bound from the graph with it free (``branches.py``).
+    as one node and the bound from the graph with it free, its compute still
+    counted in the devices of every prefix that must run it (``branches.py``).
     Every candidate plan is scored on ``graph``; a tied weight's real sync
     gets its plans re-searched (``retie.py``).
     """
@@ -307,7 +308,8 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     plan, solution, margin, size = found
     plans, bound = [plan], solution.bound - margin
     if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
-        lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline)
+        lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline,
+                            hidden=lambda units: branches.hidden_compute(graph, units, cones))
         if lower is None:
             return None
         plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
@@ -402,26 +404,28 @@ def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List[
     return (assignment, found.replicas), found, margin, len(units)
 
 
-def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False):
-    """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``)."""
+def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
+                hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None):
+    """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``);
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``)."""
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
                                  tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
                                  keep_dead=keep_dead)
+    if hidden is not None:
+        units.hidden = hidden(units)
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
     if opts.replication == "none" and not opts.fewer_devices:
         if not stage_count.applies(opts, units):
             return None
-        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        score = lambda stage_of, reps: placed.placed_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
     else:
-        score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
         found = chain_solve(units, segs, opts, deadline, score)
     if found is None:
         return None

@@ -13,9 +13,11 @@ choice: ``y[b][r] -> r·T >= C_b + a_r·P_b`` and, for both boundaries of b,
 ``y[b][r] -> r·T >= 2·A/B`` (this is ``2A/(B·min(r_b, r_b+1))``). The cut
 ``K·T >= sum C`` gives the LP a real bound from the start. A weight that
 stage b shares with another stage (``tied[p][b]``: b holds p but not all of
-its users) adds ``tied_floor_s``, a lower bound of its sync
-(``costmodel.tied_sync_s``, which needs the other stages' replicas): the
-driver scores the answer with ``evaluate``.
+its users) adds ``tied_floor_s`` with one partner replica, a lower bound of
+its sync (``costmodel.tied_sync_s``, which needs the other stages' replicas;
+the segment DP charges the partners that the bottleneck forces, which would
+make each coefficient depend on T here): the driver scores the answer with
+``evaluate``.
 
 Integer scaling: times become multiples of a unit ``q``. Every coefficient is
 rounded to the nearest unit, so a constraint with N terms is off by at most

@@ -42,9 +42,10 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, stage_totals
+from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_at, cut_at, tied_sync_s
+from passes.partition.costmodel import (CostOptions, allreduce_at, fastest_index, flat_bound, stage_time_s,
+                                        tied_floor_s)
 from passes.partition.segments import Segment
 
 _EPS = 1e-12
@@ -59,15 +60,10 @@ def supports(opts: CostOptions) -> bool:
             and opts.memory is None)
 
 
-def _intervals(C, P, T: float, bandwidth: float, K: int, tied=0.0):
+def _intervals(C, P, T: float, bandwidth: float, K: int):
     """Per stage (arrays), the replica counts ``[lo, hi]`` whose compute and ring (at ``bandwidth``)
-    meet T (``lo > hi``: none); ``hi`` is K when unbounded.
-
-    ``tied``: the part of P another stage holds too. Its sync runs over at
-    least the stage's ranks and one more (``costmodel.tied_sync_s``), so one
-    replica pays at least ``tied / bandwidth`` for it (a ring of two), and r
-    replicas at least what their own ring costs; with that r = 1 may fail
-    where r = 2 meets T, and the counts stay an interval."""
+    meet T (``lo > hi``: none); ``hi`` is K when unbounded. Stages without tied weights
+    (``_tied_intervals`` has those)."""
     a = 2.0 * P / bandwidth
     with np.errstate(divide="ignore", invalid="ignore"):
         falling = C >= a  # (C - a)/r + a falls with r (r = 1 gives C)
@@ -76,9 +72,34 @@ def _intervals(C, P, T: float, bandwidth: float, K: int, tied=0.0):
         most = np.where(T >= a, np.inf, (a - C) / (a - T))
         hi = np.where(falling, np.inf, np.where(C <= T, most, -np.inf))
     hi = np.floor(np.minimum(hi * (1 + _EPS), K))
-    lo = _count(lo, K)
-    lo = np.where((lo == 1) & (C + np.asarray(tied, dtype=float) / bandwidth > T), 2, lo)
-    return lo, np.maximum(hi, -1.0).astype(np.int64)
+    return _count(lo, K), np.maximum(hi, -1.0).astype(np.int64)
+
+
+def _tied_intervals(time_at, n: int, T: float, K: int):
+    """``[lo, hi]`` per stage (``lo > hi``: none) of the counts 1..K whose ``time_at(counts, which)``
+    meets T, for times that fall and then rise in r (a tied weight's ring of r + partners ranks; see
+    ``costmodel.min_replicas``): the fastest count, then bisection on each side of it."""
+    every = np.arange(n)
+    peak = fastest_index(lambda idx, k: time_at(idx + 1, k), np.zeros(n, dtype=np.int64),
+                         np.full(n, K - 1, dtype=np.int64))
+    fits = time_at(peak + 1, every) <= T * (1 + _EPS)
+    lo, hi = np.zeros(n, dtype=np.int64), peak.copy()  # first fit in [lo, hi]: the time falls there
+    top, end = peak.copy(), np.full(n, K - 1, dtype=np.int64)  # last fit in [top, end]: it rises there
+    while True:
+        k = np.nonzero(fits & ((lo < hi) | (top < end)))[0]
+        if not k.size:
+            break
+        left = lo[k] < hi[k]
+        mid = (lo[k] + hi[k]) // 2
+        good = time_at(mid + 1, k) <= T * (1 + _EPS)
+        hi[k] = np.where(left & good, mid, hi[k])
+        lo[k] = np.where(left & ~good, mid + 1, lo[k])
+        right = top[k] < end[k]
+        mid = (top[k] + end[k] + 1) // 2
+        good = time_at(mid + 1, k) <= T * (1 + _EPS)
+        top[k] = np.where(right & good, mid, top[k])
+        end[k] = np.where(right & ~good, mid - 1, end[k])
+    return np.where(fits, lo + 1, K + 1), np.where(fits, top + 1, -1)
 
 
 def _count(x, K: int) -> np.ndarray:
@@ -255,42 +276,47 @@ class PlacedChainSolver(ChainSolver):
         return (np.array([last_ok and last in u for u in users]), np.array([first_ok and first in u for u in users]))
 
     def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti, first=False, last=False):
-        """Compute, weight bytes, cuts in and out, weight bytes another stage holds too, and of those the
-        bytes synced across nodes for sure, of stages (j, i) (arrays that broadcast, flattened);
-        ``first``/``last``: the stage starts at the empty point / ends at the full one.
+        """What ``_stage_intervals`` needs of stages (j, i) (arrays that broadcast, flattened): compute,
+        weight bytes, cuts in and out, weight bytes another stage holds too, of those the bytes synced
+        across nodes for sure, whether the stage starts at the empty point, and which weights it shares
+        and its users' flags at j and at i (``ChainSolver._held``); ``first``/``last``: the stage
+        starts at the empty point / ends at the full one.
 
         With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
-        different nodes, so a weight both hold (``_ends_tied``) is synced at B2 over at least r + 1 ranks.
+        different nodes, so a weight both hold (``_ends_tied``) is synced at B2.
         """
-        params, tied, far = pi - pj, np.zeros(1), np.zeros(1)
-        if self.shared_bytes.size:
-            inside = si - sj
-            params = params + (inside > 0.5) @ self.shared_bytes
-            shared = (inside > 0.5) & (inside < self.shared_users - 0.5)
-            tied = shared @ self.shared_bytes
-            if self.opts.devices > self.G and not self.opts.fewer_devices:
-                ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
-                far = (shared & ends) @ self.shared_bytes
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
+        far = np.zeros(1)
+        if shares is not None and self.opts.devices > self.G and not self.opts.fewer_devices:
+            ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
+            far = (shares & ends) @ self.shared_bytes
         C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
         flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
+        rows = lambda x: np.broadcast_to(x, C.shape + x.shape[-1:]).reshape(C.size, -1)  # noqa: E731
         return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied), flat(far),
-                flat(np.asarray(first)))
+                flat(np.asarray(first)), None if shares is None else rows(shares),
+                None if flags is None else tuple(rows(f) for f in flags))
 
     def _stage_intervals(self, stages, T: float) -> _Stages:
-        """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``)."""
-        C, params, cut_in, cut_out, tied, far, first = stages
+        """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``).
+
+        A stage sharing a weight syncs it over its ranks and at least ``partners`` more
+        (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or the weight is held at
+        both ends, else at least at B1 (``costmodel.tied_floor_s`` on the flat models of each rate)."""
+        C, params, cut_in, cut_out, tied, far, first, shares, flags = stages
         o = self.opts
-        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices, tied)  # one replica never crosses nodes
+        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)  # one replica never crosses nodes
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
-        some = np.nonzero(far > 0)[0]
-        if some.size:  # a ring of r + 1 ranks at B2 no longer has the shape a/r + b: try every count
-            r = np.arange(1, o.devices + 1, dtype=float)[None, :]
-            own = (params[some] - far[some])[:, None]
-            for bw, lo, hi in ((o.intra_bw, lo1, hi1), (o.bandwidth, lo2, hi2)):
-                t = C[some, None] / r + 2.0 * (r - 1) / r * own / bw + 2.0 * r / (r + 1) * far[some, None] / o.bandwidth
-                ok = t <= T * (1 + 1e-12)
-                lo[some] = np.where(ok.any(axis=1), ok.argmax(axis=1) + 1, o.devices + 1)
-                hi[some] = np.where(ok.any(axis=1), o.devices - ok[:, ::-1].argmax(axis=1), -1)
+        some = np.nonzero(tied > 0)[0]
+        if some.size:
+            q = self._partner_count(shares[some], tuple(f[some] for f in flags), T)
+            c, p, t, f = C[some], params[some], tied[some], far[some]
+            fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+            inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
+                                   + tied_floor_s(f[k], r, slow, q[k]))
+            across = lambda r, k: stage_time_s(c[k], p[k], 0.0, 0.0, r, slow, t[k], q[k])  # noqa: E731
+            lo1[some], hi1[some] = _tied_intervals(inside, some.size, T, o.devices)
+            lo2[some], hi2[some] = _tied_intervals(across, some.size, T, o.devices)
         lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_ends_tied``)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
@@ -499,27 +525,3 @@ def pad_placed(units: Units, stage_of: List[int], replicas: List[int], opts: Cos
 def _one_time(c: float, p: float, reps: np.ndarray, s: int, opts: CostOptions) -> float:
     first = int(reps[:s].sum())
     return c / int(reps[s]) + allreduce_at(p, first, int(reps[s]), opts)
-
-
-def placed_bottleneck(units: Units, stage_of: List[int], replicas: List[int], opts: CostOptions) -> float:
-    """A plan's bottleneck on ``units`` under the two-level model (as ``costmodel.evaluate`` charges it)."""
-    S = len(replicas)
-    comp, par, cut = stage_totals(units, stage_of, S)
-    reps = np.asarray(replicas, dtype=np.int64)
-    firsts = np.concatenate([[0], np.cumsum(reps)[:-1]])
-    ranks = [list(range(f, f + r)) for f, r in zip(firsts, reps)]
-    sync = np.zeros(S)  # weights tied across stages: synced over every rank of every stage holding them
-    for nbytes, users in units.shared.values():
-        holders = sorted({stage_of[u] for u in users})
-        if len(holders) > 1:
-            group = [x for h in holders for x in ranks[h]]
-            for h in holders:
-                par[h] -= nbytes
-                sync[h] += tied_sync_s(nbytes, ranks[h], group, opts)
-    times = _placed_times(comp, par, reps, opts) + sync
-    for b in range(S - 1):
-        if cut[b + 1] > 0:
-            c = cut_at(cut[b + 1], int(firsts[b]), int(reps[b]), int(reps[b + 1]), opts)
-            times[b] = max(times[b], c)
-            times[b + 1] = max(times[b + 1], c)
-    return float(times.max())

@@ -1,17 +1,19 @@
 """Plans that pay for a tied weight's real sync, for the segment DP.
 
 While it searches, the DP charges a weight that two stages hold (GPT's
-embedding and output projection) ``tied_floor_s``: the least its all-reduce
-can cost, since the other stage's replicas are not in its state. That keeps
-its bound a bound, but its plan may give the stage with few replicas a
-partner with many, whose group sync ``evaluate`` then charges in full (HF
-GPT-2 at K=64: the embedding's stage, one replica, synced with a head stage of
-four, 60 % above the floor).
+embedding and output projection) ``tied_floor_s`` over the stage and the
+replicas the weight's other users need on their own at the bottleneck T
+(``costmodel.partner_replicas``). That keeps its bound a bound and closes it
+where the other user's stage holds little more than that user, but the plan
+found at T may give the partner stage more (it holds more compute, or is
+padded), and ``evaluate`` charges that larger group in full (the test suite's
+synthetic 6-block GPT at K=64 under the PipeDream model: the DP's plan 2 %
+above its bound, the re-searched one 0.2 %).
 
 ``recharged`` searches again with the tied weights made heavier by the
-largest ratio of real to floor sync in the plan so far, so the plan it finds
-leaves room for that sync; every plan is scored on the real graph, the best
-kept. Only plans change: the bound still comes from the floor.
+largest ratio of real to floor (one partner rank) sync in the plan so far, so
+the plan it finds leaves room for that sync; every plan is scored on the real
+graph, the best kept. Only plans change: the bound still comes from the DP.
 """
 from __future__ import annotations
 

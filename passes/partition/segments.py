@@ -138,7 +138,9 @@ class Segment:
     compute: np.ndarray  # (points,) compute of the whole downset (prefix included)
     params: np.ndarray  # (points,) own (unshared) weight bytes of the whole downset
     cut: np.ndarray  # (points,) bytes crossing out of the downset
-    shared: np.ndarray  # (points, n_shared) users of each shared weight inside the downset
+    shared: np.ndarray  # (points, n_shared + n_pairs): users of each shared weight inside the downset, then
+    # for every (shared weight, user) pair (``user_pairs``) 1 where that user is inside
+    hidden: np.ndarray  # (points,) compute of ``Units.hidden`` that the downset forces in (prefix included)
     sub_j: np.ndarray  # pairs (j, i) of points of this segment with j a strict subset of i
     sub_i: np.ndarray
 
@@ -255,6 +257,16 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int
     for s, (_, users) in enumerate(shared):
         mine = [pos[u] for u in users if u in pos]
         counts[:, s] = base_s[s] + member[:, mine].sum(axis=1)
+    pairs = user_pairs(shared)
+    inside = np.zeros((len(masks), len(pairs)))  # a user before the segment is in every point, after it in none
+    for k, (_, u) in enumerate(pairs):
+        inside[:, k] = member[:, pos[u]] if u in pos else float(u < local[0])
+    counts = np.hstack([counts, inside])
+    hidden = np.zeros(len(masks))
+    for seconds, forcing in units.hidden:
+        mine = [pos[u] for u in forcing if u in pos]
+        before = any(u < local[0] for u in forcing)
+        hidden += seconds * (before | member[:, mine].any(axis=1))
     packed = np.packbits(member, axis=1) if L else np.zeros((len(masks), 0), dtype=np.uint8)
     sub_j, sub_i = [], []
     for i in range(len(masks)):
@@ -262,7 +274,13 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, limit: int
         sub_j.append(js)
         sub_i.append(np.full(js.size, i))
     cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if masks else (lambda xs: np.zeros(0, dtype=np.int64))
-    return Segment(local, member, compute, params, cut, counts, cat(sub_j), cat(sub_i))
+    return Segment(local, member, compute, params, cut, counts, hidden, cat(sub_j), cat(sub_i))
+
+
+def user_pairs(shared: List[Tuple[int, List[int]]]) -> List[Tuple[int, int]]:
+    """(shared weight index, user unit) for every user of every shared weight (``Units.shared``'s values),
+    weight by weight: the columns after the counts in ``Segment.shared``."""
+    return [(s, u) for s, (_, users) in enumerate(shared) for u in users]
 
 
 def _local_downsets(units: Units, local: List[int], last: bool, limit: int) -> Optional[List[int]]:

@@ -56,6 +56,11 @@ def test_branch_plan_and_bound_bracket_brute_force(model, seed, K):
     best = brute_force(g, K, model, opts.allowed_replicas())
     units, found, margin = driver._segment_dp(branches.relaxed(g, cones), opts, math.inf)
     assert found.bound - margin <= best * (1 + 1e-9)  # a lower bound of the real graph
+    # with the branch's compute counted in the devices of every prefix that needs it: still one, and no
+    # lower (but for where each bisection stops, chain.TOLERANCE)
+    _, counted, margin2 = driver._segment_dp(branches.relaxed(g, cones), opts, math.inf,
+                                             hidden=lambda u: branches.hidden_compute(g, u, cones))
+    assert (found.bound - margin) * (1 - 3e-4) <= counted.bound - margin2 <= best * (1 + 1e-9)
     (assignment, replicas), *_ = driver._searched(g, opts, math.inf, cones)
     assert is_convex(g, assignment) and sum(replicas) == K
     assert len({assignment[n] for n in ("m1", "m2", "m3", "mask")}) == 1  # the branch moves as one

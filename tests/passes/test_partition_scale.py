@@ -87,6 +87,35 @@ def test_min_replicas_equals_trying_every_count(model, replication):
             assert got.tolist() == want
 
 
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+@pytest.mark.parametrize("replication", ["any", "pow2", "none"])
+def test_min_replicas_with_tied_partners_equals_trying_every_count(model, replication):
+    """A tied weight synced over r + partners ranks makes fxpipe's stage time fall and then rise in r;
+    the bottlenecks tried include ones just above a stage's fastest time, where only counts in the middle fit."""
+    rng = np.random.default_rng(2)
+    for K in (1, 3, 8, 64, 1024):
+        opts = CostOptions(devices=K, cost_model=model, replication=replication, bandwidth=1e9,
+                           allreduce_bandwidth=2e9)
+        n = 200
+        C = rng.uniform(0, 0.1, n)
+        tied = rng.choice([0, 1e5, 1e6, 1e7, 1e8], n) * rng.uniform(0, 1, n)
+        P = tied + rng.choice([0, 1e5, 1e6, 1e7], n) * rng.uniform(0, 1, n)
+        a, b = rng.choice([0, 1e6, 1e7], n), rng.choice([0, 1e6, 3e7], n)
+        q = rng.choice([1, 2, 5, 64, 700], n)
+        allowed = np.asarray(opts.allowed_replicas())
+        times = stage_time_s(C[:, None], P[:, None], a[:, None], b[:, None], allowed[None, :], opts,
+                             tied[:, None], q[:, None])
+        fastest = times.min(axis=1)
+        middle = 0
+        for T in [1e-4, 1e-3, 1e-2, 5e-2, 0.2] + list(fastest[rng.choice(n, 12)] * 1.0001):
+            fits = times <= T
+            want = np.where(fits.any(axis=1), allowed[fits.argmax(axis=1)], K + 1)
+            middle += int((fits.any(axis=1) & ~fits[:, -1] & ~fits[:, 0]).sum())
+            assert min_replicas(C, P, a, b, T, opts, tied, q).tolist() == want.tolist()
+        if model == "fxpipe" and replication != "none" and K >= 64:
+            assert middle > 0  # some answers lie strictly between a count too slow and one too slow again
+
+
 def test_stage_time_is_the_evaluated_stage_time():
     g = random_dag(8, 3, output=True)
     opts = CostOptions(devices=4, bandwidth=B, allreduce_bandwidth=BAR)

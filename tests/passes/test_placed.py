@@ -15,7 +15,8 @@ from passes.partition import CostOptions, evaluate, partition
 from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.downsets import downset_dp
 from passes.partition.driver import _chain
-from passes.partition.placed import PlacedChainSolver, placed_bottleneck, supports
+from passes.partition.chain import unit_bottleneck
+from passes.partition.placed import PlacedChainSolver, supports
 from passes.partition.segments import build_segments, folded_units
 from tests.passes.test_partition import make_graph, random_dag
 from tests.passes.test_partition_scale import transformer_graph
@@ -145,13 +146,13 @@ def test_not_used_where_it_is_not_exact():
 @pytest.mark.parametrize("K,G", [(16, 4), (32, 8)])
 def test_tied_weights_scored_as_evaluate_scores_them(K, G):
     """The embedding and head share a weight: its sync over both stages' ranks is what the DP's own score
-    charges (placed_bottleneck), and the bound stays below the plan evaluate scores."""
+    charges (chain.unit_bottleneck), and the bound stays below the plan evaluate scores."""
     g = transformer_graph(6, seed=4, tied=True, dim=256)
     opts = _opts(K, G)
     res = _chain(g, opts, time.monotonic(), math.inf)
     units, _ = folded_units(g, opts)
     stage_of = [res.assignment[names[0]] for names in units.members]
-    assert placed_bottleneck(units, stage_of, res.replicas, opts) == pytest.approx(res.bottleneck_s, rel=1e-9)
+    assert unit_bottleneck(units, stage_of, res.replicas, opts) == pytest.approx(res.bottleneck_s, rel=1e-9)
     assert res.bound_s <= res.bottleneck_s
 
 
