@@ -95,7 +95,7 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solver not in ("auto", "cpsat"):
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
-    deadline = start + time_limit
+    deadline = start + time_limit - finish_reserve(time_limit)
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
     if opts.gpus_per_node is not None:
@@ -112,6 +112,18 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             raise
         return chained
     return _better(chained, other)
+
+
+def finish_reserve(time_limit: float) -> float:
+    """Seconds of ``time_limit`` kept back from the search for the work that must follow it.
+
+    Every phase stops at the search deadline, but the answer still has to be
+    scored on the original nodes (``evaluate``), its loose ends placed, and the
+    two answers compared; that takes a few evaluations, which a loaded machine
+    slows down. Keeping a tenth of the limit (at most 0.3 s) for it is what lets
+    ``partition`` return within the limit rather than a little after it.
+    """
+    return min(0.3, 0.1 * time_limit)
 
 
 def _better(chained: Optional[PartitionResult], other: PartitionResult) -> PartitionResult:
@@ -274,12 +286,14 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
     """Whether building the CP-SAT model fits in half the time left (building cannot be interrupted).
 
-    Measured here: about 5e4 variables per second (HF GPT-2, 432 units, K = 256: 5 s to build).
+    Measured here: about 5e4 variables per second on a quiet machine (HF GPT-2, 432 units, K = 256:
+    5 s to build), half that with another process on each core; the slower rate is assumed, so a
+    build started near the deadline does not run past it.
     """
     slots = min(opts.devices, max(1, sum(units.has_compute)))
     cells = (len(units) + len(units.producers)) * slots + slots * len(opts.allowed_replicas())
     left = deadline - time.monotonic()
-    return left >= 0.2 and cells / 5e4 <= 0.5 * left
+    return left >= 0.2 and cells / 2.5e4 <= 0.5 * left
 
 
 def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
@@ -310,12 +324,12 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
         lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline,
                             hidden=lambda units: branches.hidden_compute(graph, units, cones))
-        if lower is None:
-            return None
-        plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
-        plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
-        plans += [plain[0]] if plain else []
-        bound = lower[1].bound - lower[2]
+        bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
+        if lower is not None:
+            plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
+            plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            plans += [plain[0]] if plain else []
+            bound = lower[1].bound - lower[2]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
     if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
@@ -407,7 +421,10 @@ def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List[
 def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``);
-    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``)."""
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
+    once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
+    if time.monotonic() > deadline:
+        return None
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
                                  tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
