@@ -2,8 +2,8 @@
 
 A two-level machine (``gpus_per_node``) takes its own path (``_placed``):
 the segment DP with the offset within a node in its state (``placed.py``;
-fxpipe model, replication any), else on the two flat models that bracket
-the machine; then the placement-aware downset DP or CP-SAT.
+both cost models, replication any or pow2), else on the two flat models that
+bracket the machine; then the placement-aware downset DP or CP-SAT.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -31,6 +31,7 @@ from passes.partition.result import SolveResult
 from passes.partition import branches, placed, retie, stage_count
 
 
+CHARGED_SHARE = 0.5  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
@@ -204,12 +205,26 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
-    """The segment DP that knows node boundaries (``placed.py``) where it applies; else the segment DP
-    under the flat model at the FASTER bandwidth (its bound is a bound of the placed model: no
-    placement makes a link faster) and at the SLOWER one (its plans place well), the plan that scores
-    best placed kept, with the fast model's bound."""
-    if placed.supports(opts) and opts.gpus_per_node < opts.devices:
+    """The segment DP that knows node boundaries (``placed.py``) where it applies, else the flat bracket
+    (``_bracketed``). Its charged form (``placed.ChargedChainSolver``: PipeDream's all-reduce, pow2
+    counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
+    DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
+    rest); the better plan and the higher bound are kept (both are bounds of the placed model)."""
+    if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
+        return _bracketed(graph, opts, start, deadline)
+    if opts.cost_model == "fxpipe" and opts.replication == "any":
         return _chain(graph, opts, start, deadline)
+    bracket = _bracketed(graph, opts, start, deadline)
+    if bracket is not None and bracket.status == "OPTIMAL":
+        return bracket
+    exact = _chain(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()))
+    return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
+
+
+def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
+    model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
+    that scores best placed kept, with the fast model's bound."""
     fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)  # one node: the flat model at B1
     if fast is None:
         return None
@@ -440,7 +455,7 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
             return None
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
+        found = chain_solve(units, segs, opts, deadline, score, placed.solver_for(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
     else:
         found = chain_solve(units, segs, opts, deadline, score)
@@ -543,16 +558,21 @@ def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str,
 
     Only under its own cost model and options (a two-level machine, no memory
     limit, any replication, all devices); None where it does not apply or the
-    graph has too many downsets for the reproduction.
+    graph has too many downsets for the reproduction. A graph of n nodes has at
+    least n + 1 downsets (every topological prefix is one), so one of ``limit``
+    nodes or more is turned away before the reproduction spends most of a second
+    finding that out after the search's deadline.
     """
-    G = opts.gpus_per_node
+    G, limit = opts.gpus_per_node, 1000
     if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
             or opts.replication != "any"):
+        return None
+    if len(graph.nodes) >= limit:
         return None
     from passes.partition.hierarchical import pipedream_hierarchical
 
     try:
-        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=1000)
+        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=limit)
     except FxpipeError:
         return None
     return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}
