@@ -202,12 +202,6 @@ def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> f
     return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))
 
 
-def _ring_bandwidth(ranks: Sequence[int], opts: CostOptions) -> float:
-    if opts.gpus_per_node is None:
-        return opts.ar_bandwidth
-    return opts.intra_bw if len(topology.node_counts(ranks, opts.gpus_per_node)) == 1 else opts.bandwidth
-
-
 def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> float:
     """``allreduce_s`` for a stage whose replicas are ranks ``[first, first + r)``."""
     return allreduce_on(param_bytes, topology.span(first, r), opts)
@@ -216,7 +210,7 @@ def allreduce_at(param_bytes: float, first: int, r: int, opts: CostOptions) -> f
 def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) -> float:
     """``allreduce_s`` for a stage whose replicas sit on ``ranks``.
 
-    fxpipe model: one ring at its slowest link (``_ring_bandwidth``). PipeDream model, as its
+    fxpipe model: one ring at its slowest link (B1 inside one node, else B2). PipeDream model, as its
     hierarchical optimizer charges a stage spread over whole nodes: a ring
     inside each node at B1 (``4(c-1)P/(B1·c)``, c ranks in the fullest node)
     plus a ring of the full weights across the n nodes at B2
@@ -226,16 +220,29 @@ def allreduce_on(param_bytes: float, ranks: Sequence[int], opts: CostOptions) ->
     r = len(ranks)
     if opts.gpus_per_node is None:
         return allreduce_s(param_bytes, r, opts)
-    if r <= 1:
-        return 0.0
-    if opts.cost_model != "pipedream":
-        return 2.0 * (r - 1) / r * param_bytes / _ring_bandwidth(ranks, opts)
     counts = topology.node_counts(ranks, opts.gpus_per_node)
-    n, c = len(counts), max(counts)
-    if n == 1:
-        return 4.0 * (r - 1) * param_bytes / (opts.intra_bw * r) / r
-    two_level = 4.0 * (c - 1) / (opts.intra_bw * c) + 4.0 * (n - 1) / (opts.bandwidth * n)
-    return min(two_level, 4.0 * (r - 1) / (opts.bandwidth * r)) * param_bytes / r
+    return float(allreduce_nodes(param_bytes, r, len(counts), max(counts, default=0), opts))
+
+
+def allreduce_nodes(param_bytes, r, n, c, opts: CostOptions):
+    """``allreduce_on`` for r ranks over n nodes, c of them in the fullest (elementwise on arrays:
+    the placed segment DP charges every offset within a node at once, ``allreduce_span``)."""
+    P, r, n, c = (np.asarray(x, dtype=float) for x in (param_bytes, r, n, c))
+    safe_r, safe_c, safe_n = np.maximum(r, 1.0), np.maximum(c, 1.0), np.maximum(n, 1.0)
+    if opts.cost_model != "pipedream":
+        out = 2.0 * (r - 1) / safe_r * P / np.where(n <= 1, opts.intra_bw, opts.bandwidth)
+    else:
+        inside = 4.0 * (r - 1) * P / (opts.intra_bw * safe_r) / safe_r
+        two_level = 4.0 * (c - 1) / (opts.intra_bw * safe_c) + 4.0 * (n - 1) / (opts.bandwidth * safe_n)
+        spread = np.minimum(two_level, 4.0 * (r - 1) / (opts.bandwidth * safe_r)) * P / safe_r
+        out = np.where(n <= 1, inside, spread)
+    return np.where(r <= 1, 0.0, out)
+
+
+def allreduce_span(param_bytes, first, r, opts: CostOptions):
+    """``allreduce_at`` elementwise: stages on ranks ``[first, first + r)`` of a two-level machine."""
+    n, c = topology.span_nodes(first, r, opts.gpus_per_node)
+    return allreduce_nodes(param_bytes, r, n, c, opts)
 
 
 def tied_sync_s(param_bytes: float, stage_ranks: Sequence[int], group_ranks: Sequence[int],

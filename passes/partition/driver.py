@@ -2,8 +2,8 @@
 
 A two-level machine (``gpus_per_node``) takes its own path (``_placed``):
 the segment DP with the offset within a node in its state (``placed.py``;
-fxpipe model, replication any), else on the two flat models that bracket
-the machine; then the placement-aware downset DP or CP-SAT.
+both cost models, replication any or pow2), else on the two flat models that
+bracket the machine; then the placement-aware downset DP or CP-SAT.
 
 The answer is always scored again with the floating-point cost model
 (``costmodel.evaluate``) on the ORIGINAL nodes, so the reported bottleneck
@@ -31,6 +31,7 @@ from passes.partition.result import SolveResult
 from passes.partition import branches, placed, retie, stage_count
 
 
+CHARGED_SHARE = 0.5  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
@@ -95,7 +96,7 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solver not in ("auto", "cpsat"):
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
-    deadline = start + time_limit
+    deadline = start + time_limit - finish_reserve(time_limit)
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
     if opts.gpus_per_node is not None:
@@ -112,6 +113,18 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             raise
         return chained
     return _better(chained, other)
+
+
+def finish_reserve(time_limit: float) -> float:
+    """Seconds of ``time_limit`` kept back from the search for the work that must follow it.
+
+    Every phase stops at the search deadline, but the answer still has to be
+    scored on the original nodes (``evaluate``), its loose ends placed, and the
+    two answers compared; that takes a few evaluations, which a loaded machine
+    slows down. Keeping a tenth of the limit (at most 0.3 s) for it is what lets
+    ``partition`` return within the limit rather than a little after it.
+    """
+    return min(0.3, 0.1 * time_limit)
 
 
 def _better(chained: Optional[PartitionResult], other: PartitionResult) -> PartitionResult:
@@ -192,12 +205,26 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
-    """The segment DP that knows node boundaries (``placed.py``) where it applies; else the segment DP
-    under the flat model at the FASTER bandwidth (its bound is a bound of the placed model: no
-    placement makes a link faster) and at the SLOWER one (its plans place well), the plan that scores
-    best placed kept, with the fast model's bound."""
-    if placed.supports(opts) and opts.gpus_per_node < opts.devices:
+    """The segment DP that knows node boundaries (``placed.py``) where it applies, else the flat bracket
+    (``_bracketed``). Its charged form (``placed.ChargedChainSolver``: PipeDream's all-reduce, pow2
+    counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
+    DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
+    rest); the better plan and the higher bound are kept (both are bounds of the placed model)."""
+    if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
+        return _bracketed(graph, opts, start, deadline)
+    if opts.cost_model == "fxpipe" and opts.replication == "any":
         return _chain(graph, opts, start, deadline)
+    bracket = _bracketed(graph, opts, start, deadline)
+    if bracket is not None and bracket.status == "OPTIMAL":
+        return bracket
+    exact = _chain(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()))
+    return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
+
+
+def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
+    model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
+    that scores best placed kept, with the fast model's bound."""
     fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)  # one node: the flat model at B1
     if fast is None:
         return None
@@ -274,12 +301,14 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
     """Whether building the CP-SAT model fits in half the time left (building cannot be interrupted).
 
-    Measured here: about 5e4 variables per second (HF GPT-2, 432 units, K = 256: 5 s to build).
+    Measured here: about 5e4 variables per second on a quiet machine (HF GPT-2, 432 units, K = 256:
+    5 s to build), half that with another process on each core; the slower rate is assumed, so a
+    build started near the deadline does not run past it.
     """
     slots = min(opts.devices, max(1, sum(units.has_compute)))
     cells = (len(units) + len(units.producers)) * slots + slots * len(opts.allowed_replicas())
     left = deadline - time.monotonic()
-    return left >= 0.2 and cells / 5e4 <= 0.5 * left
+    return left >= 0.2 and cells / 2.5e4 <= 0.5 * left
 
 
 def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
@@ -310,12 +339,12 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
         lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline,
                             hidden=lambda units: branches.hidden_compute(graph, units, cones))
-        if lower is None:
-            return None
-        plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
-        plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
-        plans += [plain[0]] if plain else []
-        bound = lower[1].bound - lower[2]
+        bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
+        if lower is not None:
+            plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
+            plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            plans += [plain[0]] if plain else []
+            bound = lower[1].bound - lower[2]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
     if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
@@ -407,7 +436,10 @@ def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List[
 def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``);
-    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``)."""
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
+    once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
+    if time.monotonic() > deadline:
+        return None
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
                                  tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
@@ -423,7 +455,7 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
             return None
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        found = chain_solve(units, segs, opts, deadline, score, placed.PlacedChainSolver(units, segs, opts),
+        found = chain_solve(units, segs, opts, deadline, score, placed.solver_for(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
     else:
         found = chain_solve(units, segs, opts, deadline, score)
@@ -526,16 +558,21 @@ def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str,
 
     Only under its own cost model and options (a two-level machine, no memory
     limit, any replication, all devices); None where it does not apply or the
-    graph has too many downsets for the reproduction.
+    graph has too many downsets for the reproduction. A graph of n nodes has at
+    least n + 1 downsets (every topological prefix is one), so one of ``limit``
+    nodes or more is turned away before the reproduction spends most of a second
+    finding that out after the search's deadline.
     """
-    G = opts.gpus_per_node
+    G, limit = opts.gpus_per_node, 1000
     if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
             or opts.replication != "any"):
+        return None
+    if len(graph.nodes) >= limit:
         return None
     from passes.partition.hierarchical import pipedream_hierarchical
 
     try:
-        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=1000)
+        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=limit)
     except FxpipeError:
         return None
     return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}

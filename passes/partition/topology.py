@@ -63,6 +63,17 @@ def span(first: int, r: int) -> range:
     return range(first, first + r)
 
 
+def span_nodes(first, r, gpus_per_node: int):
+    """(nodes touched, ranks in the fullest of them) of ``span(first, r)``, elementwise on arrays:
+    the first node holds G - first mod G of them (or all r), every middle node G, the last the rest."""
+    G = int(gpus_per_node)
+    first, r = np.asarray(first, dtype=np.int64), np.asarray(r, dtype=np.int64)
+    m = first % G
+    n = (m + r + G - 1) // G
+    c = np.where(n <= 1, r, np.where(n == 2, np.maximum(G - m, m + r - G), G))
+    return n, c
+
+
 def pair_load(before: Sequence[int], after: Sequence[int], gpus_per_node: Optional[int],
               intra: float, inter: float) -> float:
     """Seconds per byte per microbatch on the most loaded rank of a cut (see the module docstring).

@@ -16,7 +16,7 @@ from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.downsets import downset_dp
 from passes.partition.driver import _chain
 from passes.partition.chain import unit_bottleneck
-from passes.partition.placed import PlacedChainSolver, supports
+from passes.partition.placed import ChargedChainSolver, PlacedChainSolver, solver_for, supports
 from passes.partition.segments import build_segments, folded_units
 from tests.passes.test_partition import make_graph, random_dag
 from tests.passes.test_partition_scale import transformer_graph
@@ -138,9 +138,81 @@ def test_dp_feasibility_matches_every_placement_by_hand():
 
 
 def test_not_used_where_it_is_not_exact():
-    assert not supports(_opts(8, 4, cost_model="pipedream"))
-    assert not supports(_opts(8, 4, replication="pow2"))
+    assert not supports(_opts(8, 4, replication="none"))
+    assert not supports(_opts(8, 4, memory=10**9))
     assert not supports(CostOptions(devices=8))
+    assert supports(_opts(8, 4, cost_model="pipedream")) and supports(_opts(8, 4, replication="pow2"))
+
+
+CHARGED = [("fxpipe", "pow2"), ("pipedream", "any"), ("pipedream", "pow2")]
+
+
+@pytest.mark.parametrize("model,replication", CHARGED)
+@pytest.mark.parametrize("seed,K,G", [c for c in _cases() if c[0] < 4])
+def test_charged_dp_bound_below_the_optimum_and_plan_scored_placed(model, replication, seed, K, G):
+    """PipeDream's two-level all-reduce and power-of-two counts (ChargedChainSolver) against the
+    exact placed downset DP: the bound never above the optimum, the plan scored as evaluate scores it."""
+    g = random_dag(9, seed) if seed % 2 else _chain_graph(8, seed)
+    opts = _opts(K, G, cost_model=model, replication=replication)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    assert isinstance(solver_for(*_units_and_segments(g, opts), opts), ChargedChainSolver)
+    best = _exact(g, opts)
+    assert res is not None and res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
+    assert sum(res.replicas) == K
+    if replication == "pow2":
+        assert all(r & (r - 1) == 0 for r in res.replicas)
+
+
+@pytest.mark.parametrize("model,replication", CHARGED)
+@pytest.mark.parametrize("seed,K,G", [c for c in _cases() if c[0] < 4])
+def test_charged_dp_optimal_where_cuts_do_not_limit(model, replication, seed, K, G):
+    """Cuts 1000x lighter: every all-reduce is charged where it runs, so the plan is the optimum."""
+    g = _light_cuts(random_dag(9, seed) if seed % 2 else _chain_graph(8, seed), 1e-3)
+    opts = _opts(K, G, cost_model=model, replication=replication)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    best = _exact(g, opts)
+    assert res.bottleneck_s == pytest.approx(best, rel=1e-3)
+    assert res.bound_s <= best * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("model,replication", CHARGED)
+def test_charged_dp_feasibility_matches_every_placement_by_hand(model, replication):
+    """Two stages on 3 nodes of 2 (a split of 1-5, 2-4, ... crosses nodes at every offset): the DP's
+    device count at T is what trying every allowed replica split says."""
+    g = _light_cuts(_chain_graph(4, 11), 1e-6)
+    opts = _opts(6, 2, cost_model=model, replication=replication)
+    units, segs = _units_and_segments(g, opts)
+    solver = solver_for(units, segs, opts)
+    names = [n for n in g.nodes if g.nodes[n].compute_s > 0]
+    allowed = opts.allowed_replicas()
+    times = []
+    for cut in range(1, len(names)):
+        stage = {n: (0 if list(g.nodes).index(n) <= list(g.nodes).index(names[cut - 1]) else 1) for n in g.nodes}
+        times += [evaluate(g, stage, [r0, 6 - r0], opts).bottleneck_s for r0 in allowed if 6 - r0 in allowed]
+    if 6 in allowed:
+        times.append(evaluate(g, {n: 0 for n in g.nodes}, [6], opts).bottleneck_s)
+    best = min(times)
+    assert solver.devices_needed(best * (1 + 1e-9))[0] <= 6
+    assert solver.devices_needed(best * (1 - 1e-6))[0] > 6
+
+
+@pytest.mark.parametrize("model,replication", CHARGED)
+@pytest.mark.parametrize("seed", range(2))
+def test_charged_tied_first_and_last_bound_below_brute_force(model, replication, seed):
+    from tests.passes.test_topology import _brute_force
+
+    g = _light_cuts(_tied_chain(seed, 10**8), 1e-3)
+    opts = _opts(4, 2, cost_model=model, replication=replication)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    best = _brute_force(g, opts)
+    assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
+
+
+def _units_and_segments(g: CostGraph, opts: CostOptions):
+    units, _ = folded_units(g, opts)
+    return units, build_segments(units)
+
 
 
 @pytest.mark.parametrize("K,G", [(16, 4), (32, 8)])

@@ -89,7 +89,7 @@ def _chain(n: int, seed: int) -> CostGraph:
 
 
 def _brute_force(g: CostGraph, opts: CostOptions) -> float:
-    """Every split of the chain's compute nodes and every replica count, scored by evaluate."""
+    """Every split of the chain's compute nodes and every allowed replica count, scored by evaluate."""
     names = list(g.nodes)
     work = names[1:-1]
     best = math.inf
@@ -98,7 +98,7 @@ def _brute_force(g: CostGraph, opts: CostOptions) -> float:
             bounds = [0, *cuts, len(work)]
             stage = {x: j for j in range(stages) for x in work[bounds[j]:bounds[j + 1]]}
             stage[names[0]], stage[names[-1]] = 0, stages - 1
-            for reps in itertools.product(range(1, opts.devices + 1), repeat=stages):
+            for reps in itertools.product(opts.allowed_replicas(), repeat=stages):
                 if sum(reps) == opts.devices:
                     best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
     return best
@@ -111,9 +111,9 @@ def test_exact_dp_matches_brute_force(model, seed):
     best = _brute_force(g, opts)
     exact = downset_dp(build_units(g, opts, [[n] for n in model_nodes(g, opts)]), opts)
     assert exact is not None and exact[2] == pytest.approx(best, rel=1e-9)
-    # the fxpipe model is answered by the segment DP (placed.py) when it proves its plan within 0.1 %
+    # both models are answered by the segment DP (placed.py) when it proves its plan within 0.1 %
     res = partition(g, 6, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, cost_model=model)
-    assert res.method == ("segment DP" if model == "fxpipe" else "downset DP") and res.status == "OPTIMAL"
+    assert res.method == "segment DP" and res.status == "OPTIMAL"
     assert best * (1 - 1e-9) <= res.bottleneck_s <= best * (1 + 1e-3) and res.bound_s <= best * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
 

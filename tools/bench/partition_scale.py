@@ -15,6 +15,7 @@ with the last), each of the PP stages replicated DP times, scored by
 
     python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
         [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
+        [--cost-model fxpipe|pipedream] [--replication any|pow2|none]
         [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (needs transformers; skipped without)
 
 HF GPT-2 (``--hf-gpt2``): GPT2LMHeadModel from a tiny config (vocab 512,
@@ -39,6 +40,7 @@ from typing import Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, partition
+from passes.partition.costmodel import COST_MODELS, REPLICATION
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
@@ -175,8 +177,9 @@ def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
 def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -> Dict[str, object]:
     """One row, in this process (``main`` runs it in a subprocess so RSS is the row's own).
 
-    ``machine``: the partitioner's network options (``bandwidth``, and for a two-level machine
-    ``gpus_per_node`` and ``intra_bandwidth``); the uniform layout is scored under the same ones.
+    ``machine``: the partitioner's options (``bandwidth``, for a two-level machine ``gpus_per_node``
+    and ``intra_bandwidth``, ``cost_model``, ``replication``); the uniform layout is scored under the
+    same ones.
     """
     graph = hf_gpt2(HF[depth]) if depth in HF else deep_gpt(int(depth))
     extra = {k: v for k, v in machine.items() if v is not None}
@@ -198,11 +201,14 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=1.25e9, help="bytes/s between nodes (default 10 Gbit/s)")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="a two-level machine: G devices per node")
     ap.add_argument("--intra-bandwidth", type=float, default=None, help="bytes/s inside a node (with G)")
+    ap.add_argument("--cost-model", choices=COST_MODELS, default="fxpipe")
+    ap.add_argument("--replication", choices=REPLICATION, default="any")
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
-               "intra_bandwidth": args.intra_bandwidth}
+               "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
+               "replication": args.replication}
     if args.row:
         depth, k = args.row.split(",")
         print(json.dumps(run_row(depth, int(k), args.time_limit, machine)))
@@ -232,7 +238,8 @@ def main(argv=None) -> int:
                          f"{r['uniform_s'] * 1e3:.3f}", f"{r['uniform_s'] / r['plan_s']:.2f}"])
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
-             if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages"
+             if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
+        + f"; {args.cost_model} cost model, replication {args.replication}"
     print(f"machine: {where}; time limit {args.time_limit:g} s")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
                                   "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
