@@ -47,6 +47,7 @@ from fxpipe.layout import Layout
 from fxpipe.loader import loss_problem
 from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
+from fxpipe.runtime.optim import allow_in_place
 from fxpipe.runtime.precision import LossScaler, autocast, wire_value
 from fxpipe.runtime.recompute import recomputed
 from fxpipe.runtime.stash import WeightStash
@@ -257,15 +258,18 @@ class Executor:
             self.inflight.pop(g, None)
 
     def _allreduce(self, a: Action, g: int) -> None:
+        self.stash.gather_grads()
         self.reducer()
 
     def _step(self, a: Action, g: int) -> None:
+        self.stash.gather_grads()
         # fp16: unscale and agree on skipping first (every rank), so the hook clips true gradients
         apply = self.scaler is None or self.scaler.prepare_step(self.stash.master.values())
         if self.before_step is not None:
             self.before_step(g)  # learning rate, clipping: collective, so it runs on a skipped step too
         self.stash.before_update()
         if apply:
+            allow_in_place(self.optimizer, not self.stash.holds_master)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()

@@ -42,13 +42,16 @@ def _rebind(params: List[torch.Tensor], new: List[torch.Tensor]) -> None:
 
 
 class _OutOfPlace:
-    """``step`` that never writes a tensor a parameter held before it."""
+    """``step`` that never writes a tensor a parameter held before it (unless told nobody holds them)."""
 
     out_of_place = True
+    in_place_ok = False  # set per update by ``allow_in_place``
     param_groups: List[Dict[str, Any]]
 
     @torch.no_grad()
     def step(self, closure: Optional[Any] = None) -> Optional[torch.Tensor]:
+        if self.in_place_ok:  # no version aliases the weights: torch's own step, no new tensors
+            return super().step(closure)  # type: ignore[misc]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -66,6 +69,14 @@ class _OutOfPlace:
     def _update(self, group: Dict[str, Any], params: List[torch.Tensor]) -> bool:
         """Update ``params`` into new tensors where a direct out-of-place step exists; False: not here."""
         return False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad`` minus its profiler span: with ``1f1b-stash`` it runs after every minibatch."""
+        if not set_to_none:
+            return super().zero_grad(set_to_none)  # type: ignore[misc]
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
 
 class CopyFreeSGD(_OutOfPlace, torch.optim.SGD):
@@ -98,6 +109,14 @@ def copy_free_optimizer(name: str, params: List[nn.Parameter], options: Dict[str
     if name == "adamw":
         return CopyFreeAdamW(params, **options)
     return None
+
+
+def allow_in_place(optimizer: torch.optim.Optimizer, allowed: bool) -> None:
+    """Let an out-of-place optimizer's next steps write the weights in place (``allowed``: no stashed
+    version aliases them, e.g. on the last stage, whose forwards never wait for an update): torch's own
+    step, with no new tensor per parameter. No effect on other optimizers."""
+    if is_out_of_place(optimizer):
+        optimizer.in_place_ok = allowed  # type: ignore[attr-defined]
 
 
 def is_out_of_place(optimizer: torch.optim.Optimizer) -> bool:

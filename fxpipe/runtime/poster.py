@@ -21,18 +21,30 @@ from typing import Any, Callable, Optional
 
 
 class Posted:
-    """A message handed to the poster thread; ``wait`` waits for the post, then for the message."""
+    """A message handed to the poster thread; ``wait`` waits for the post, then for the message.
 
-    __slots__ = ("_done", "_work", "_error")
+    The signal is a bare lock, held from creation until the post is made:
+    releasing and acquiring it are single C calls, where an ``Event`` runs
+    Python code (a condition variable) on both threads for every message,
+    and the poster thread holds Python's lock meanwhile.
+    """
+
+    __slots__ = ("_posting", "_work", "_error")
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self._posting = threading.Lock()
+        self._posting.acquire()
         self._work: Any = None
         self._error: Optional[BaseException] = None
 
+    def _done(self) -> None:
+        self._posting.release()
+
     def wait(self, timeout: timedelta) -> Any:
-        if not self._done.wait(timeout.total_seconds()):
-            raise RuntimeError(f"the message was not posted within {timeout.total_seconds():.0f} s")
+        if self._work is None and self._error is None:
+            if not self._posting.acquire(timeout=timeout.total_seconds()):
+                raise RuntimeError(f"the message was not posted within {timeout.total_seconds():.0f} s")
+            self._posting.release()
         if self._error is not None:
             raise self._error
         return self._work.wait(timeout)
@@ -67,7 +79,7 @@ class Poster:
                 handle._work = op(*args, **kwargs)
             except BaseException as exc:  # surfaces at the handle's wait, on the executor's thread
                 handle._error = exc
-            handle._done.set()
+            handle._done()
 
 
 _POSTER: Optional[Poster] = None

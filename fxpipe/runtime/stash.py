@@ -22,10 +22,10 @@ made depends on the optimizer:
 - *copy* (any in-place optimizer): a version is a set of detached clones.
 
 Either is made lazily at the first forward that needs it. The backward
-accumulates into the version's ``.grad``; ``backward_done`` moves that into
-the master's ``.grad`` and drops the version once no microbatch in flight
-uses it and no later forward will (PipeDream frees a version after its last
-backward). Buffers (BatchNorm statistics) are not versioned: they are the
+accumulates into the version's ``.grad``; ``gather_grads`` (before the
+update reads them) moves that into the master's ``.grad``, and
+``backward_done`` drops the version once no microbatch in flight uses it and
+no later forward will (PipeDream frees a version after its last backward). Buffers (BatchNorm statistics) are not versioned: they are the
 module's own.
 
 Which version a forward uses: the newest (``1f1b-stash``), or with
@@ -38,7 +38,7 @@ the stage is simply called; no copy is made.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -59,16 +59,20 @@ class WeightStash:
         self.stash = stash
         self.copy_free, self.batch = copy_free, batch
         self.master: Dict[str, nn.Parameter] = dict(module.named_parameters())
+        self._names = list(self.master)
+        self._params = list(self.master.values())
         # functional_call's weight tying scans the module on every call; only pay for it when a
         # parameter really is registered under two names in this stage
         self._tied = len(list(module.named_parameters(remove_duplicate=False))) != len(self.master)
         # where each parameter lives: (owning submodule's _parameters dict, leaf name), for the swap
-        self._slots = [(module.get_submodule(n.rpartition(".")[0])._parameters, n.rpartition(".")[2], n)
-                       for n in self.master]
+        self._slots = [(module.get_submodule(n.rpartition(".")[0])._parameters, n.rpartition(".")[2])
+                       for n in self._names]
         self.version = 0  # the master's version: updates applied so far
-        self._versions: Dict[int, Dict[str, torch.Tensor]] = {}
+        # version -> its tensors, in the master's order (lists: every per-microbatch walk is a zip)
+        self._versions: Dict[int, List[torch.Tensor]] = {}
         self._users: Dict[int, int] = {}  # version -> microbatches in flight on it
         self._mb_version: Dict[int, int] = {}
+        self._pending: Set[int] = set()  # versions holding gradients the master has not received yet
 
     @property
     def versions_kept(self) -> int:
@@ -100,7 +104,8 @@ class WeightStash:
         self._mb_version[mb] = v
         weights = self._versions[v]
         if self._tied:
-            return run(lambda *a: functional_call(self.module, weights, a, strict=False, tie_weights=True), args)
+            named = dict(zip(self._names, weights))
+            return run(lambda *a: functional_call(self.module, named, a, strict=False, tie_weights=True), args)
         return run(lambda *a: self._call_on(weights, a), args)
 
     def _version_of(self, mb: int) -> int:
@@ -113,15 +118,19 @@ class WeightStash:
             # copy-free: ``.data`` shares the storage but not the version counter, so the optimizer's
             # in-place work on the parameter's next tensor does not look like a write to this one
             take = (lambda p: p.data) if self.copy_free else (lambda p: p.detach().clone())
-            self._versions[self.version] = {n: take(p).requires_grad_(p.requires_grad)
-                                            for n, p in self.master.items()}
+            self._versions[self.version] = [take(p).requires_grad_(p.requires_grad) for p in self._params]
 
     def before_update(self) -> None:
         """Called right before the optimizer changes the master: 2bw's next batch runs on these weights."""
         if self.stash and self.batch is not None:
             self.keep_current()
 
-    def _call_on(self, weights: Dict[str, torch.Tensor], args: Any) -> Any:
+    @property
+    def holds_master(self) -> bool:
+        """A kept version aliases the master's current tensors: an update must not write them in place."""
+        return self.copy_free and self.version in self._versions
+
+    def _call_on(self, weights: List[torch.Tensor], args: Any) -> Any:
         """Call the stage with ``weights`` in its parameter slots, then put the master back.
 
         What ``functional_call`` does, minus its per-call name resolution and
@@ -129,27 +138,54 @@ class WeightStash:
         slots are resolved once, the swap is two dict writes per parameter.
         """
         slots = self._slots
-        for d, leaf, name in slots:
-            d[leaf] = weights[name]
+        for (d, leaf), w in zip(slots, weights):
+            d[leaf] = w
         try:
             return self.module(*args)
         finally:
-            for d, leaf, name in slots:
-                d[leaf] = self.master[name]
+            for (d, leaf), p in zip(slots, self._params):
+                d[leaf] = p
 
     def backward_done(self, mb: int) -> None:
-        """Move ``mb``'s gradients onto the master and release its version."""
+        """``mb``'s backward ran: release its version once nothing needs it (its gradients reach the
+        master at ``gather_grads``, or when the version is dropped)."""
         if mb not in self._mb_version:  # ran on the master: its gradients are already there
             return
         v = self._mb_version.pop(mb)
-        for name, t in self._versions[v].items():
-            if t.grad is None:
-                continue
-            p = self.master[name]
-            p.grad = t.grad if p.grad is None else p.grad + t.grad
-            t.grad = None
+        self._pending.add(v)
         self._users[v] -= 1
         self._release(v)
+
+    def gather_grads(self) -> None:
+        """Move the gradients that versions accumulated onto the master; call before reading the
+        master's gradients (all-reduce, clipping, the update).
+
+        Once per update, not per microbatch: autograd already sums the
+        microbatches of one version in its ``.grad``, so each version's sum
+        moves once, and where the master has no gradient yet (every
+        ``1f1b-stash`` update, the first version of a ``2bw`` batch) the
+        move is a hand-over, with no pass over the gradients.
+        """
+        for v in sorted(self._pending):
+            self._move_grads(self._versions[v])
+        self._pending.clear()
+
+    def _move_grads(self, weights: List[torch.Tensor]) -> None:
+        """A version's gradients onto the master: handed over where the master has none, otherwise
+        added in place in one ``foreach`` call (no new gradient tensor per parameter)."""
+        into, add = [], []
+        for p, t in zip(self._params, weights):
+            g = t.grad
+            if g is None:
+                continue
+            t.grad = None
+            if p.grad is None:
+                p.grad = g
+            else:
+                into.append(p.grad)
+                add.append(g)
+        if into:
+            torch._foreach_add_(into, add)
 
     def forget(self, mb: int) -> None:
         """Drop ``mb`` without a backward (its forward produced nothing to differentiate)."""
@@ -170,5 +206,8 @@ class WeightStash:
         """Drop ``v`` once no microbatch in flight uses it and no later forward will."""
         oldest_needed = self.version if self.batch is None else self.version - 1
         if self._users.get(v, 0) == 0 and v < oldest_needed:
+            if v in self._pending:  # its gradients still count
+                self._pending.discard(v)
+                self._move_grads(self._versions[v])
             self._versions.pop(v, None)
             self._users.pop(v, None)

@@ -6,7 +6,8 @@ One process, one thread: the first half of the runtime bench's GPT and MLP
 (``tools.bench.runtime``'s models, the pieces of stage 0 of 2) is one stage.
 Per microbatch, as a ``1f1b-stash`` rank does with one microbatch in flight
 between forward and backward: make a weight version (``WeightStash``),
-forward on it, backward, move the gradients to the master, optimizer step.
+forward on it, backward, move the gradients to the master, optimizer step
+(the executor's order).
 The process keeps freed memory as fxpipe's ranks do (``fxpipe.runtime.heap``;
 ``--heap both`` also runs every mode with glibc's default thresholds).
 Only the stash's own work is timed (making the version, moving the
@@ -69,6 +70,7 @@ def _time(model: str, opt: str, mode: str, repeats: int) -> float:
         start = time.perf_counter()
         stash.backward_done(g)
         if mode != "none":
+            stash.gather_grads()
             stash.before_update()
             optimizer.step()
             stash.stepped()

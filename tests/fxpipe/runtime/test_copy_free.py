@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxpipe.runtime.optim import CopyFreeAdamW, CopyFreeSGD, copy_free_optimizer, is_out_of_place
+from fxpipe.runtime.optim import CopyFreeAdamW, CopyFreeSGD, allow_in_place, copy_free_optimizer, is_out_of_place
 from fxpipe.runtime.stash import WeightStash
 
 CASES = [
@@ -88,6 +88,28 @@ def test_a_stashed_version_survives_updates_and_backpropagates(cls: type, option
     ref(x).pow(2).sum().backward()
     for p, q in zip(params, ref.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("name,options", [("sgd", {"lr": 0.1}), ("sgd", {"lr": 0.1, "momentum": 0.9}),
+                                          ("adamw", {"lr": 0.01, "fused": True})])
+def test_in_place_steps_where_allowed_keep_torchs_arithmetic(name: str, options: Dict[str, Any]) -> None:
+    """Steps allowed in place (no version holds the weights) write the same tensors, the others new
+    ones, and any mix of the two stays bit-identical to torch's optimizer."""
+    ref_model, got_model = _model(), _model()
+    torch_cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    ref = torch_cls(ref_model.parameters(), **({} if options.get("fused") else {"foreach": False}), **options)
+    got = copy_free_optimizer(name, list(got_model.parameters()), options)
+    for step in range(4):
+        _grads(ref_model, step)
+        _grads(got_model, step)
+        allow_in_place(got, step % 2 == 0)
+        ptrs = [p.data_ptr() for p in got_model.parameters()]
+        ref.step()
+        got.step()
+        same = [p.data_ptr() == q for p, q in zip(got_model.parameters(), ptrs)]
+        assert all(same) if step % 2 == 0 else not any(same)
+    for a, b in zip(ref_model.parameters(), got_model.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_state_dict_round_trips_with_torch() -> None:

@@ -42,8 +42,25 @@ def test_stash_backward_uses_the_weights_its_forward_saw() -> None:
     assert stash.versions_kept == 1
     y1.sum().backward()
     stash.backward_done(1)
+    assert m.w.grad.item() == 1.0  # version 1 is still needed: its gradient waits on it ...
+    stash.gather_grads()  # ... until the update asks for them
     assert x1.grad.item() == -3.0 and m.w.grad.item() == 2.0  # gradients accumulate on the master
     assert m.w.item() == -3.0  # the master itself was never swapped
+
+
+def test_microbatches_on_one_version_reach_the_master_as_one_sum() -> None:
+    """2bw's batch: several backwards on one version sum in its ``.grad``; the master gets that sum
+    at ``gather_grads``, added to what it already holds."""
+    m = _Lin()
+    stash = WeightStash(m, stash=True, copy_free=True)
+    outs = [stash.forward(g, (torch.tensor([[float(g + 1)]]),)) for g in range(3)]  # all on version 0
+    m.w.grad = torch.tensor([[10.0]])
+    for g, y in enumerate(outs):
+        y.sum().backward()
+        stash.backward_done(g)
+    assert m.w.grad.item() == 10.0  # still on the version
+    stash.gather_grads()
+    assert m.w.grad.item() == 16.0 and stash.versions_kept == 1  # 10 + (1 + 2 + 3); version 0 is current
 
 
 def test_no_stash_runs_the_module_itself() -> None:
