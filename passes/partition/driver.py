@@ -337,22 +337,27 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     plan, solution, margin, size = found
     plans, bound = [plan], solution.bound - margin
     if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
-        lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline,
-                            hidden=lambda units: branches.hidden_compute(graph, units, cones))
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
+        lower = _relaxation(graph, opts, deadline, cones)
         if lower is not None:
-            plans.append((_to_nodes(graph, lower[0], lower[1].stage_of), lower[1].replicas))
+            plans.append(lower[0])
             plain = _searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
             plans += [plain[0]] if plain else []
-            bound = lower[1].bound - lower[2]
+            bound = lower[1]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
     if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
-        tries = [[]] + ([branches.input_only_cones(graph, opts)] if opts.gpus_per_node is None else [])
-        for again in (_searched(graph, opts, deadline, c, keep_dead=True) for c in tries):
+        masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
+        for again in (_searched(graph, opts, deadline, c, keep_dead=True) for c in [[]] + ([masks] if masks else [])):
             scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+        # the folding above placed those branches like model inputs, so the bound forgot their compute:
+        # the relaxation that counts it in every prefix that must run it bounds the same plans higher
+        lower = _relaxation(graph, opts, deadline, masks) if masks else None
+        if lower is not None:
+            scored.append((evaluate(graph, *lower[0], opts), *lower[0]))
+            bound = max(bound, lower[1])
     loose = _loose_groups(graph, opts)
     scored = [(*_loose_ends(graph, loose, a, reps, e, opts), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
@@ -369,6 +374,18 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]):
+    """(plan, bound) from the segment DP on the graph with every cone node but its exit free, the cones'
+    compute still counted in the devices of each prefix that must run it (``branches.py``); None if cut
+    off by the deadline. Any plan of ``graph`` is a plan there and no slower, so the bound holds."""
+    lower = _segment_dp(branches.relaxed(graph, cones), opts, deadline,
+                        hidden=lambda units: branches.hidden_compute(graph, units, cones))
+    if lower is None:
+        return None
+    units, found, margin = lower
+    return (_to_nodes(graph, units, found.stage_of), found.replicas), found.bound - margin
 
 
 def _loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
