@@ -28,7 +28,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import SolveResult
-from passes.partition import branches, placed, retie, stage_count
+from passes.partition import branches, charged, placed, retie, stage_count
 
 
 CHARGED_SHARE = 0.5  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
@@ -206,7 +206,7 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
     """The segment DP that knows node boundaries (``placed.py``) where it applies, else the flat bracket
-    (``_bracketed``). Its charged form (``placed.ChargedChainSolver``: PipeDream's all-reduce, pow2
+    (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
     DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
     rest); the better plan and the higher bound are kept (both are bounds of the placed model)."""
@@ -472,7 +472,7 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
             return None
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        found = chain_solve(units, segs, opts, deadline, score, placed.solver_for(units, segs, opts),
+        found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER)
     else:
         found = chain_solve(units, segs, opts, deadline, score)

@@ -16,7 +16,8 @@ from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.downsets import downset_dp
 from passes.partition.driver import _chain
 from passes.partition.chain import unit_bottleneck
-from passes.partition.placed import ChargedChainSolver, PlacedChainSolver, solver_for, supports
+from passes.partition.charged import ChargedChainSolver, solver_for
+from passes.partition.placed import PlacedChainSolver, supports
 from passes.partition.segments import build_segments, folded_units
 from tests.passes.test_partition import make_graph, random_dag
 from tests.passes.test_partition_scale import transformer_graph

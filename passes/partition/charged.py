@@ -1,0 +1,233 @@
+"""The placed segment DP for charges that are not one replica interval per bandwidth.
+
+``placed.py``'s look-ups rely on fxpipe's ring, whose time at each bandwidth
+is monotone in r. PipeDream's hierarchical all-reduce depends on how a stage
+that crosses nodes splits over them (so on the offset it starts at), and
+``pow2`` counts reach only some offsets. ``ChargedChainSolver`` keeps the same
+state (fewest devices per point and offset within a node) but tries each
+candidate count at every offset with the exact charge; ``solver_for`` picks
+between the two.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple
+
+import numpy as np
+
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, flat_bound, min_replicas,
+                                        stage_time_s, tied_floor_s)
+from passes.partition.placed import _EPS, PlacedChainSolver, cut_floors
+from passes.partition.segments import Segment
+
+_CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi")
+
+
+class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHARGED])):
+    """What a stage's exact placed time needs, per pair (see ``ChargedChainSolver``): compute, own
+    weight bytes (tied ones left out), tied bytes, of those the bytes synced across nodes for sure,
+    the tied group's least partner replicas, the cut floors of ``cut_floors``, whether it is a first
+    stage without compute, and the candidate counts ``[lo, hi]``."""
+
+    def take(self, idx) -> "_Charged":
+        return _Charged(*(x[idx] for x in self))
+
+
+class ChargedChainSolver(PlacedChainSolver):
+    """The placed DP for charges that are not one interval per bandwidth: PipeDream's all-reduce (a
+    ring inside the fullest node plus one across the n nodes, so it depends on where in its node a
+    stage starts) and power-of-two counts (which reach only some offsets).
+
+    For each stage and each offset m it starts at, a count r is tried with the stage's exact
+    all-reduce there (``costmodel.allreduce_span``), its tied weights at their floor
+    (``_tied_charge``) and each cut at the least its placement allows (``cut_floors``); the fewest
+    devices after it at offset m' is the least ``dev[m] + r`` with ``m + r = m' (mod G)``. The
+    counts tried: every allowed one under ``pow2`` (at most log2 K + 1); under ``any``, from the
+    fewest the flat model at the faster bandwidth allows to G past the first count from which the
+    flat model at the slower one meets T for every larger count, since no placement charges less
+    than the first nor more than the second (``flat_bound``), so every residue's fewest count lies
+    there. T infeasible is still a proof; the plan is scored placed by the caller.
+    """
+
+    def _stage_intervals(self, stages, T: float) -> _Charged:
+        C, params, cut_in, cut_out, tied, far, first, shares, flags = stages
+        o, K = self.opts, self.opts.devices
+        q = np.ones(C.shape) if shares is None else np.broadcast_to(
+            self._partner_count(shares, flags, T), C.shape).astype(float)
+        fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+        lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
+        near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
+        sure = np.maximum(_rising_from(lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, slow, tied[k], q[k]),
+                                       C.size, T, K), np.maximum(in_far, out_far))
+        hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
+        if o.replication == "pow2":  # counts of at least G are multiples of G: the first past ``sure`` ends it
+            allowed = np.asarray(o.allowed_replicas(), dtype=np.int64)
+            step = allowed[np.minimum(np.searchsorted(allowed, np.maximum(sure, self.G)), allowed.size - 1)]
+            hi = np.where((self.G & (self.G - 1)) == 0, np.where(sure <= K, step, K), K)
+        return _Charged(C, params - tied, tied, far, q, near, in_far, out_far, first & (C <= 0), lo, hi)
+
+    def _tied_charge(self, ch: _Charged, r, one_node):
+        """The least sync of a stage's tied weights (``costmodel.tied_floor_s``): fxpipe's ring runs at
+        B2 when the stage crosses nodes or the weight is held at both ends, else at least at B1;
+        PipeDream's charge over a group is never below the flat one at B1 (``flat_bound``)."""
+        o = self.opts
+        fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+        if o.cost_model == "pipedream":
+            return tied_floor_s(ch.tied, r, fast, ch.partners)
+        inside = tied_floor_s(ch.tied - ch.far, r, fast, ch.partners) + tied_floor_s(ch.far, r, slow, ch.partners)
+        return np.where(one_node, inside, tied_floor_s(ch.tied, r, slow, ch.partners))
+
+    def _fits(self, ch: _Charged, m, r, T: float):
+        """Whether stages (column arrays) of ``r`` replicas starting at offset ``m`` (a row) meet T.
+
+        Only stages that meet T under the faster flat model but not under the slower one depend on
+        where they start (no placement charges less than the first nor more than the second), so
+        only those are charged at every offset."""
+        G = self.G
+        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, flat_bound(self.opts, f), ch.tied,
+                                   ch.partners) <= T * (1 + _EPS) for f in (True, False))
+        ok = np.broadcast_to(slow, (slow.shape[0], G)).copy()
+        torn = np.nonzero((fast & ~slow)[:, 0])[0]
+        if torn.size:
+            some, rt = ch.take(torn), r[torn]
+            one = m + rt <= G
+            sync = allreduce_span(some.own, m, rt, self.opts) + self._tied_charge(some, rt, one)
+            ok[torn] = combine_stage_time(some.C, rt, sync, 0.0) <= T * (1 + _EPS)
+        one = m + r <= G
+        cuts = np.where(one, (r >= ch.near) & ((m + r < G) | (r >= ch.out_far)) & ((m > 0) | (r >= ch.in_far)),
+                        r >= np.maximum(ch.in_far, ch.out_far))
+        return ok & cuts & ~ch.empty_first
+
+    def _candidates(self, ch: _Charged):
+        """(columns of counts, per pair, to try; whether each is in its pair's window; whether it is
+        charged exactly). Under ``any`` at most ``WINDOW`` node widths are tried exactly; a wider
+        window (a stage the slower flat model cannot fit, or only with many more counts) gets, past
+        them, the next count of each residue at its least charge: every count from ``lo`` on meets T
+        under the faster flat model, whose charge no placement undercuts, so the bound stays a bound
+        (the plan may then score above T, as with cuts)."""
+        if self.opts.replication == "pow2":
+            allowed = np.asarray(self.opts.allowed_replicas(), dtype=np.int64)
+            cols = np.broadcast_to(allowed, ch.lo.shape + allowed.shape)
+            return cols, (cols >= ch.lo[:, None]) & (cols <= ch.hi[:, None]), np.ones(cols.shape[1], dtype=bool)
+        span = WINDOW * self.G
+        width = int(min(span + self.G, max(0, (ch.hi - ch.lo).max(initial=-1) + 1)))
+        cols = ch.lo[:, None] + np.arange(width)[None, :]
+        exact = np.arange(width) < span
+        inside = (cols <= np.where(exact[None, :], ch.hi[:, None], self.opts.devices)) \
+            & (exact[None, :] | (ch.hi - ch.lo >= span)[:, None])
+        return cols, inside & (ch.lo[:, None] <= self.opts.devices), exact
+
+    def _charged_targets(self, rows, s, ch: _Charged, T: float):
+        """For pairs (source row s of ``rows``, their ``_Charged``): per end offset (last axis) the
+        fewest devices after the stage (> K: none), the source offset and the replicas."""
+        K, G = self.opts.devices, self.G
+        n = s.size
+        val = np.full((n, G), K + 1, dtype=np.int64)
+        from_m = np.zeros((n, G), dtype=np.int64)
+        reps = np.zeros((n, G), dtype=np.int64)
+        cols, inside, exact = self._candidates(ch)
+        m = np.arange(G)[None, :]
+        dev = rows[s]
+        for w in range(cols.shape[1]):
+            live = np.nonzero(inside[:, w])[0]
+            if not live.size:
+                continue
+            live = live[dev[live].min(axis=1) + cols[live, w] <= K]
+            if not live.size:
+                continue
+            r = cols[live, w][:, None]
+            some = ch.take(live[:, None])
+            fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
+            ok = fits & (dev[live] + r <= K)
+            tot = np.where(ok, dev[live] + r, K + 1)
+            end = (m + r) % G
+            got = np.full((live.size, G), K + 1, dtype=np.int64)
+            np.put_along_axis(got, end, tot, axis=1)
+            better = got < val[live]
+            val[live] = np.where(better, got, val[live])
+            from_m[live] = np.where(better, (m - r) % G, from_m[live])
+            reps[live] = np.where(better, r, reps[live])
+        return val, from_m, reps
+
+    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
+        """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
+        pair through ``_charged_targets``; returns which pool points still reach past the segment."""
+        K = self.opts.devices
+        ids, pc, pp, ps, pcut = pool
+        d = len(seg.compute)
+        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+        cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
+        n = ids.size
+        ends = np.zeros(d + 1, dtype=bool)
+        ends[d - 1] = seg is self.segs[-1]
+        ch = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
+                                                cc[None], cp[None], cs[None], ccut[None],
+                                                (ids == 0)[:, None], ends[None, :]), T)
+        rows = dev_all[ids]
+        val, from_m, reps = (x.reshape(n, d + 1, -1) for x in
+                             self._charged_targets(rows, np.repeat(np.arange(n), d + 1), ch, T))
+        reach = (val[:, d, :] <= K).any(axis=1)
+        row = val[:, :d].argmin(axis=0)  # (d, G)
+        xs, ms = np.nonzero(np.take_along_axis(val[:, :d], row[None], axis=0)[0] < dev)
+        if xs.size:
+            k = row[xs, ms]
+            dev[xs, ms] = val[k, xs, ms]
+            src_b[xs, ms] = np.stack([ids[k], from_m[k, xs, ms], reps[k, xs, ms]], axis=1)
+        return reach
+
+    def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
+        """Stages with both ends in this segment (``PlacedChainSolver._inside``), through
+        ``_charged_targets``."""
+        j, i = seg.sub_j, seg.sub_i
+        key = id(seg)
+        if key not in self._near_stages:
+            self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
+                                                  (j == 0) & (off == 0),
+                                                  (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
+        ch = self._stage_intervals(self._near_stages[key], T)
+        starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]
+        targets = i[starts]
+        while True:
+            val, from_m, reps = self._charged_targets(dev, j, ch, T)
+            keyed = val * (1 << 32) + np.arange(j.size)[:, None]
+            mins = np.minimum.reduceat(keyed, starts, axis=0)
+            best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
+            rows, ms = np.nonzero(best_val < dev[targets])
+            if not rows.size:
+                return
+            x, k = targets[rows], idx[rows, ms]
+            dev[x, ms] = best_val[rows, ms]
+            src_b[x, ms, 0] = off + j[k]
+            src_b[x, ms, 1] = from_m[k, ms]
+            src_b[x, ms, 2] = reps[k, ms]
+
+
+WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
+
+
+def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:
+    """Per stage, the least count r >= 2 from which ``time_at(counts, which)`` meets T for every larger
+    count up to K, for times that fall, or fall and then rise, from r = 2 on (both models, tied or not;
+    see ``costmodel.min_replicas``); K + 1 where even K does not. Bisection: where K and r meet T, so
+    does every count between them."""
+    lo, hi = np.full(n, 2, dtype=np.int64), np.full(n, K, dtype=np.int64)
+    every = np.arange(n)
+    fits = time_at(np.maximum(hi, 1), every) <= T * (1 + _EPS)
+    while True:
+        k = np.nonzero(fits & (lo < hi))[0]
+        if not k.size:
+            break
+        mid = (lo[k] + hi[k]) // 2
+        good = time_at(mid, k) <= T * (1 + _EPS)
+        hi[k] = np.where(good, mid, hi[k])
+        lo[k] = np.where(good, lo[k], mid + 1)
+    return np.where(fits, np.maximum(lo, 1), K + 1)
+
+
+def solver_for(units: Units, segments: List[Segment], opts: CostOptions) -> PlacedChainSolver:
+    """The placed DP for ``opts``: interval look-ups where fxpipe's charges allow them (any count),
+    else every candidate count tried at every offset (``ChargedChainSolver``)."""
+    if opts.cost_model == "fxpipe" and opts.replication == "any":
+        return PlacedChainSolver(units, segments, opts)
+    return ChargedChainSolver(units, segments, opts)
