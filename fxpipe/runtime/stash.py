@@ -25,8 +25,8 @@ Either is made lazily at the first forward that needs it. The backward
 accumulates into the version's ``.grad``; ``gather_grads`` (before the
 update reads them) moves that into the master's ``.grad``, and
 ``backward_done`` drops the version once no microbatch in flight uses it and
-no later forward will (PipeDream frees a version after its last backward). Buffers (BatchNorm statistics) are not versioned: they are the
-module's own.
+no later forward will (PipeDream frees a version after its last backward).
+Buffers (BatchNorm statistics) are not versioned: they are the module's own.
 
 Which version a forward uses: the newest (``1f1b-stash``), or with
 ``batch=M`` (``2bw``) the version ``b - 1`` for global microbatch ``g`` of

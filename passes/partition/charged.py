@@ -20,6 +20,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_span, combine_sta
 from passes.partition.placed import _EPS, PlacedChainSolver, cut_floors
 from passes.partition.segments import Segment
 
+WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
 _CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi")
 
 
@@ -202,8 +203,6 @@ class ChargedChainSolver(PlacedChainSolver):
             src_b[x, ms, 1] = from_m[k, ms]
             src_b[x, ms, 2] = reps[k, ms]
 
-
-WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
 
 
 def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:

@@ -520,12 +520,12 @@ def pad_placed(units: Units, stage_of: List[int], replicas: List[int], opts: Cos
                 continue
             key = (0, -now[s]) if then < now[s] else (1, then - now[s])
             if best is None or key < best:
-                best, pick = key, s
+                best, pick = key, (s, int(grown[0]))
         if pick is None:
             return None
-        grown = allowed[(allowed > reps[pick]) & ((allowed - reps[pick]) % G == 0)][0]
-        left -= int(grown - reps[pick])
-        reps[pick] = grown
+        s, count = pick
+        left -= count - int(reps[s])
+        reps[s] = count
     return [int(r) for r in reps]
 
 
