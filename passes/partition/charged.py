@@ -179,30 +179,21 @@ class ChargedChainSolver(PlacedChainSolver):
     def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
         """Stages with both ends in this segment (``PlacedChainSolver._inside``), through
         ``_charged_targets``."""
-        j, i = seg.sub_j, seg.sub_i
-        key = id(seg)
-        if key not in self._near_stages:
-            self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
-                                                  (j == 0) & (off == 0),
-                                                  (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
-        ch = self._stage_intervals(self._near_stages[key], T)
-        starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]
-        targets = i[starts]
-        while True:
-            val, from_m, reps = self._charged_targets(dev, j, ch, T)
-            keyed = val * (1 << 32) + np.arange(j.size)[:, None]
+        j = seg.sub_j
+        ch = self._stage_intervals(self._near_pairs(seg, off), T)
+        for pairs, starts, targets, _, _ in self._levels(seg):
+            val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T)
+            keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(keyed, starts, axis=0)
             best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
             rows, ms = np.nonzero(best_val < dev[targets])
             if not rows.size:
-                return
+                continue
             x, k = targets[rows], idx[rows, ms]
             dev[x, ms] = best_val[rows, ms]
-            src_b[x, ms, 0] = off + j[k]
+            src_b[x, ms, 0] = off + j[pairs[k]]
             src_b[x, ms, 1] = from_m[k, ms]
             src_b[x, ms, 2] = reps[k, ms]
-
 
 
 def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:

@@ -38,6 +38,7 @@ and memory limits are bracketed by the driver with the flat models.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -101,6 +102,26 @@ def _tied_intervals(time_at, n: int, T: float, K: int):
         top[k] = np.where(right & good, mid, top[k])
         end[k] = np.where(right & ~good, mid - 1, end[k])
     return np.where(fits, lo + 1, K + 1), np.where(fits, top + 1, -1)
+
+
+def _digest(arrays) -> str:
+    """A key equal for equal tuples of arrays (None, nested tuples and scalars allowed)."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(x) -> None:
+        if isinstance(x, tuple):
+            for y in x:
+                feed(y)
+            h.update(b")")
+        elif x is None:
+            h.update(b"N")
+        else:
+            a = np.ascontiguousarray(x)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(a.tobytes())
+
+    feed(arrays)
+    return h.hexdigest()
 
 
 def _count(x, K: int) -> np.ndarray:
@@ -244,6 +265,9 @@ class PlacedChainSolver(ChainSolver):
         self.G = int(opts.gpus_per_node)
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
+        self._level_cache: Dict[int, list] = {}
+        self._shared: Dict[str, object] = {}  # equal arrays of repeated segments, by ``_digest``
+        self._intervals_at: Tuple[float, dict] = (math.nan, {})
         self.tied_to_last, self.tied_to_first = self._ends_tied()
 
     def _ends_tied(self) -> Tuple[np.ndarray, np.ndarray]:
@@ -423,35 +447,73 @@ class PlacedChainSolver(ChainSolver):
         return reach
 
     def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
-        """Stages with both ends in this segment: every pair at once, repeated until no point improves
-        (as many rounds as stages fit in one segment, plus one)."""
+        """Stages with both ends in this segment, level by level (``_levels``): every pair once."""
         K, G = self.opts.devices, self.G
-        j, i = seg.sub_j, seg.sub_i
-        key = id(seg)
-        if key not in self._near_stages:  # the same for every T
-            self._near_stages[key] = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-                                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
-                                                  (j == 0) & (off == 0),
-                                                  (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
-        st = self._stage_intervals(self._near_stages[key], T)
-        starts = np.r_[0, np.nonzero(np.diff(i))[0] + 1]  # sub_i is sorted
-        targets = i[starts]
-        while True:
-            src = _Sources(dev, G, K)
-            val = _targets(src, j, st, G, K)
-            key = val * (1 << 32) + np.arange(j.size)[:, None]
+        j = seg.sub_j
+        st = self._near_intervals(seg, off, T)
+        for pairs, starts, targets, rows, s in self._levels(seg):
+            src = _Sources(dev[rows], G, K)  # the level's sources only
+            some = st.take(pairs)
+            val = _targets(src, s, some, G, K)
+            key = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(key, starts, axis=0)  # (targets, G)
             best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
-            rows, ms = np.nonzero(best_val < dev[targets])
-            if not rows.size:
-                return
-            x, k = targets[rows], idx[rows, ms]
-            got, from_m, reps = _targets(src, j[k], st.take(k), G, K, want_from=True)
+            got_rows, ms = np.nonzero(best_val < dev[targets])
+            if not got_rows.size:
+                continue
+            x, k = targets[got_rows], idx[got_rows, ms]
+            got, from_m, reps = _targets(src, s[k], some.take(k), G, K, want_from=True)
             pick = np.arange(k.size)
             dev[x, ms] = got[pick, ms]
-            src_b[x, ms, 0] = off + j[k]
+            src_b[x, ms, 0] = off + j[pairs[k]]
             src_b[x, ms, 1] = from_m[pick, ms]
             src_b[x, ms, 2] = reps[pick, ms]
+
+    def _near_pairs(self, seg: Segment, off: int):
+        """``_stages`` of the pairs (j, i) with both ends in ``seg`` (the same for every T); segments
+        of repeated blocks give equal arrays and share one tuple (``_near_intervals``)."""
+        key = id(seg)
+        if key not in self._near_stages:
+            j, i = seg.sub_j, seg.sub_i
+            stages = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
+                                  (j == 0) & (off == 0), (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
+            self._near_stages[key] = self._shared.setdefault(_digest(stages), stages)
+        return self._near_stages[key]
+
+    def _near_intervals(self, seg: Segment, off: int, T: float):
+        """``_stage_intervals`` of ``_near_pairs``, once per T for all segments with equal pairs."""
+        stages = self._near_pairs(seg, off)
+        if self._intervals_at[0] != T:
+            self._intervals_at = (T, {})
+        found = self._intervals_at[1]
+        if id(stages) not in found:
+            found[id(stages)] = self._stage_intervals(stages, T)
+        return found[id(stages)]
+
+    def _levels(self, seg: Segment):
+        """The pairs of ``seg`` grouped by the size of their end point, smallest first: (pair indices,
+        where each target's run starts, the targets, the distinct sources, each pair's among them). A pair's start is a strict subset of its end, so
+        every start sits on a lower level and is final when its level comes: one sweep does what
+        repeating all pairs until nothing improves did, touching each pair once."""
+        key = id(seg)
+        if key not in self._level_cache:
+            i = seg.sub_i
+            size = seg.member.sum(axis=1)[i]
+            digest = _digest((seg.sub_j, i, size))
+            if digest not in self._shared:
+                order = np.argsort(size, kind="stable")  # within a level the ends stay sorted
+                bounds = np.r_[0, np.nonzero(np.diff(size[order]))[0] + 1, order.size]
+                out = []
+                for a, b in zip(bounds[:-1], bounds[1:]):
+                    pairs = order[a:b]
+                    ends = i[pairs]
+                    starts = np.r_[0, np.nonzero(np.diff(ends))[0] + 1]
+                    rows, s = np.unique(seg.sub_j[pairs], return_inverse=True)
+                    out.append((pairs, starts, ends[starts], rows, s))
+                self._shared[digest] = out
+            self._level_cache[key] = self._shared[digest]
+        return self._level_cache[key]
 
     def _next_pool_placed(self, pool, reach, seg: Segment, off: int, dev, dev_all):
         """Earlier points that may still start a stage: dropped when they can no longer reach, or when a
