@@ -116,10 +116,12 @@ class ChainSolver:
         shares = held & (inside < self.shared_users - 0.5)
         return params + held @ self.shared_bytes, shares @ self.shared_bytes, shares, (sj[..., n:], si[..., n:])
 
-    def _partner_count(self, shares, flags, T: float):
+    def _partner_count(self, shares, flags, T: float, floor=None):
         """Fewest replicas the other holders of a stage's tied weights have at T (the module docstring):
         per weight the most its outside users need, then the least over the weights it shares; 1 for
-        stages that share none (only those few are worked out)."""
+        stages that share none (only those few are worked out). ``floor`` (broadcasts to ``shares``):
+        partners per weight known from elsewhere (``placed.PlacedChainSolver`` fixes the end stages'
+        counts)."""
         if shares is None:
             return 1
         some = np.nonzero(shares.any(axis=-1))
@@ -127,6 +129,8 @@ class ChainSolver:
         if some[0].size:
             at_j, at_i = (np.broadcast_to(f, shares.shape[:-1] + f.shape[-1:])[some] for f in flags)
             need = self._partners.least(np.maximum(at_j, 1.0 - at_i), T)
+            if floor is not None:
+                need = np.maximum(need, np.broadcast_to(floor, shares.shape)[some])
             out[some] = np.where(shares[some], need, np.inf).min(axis=-1)
         return out
 
@@ -360,7 +364,7 @@ def group_times(comp, par, groups, reps, opts: CostOptions, which=None) -> np.nd
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
-          ladder: Sequence[float] = ()) -> Optional[ChainSolution]:
+          ladder: Sequence[float] = (), probe_within: float = math.inf) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -369,7 +373,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     ``solver``: the DP for one T (default the flat ``ChainSolver``; ``placed.py``
     has the two-level one); ``tolerance``: where the bisection stops;
     ``ladder``: the first T to try, as multiples of ``sum C / K``, before T
-    doubles (a pass that costs more is better spent near that bound).
+    doubles (a pass that costs more is better spent near that bound);
+    ``probe_within``: check just below a plan's own time only while the bracket
+    is narrower than this ratio (far from the bound a bisection step gains more).
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = sum(units.compute) / opts.devices * (1 - 1e-9)
@@ -386,14 +392,15 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             T = steps.pop(0) if steps else T * 2
         if best is None:
             return None
-        probe = best.objective < T * (1 - tolerance)  # a plan found at T with no slack: bisect at once
+        probe = best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # no slack: bisect at once
         while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             found = _attempt(solver, units, opts, T, score, deadline)
-            probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance)
+            probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
+                and hi <= lo * probe_within
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:

@@ -35,6 +35,7 @@ class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHA
 
 
 class ChargedChainSolver(PlacedChainSolver):
+    SPLIT_HOLDERS = False  # its candidate windows assume every count of a stage is open
     """The placed DP for charges that are not one interval per bandwidth: PipeDream's all-reduce (a
     ring inside the fullest node plus one across the n nodes, so it depends on where in its node a
     stage starts) and power-of-two counts (which reach only some offsets).
@@ -51,7 +52,8 @@ class ChargedChainSolver(PlacedChainSolver):
     """
 
     def _stage_intervals(self, stages, T: float) -> _Charged:
-        C, params, cut_in, cut_out, tied, far, first, shares, flags = stages
+        C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
+        far = self._far(first, last, shares, T)
         o, K = self.opts, self.opts.devices
         q = np.ones(C.shape) if shares is None else np.broadcast_to(
             self._partner_count(shares, flags, T), C.shape).astype(float)
@@ -181,7 +183,7 @@ class ChargedChainSolver(PlacedChainSolver):
         ``_charged_targets``."""
         j = seg.sub_j
         ch = self._stage_intervals(self._near_pairs(seg, off), T)
-        for pairs, starts, targets, _, _ in self._levels(seg):
+        for pairs, starts, targets in self._levels(seg):
             val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T)
             keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(keyed, starts, axis=0)

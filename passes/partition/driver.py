@@ -473,7 +473,7 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
-                            placed.TOLERANCE, placed.LADDER)
+                            placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN)
     else:
         found = chain_solve(units, segs, opts, deadline, score)
     if found is None:

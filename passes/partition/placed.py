@@ -38,14 +38,13 @@ and memory limits are bracketed by the driver with the flat models.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums
+from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, unit_bottleneck
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_at, fastest_index, flat_bound, stage_time_s,
                                         tied_floor_s)
@@ -53,7 +52,9 @@ from passes.partition.segments import Segment
 
 _EPS = 1e-12
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
-LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3)  # first T tried, times sum C / K: optima sit close above it,
+PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
+TIE_PASSES = 6  # passes per T the search over a tied weight's holders may take (``devices_needed``)
+LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3, 1.6)  # first T tried, times sum C / K: optima sit close above it,
 # and a T far below one fails fast (prefixes that cannot finish are dropped)
 
 
@@ -104,24 +105,62 @@ def _tied_intervals(time_at, n: int, T: float, K: int):
     return np.where(fits, lo + 1, K + 1), np.where(fits, top + 1, -1)
 
 
-def _digest(arrays) -> str:
-    """A key equal for equal tuples of arrays (None, nested tuples and scalars allowed)."""
-    h = hashlib.blake2b(digest_size=16)
+def _two_user_tie(units: Units):
+    """(weight index, its two user columns in ``Segment.shared``'s flags, the two user units) of the
+    largest shared weight with exactly two users, or None."""
+    best, col = None, 0
+    for w, (nbytes, users) in enumerate(units.shared.values()):
+        if len(users) == 2 and (best is None or nbytes > best[0]):
+            best = (nbytes, (w, col, col + 1, users[0], users[1]))
+        col += len(users)
+    return None if best is None else best[1]
 
-    def feed(x) -> None:
-        if isinstance(x, tuple):
-            for y in x:
-                feed(y)
-            h.update(b")")
-        elif x is None:
-            h.update(b"N")
-        else:
-            a = np.ascontiguousarray(x)
-            h.update(f"{a.dtype}{a.shape}".encode())
-            h.update(a.tobytes())
 
-    feed(arrays)
-    return h.hexdigest()
+def _split_holders(holders, r0: int, r1: int) -> list:
+    """The ranges to search next when a plan's holder counts are not the least its ranges charged:
+    the first range (else the second) split at the plan's count, that count alone last so it is
+    tried first."""
+    for side, r in ((0, r0), (1, r1)):
+        least, most = holders[side]
+        if r == least:
+            continue
+        parts = [(r + 1, most), (least, r - 1), (r, r)]
+        return [tuple(part if k == side else holders[k] for k in (0, 1)) for part in parts if part[0] <= part[1]]
+    return []
+
+
+class _Canon:
+    """One copy of equal tuples of arrays (the pairs of repeated blocks' segments): ``get(x)`` returns
+    the first stored tuple equal to ``x`` (None, nested tuples and scalars allowed), or stores ``x``.
+    A fingerprint of shapes and sums picks the candidates; equality is checked in full."""
+
+    def __init__(self) -> None:
+        self._by_print: Dict[tuple, list] = {}
+
+    def get(self, x):
+        bucket = self._by_print.setdefault(_fingerprint(x), [])
+        for y in bucket:
+            if _equal(x, y):
+                return y
+        bucket.append(x)
+        return x
+
+
+def _fingerprint(x) -> tuple:
+    if isinstance(x, tuple):
+        return tuple(_fingerprint(y) for y in x)
+    if x is None:
+        return ("N",)
+    a = np.asarray(x)
+    return (a.dtype.str, a.shape, float(a.sum(dtype=np.float64)) if a.size else 0.0)
+
+
+def _equal(x, y) -> bool:
+    if isinstance(x, tuple):
+        return isinstance(y, tuple) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
+    if x is None or y is None:
+        return x is y
+    return np.array_equal(np.asarray(x), np.asarray(y))
 
 
 def _count(x, K: int) -> np.ndarray:
@@ -176,18 +215,31 @@ class _Sources:
     def __init__(self, dev: np.ndarray, G: int, K: int) -> None:
         self.dev, self.G, self.K = dev, G, K
         self.inf = np.int64(4 * K + 4 * G + 8)
-        self.base = np.where(dev <= K, dev - np.arange(G)[None, :], self.inf)
+        n = dev.shape[0]
+        self.base = np.empty((n, G), dtype=np.int64)
+        self.cross_at = np.empty((n, G + 1), dtype=np.int64)
+        self.cross = np.empty((n, G + 1), dtype=np.int64)
+        self.prefix = np.full((n, 2, G), self.inf * G, dtype=np.int64)
+        self.refresh(slice(None))
+
+    def refresh(self, rows) -> None:
+        """Recompute the tables of ``rows`` from ``dev`` (a live array: the DP fills it in place)."""
+        G, dev = self.G, self.dev[rows]
+        base = np.where(dev <= self.K, dev - np.arange(G)[None, :], self.inf)
+        self.base[rows] = base
         q = np.arange(1, G + 2)
-        after = np.maximum(dev[:, None, :] + q[None, :, None], self.base[:, None, :] + G + 1)
-        after = np.where((dev <= K)[:, None, :], after, self.inf)
-        self.cross_at = after.argmin(axis=2)
-        self.cross = np.take_along_axis(after, self.cross_at[:, :, None], axis=2)[:, :, 0]
+        after = np.maximum(dev[:, None, :] + q[None, :, None], base[:, None, :] + G + 1)
+        after = np.where((dev <= self.K)[:, None, :], after, self.inf)
+        at = after.argmin(axis=2)
+        self.cross_at[rows] = at
+        self.cross[rows] = np.take_along_axis(after, at[:, :, None], axis=2)[:, :, 0]
 
         # prefix[s, w, hi]: least (dev - m) over offsets w <= m <= hi (w = 0, 1), as (value · G + m)
-        key = self.base * G + np.arange(G)[None, :]
-        self.prefix = np.full((dev.shape[0], 2, G), self.inf * G, dtype=np.int64)
-        self.prefix[:, 0] = np.minimum.accumulate(key, axis=1)
-        self.prefix[:, 1, 1:] = np.minimum.accumulate(key[:, 1:], axis=1)
+        key = base * G + np.arange(G)[None, :]
+        prefix = np.full((dev.shape[0], 2, G), self.inf * G, dtype=np.int64)
+        prefix[:, 0] = np.minimum.accumulate(key, axis=1)
+        prefix[:, 1, 1:] = np.minimum.accumulate(key[:, 1:], axis=1)
+        self.prefix[rows] = prefix
 
 
 def _crossing_start(src: _Sources, s, lo2, hi2, G: int, K: int):
@@ -201,7 +253,8 @@ def _crossing_start(src: _Sources, s, lo2, hi2, G: int, K: int):
 
 def _every_offset(start, G: int):
     """The fewest counts at least ``start`` at each offset m' (last axis)."""
-    return start[:, None] + (np.arange(G)[None, :] - start[:, None]) % G
+    shift = (np.arange(G)[None, :] - np.arange(G)[:, None]) % G  # shift[v, m'] = (m' - v) mod G
+    return start[:, None] + shift[start % G]
 
 
 def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = False, crossing: bool = True):
@@ -221,7 +274,7 @@ def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = Fa
     val = np.where(mhi >= mlo, key // G + t, inf)
     if want_from:
         from_m = key % G
-    narrow = np.nonzero((mlo > 1).any(axis=1))[0]  # at most hi1 < G replicas in a node: rare
+    narrow = np.nonzero(hi1 < G - 1)[0]  # some mlo > 1 (fewer than G - 1 replicas in a node): rare
     if narrow.size:
         m = np.arange(G)[None, None, :]
         inside = (m >= mlo[narrow][:, :, None]) & (m <= mhi[narrow][:, :, None])
@@ -260,25 +313,37 @@ def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = Fa
 class PlacedChainSolver(ChainSolver):
     """``ChainSolver`` whose state is (point, devices used mod G); see the module docstring."""
 
+    SPLIT_HOLDERS = True  # search the counts of a tied weight's holders (``devices_needed``)
+
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         super().__init__(units, segments, opts)
         self.G = int(opts.gpus_per_node)
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
-        self._level_cache: Dict[int, list] = {}
-        self._shared: Dict[str, object] = {}  # equal arrays of repeated segments, by ``_digest``
-        self._intervals_at: Tuple[float, dict] = (math.nan, {})
-        self.tied_to_last, self.tied_to_first = self._ends_tied()
+        self._level_cache: Dict[object, object] = {}
+        self._canon = _Canon()  # equal arrays of repeated segments kept once
+        self._intervals_at: Tuple[tuple, dict] = ((), {})
+        self.far_first_below, self.far_last_below = self._far_below()
+        K = opts.devices
+        self.holders = ((1, K), (1, K))  # counts the stages holding ``self.tie``'s two users may have
+        self.tie = _two_user_tie(units) if K > self.G and not opts.fewer_devices else None
 
-    def _ends_tied(self) -> Tuple[np.ndarray, np.ndarray]:
-        """Per shared weight: whether the last stage holds it whatever the plan (its users include the
-        last unit with compute, which every other unit with compute precedes), and whether the first
-        stage does (its users include the first unit with compute, which precedes every other one;
-        the DP gives the first stage compute)."""
+    def _far_below(self) -> Tuple[np.ndarray, np.ndarray]:
+        """Per shared weight, the bottleneck below which a first stage holding it (then a last one)
+        syncs it across nodes: +inf where that holds at every T, 0 where the DP cannot tell.
+
+        With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
+        different nodes. So a weight the last stage holds whatever the plan (a user is the last unit
+        with compute, which every other unit with compute precedes) is synced at B2 by the first stage
+        whenever it holds it, and the other way round. Otherwise a first stage holding the weight
+        shares a node with the holder of its user u only if every stage up to that holder sits in
+        node 0, so at most G devices run u and all its ancestors: never when their compute exceeds
+        G·T; likewise a last stage with u's descendants. The DP gives the first stage compute."""
         units, n = self.units, len(self.units)
+        none = np.zeros(len(units.shared))
         work = [u for u in range(n) if units.has_compute[u]]
-        if not work or not units.shared:
-            return np.zeros(len(units.shared), dtype=bool), np.zeros(len(units.shared), dtype=bool)
+        if not work or not units.shared or self.opts.devices <= self.G or self.opts.fewer_devices:
+            return none, none.copy()
         succ: List[List[int]] = [[] for _ in range(n)]
         pred: List[List[int]] = [[] for _ in range(n)]
         for a, b in units.edges:
@@ -297,44 +362,55 @@ class PlacedChainSolver(ChainSolver):
         first, last = work[0], work[-1]
         first_ok = set(work) <= closure(first, succ)
         last_ok = set(work) <= closure(last, pred)
-        users = [set(u) for _, u in units.shared.values()]
-        return (np.array([last_ok and last in u for u in users]), np.array([first_ok and first in u for u in users]))
+        compute = np.asarray(units.compute, dtype=float)
+        reach = lambda u, nxt: compute[sorted(closure(u, nxt))].sum() / self.G  # noqa: E731
+        below_first, below_last = none.copy(), none.copy()
+        for w, (_, users) in enumerate(units.shared.values()):
+            if last_ok and last in users:
+                below_first[w] = np.inf
+            else:
+                below_first[w] = max((reach(u, pred) for u in users), default=0.0)
+            if first_ok and first in users:
+                below_last[w] = np.inf
+            else:
+                below_last[w] = max((reach(u, succ) for u in users), default=0.0)
+        return below_first, below_last
+
+    def _far(self, first, last, shares, T: float):
+        """Per stage, the bytes of its shared weights synced across nodes for sure at T (``_far_below``)."""
+        if shares is None:
+            return np.zeros(first.shape)
+        far = (first[:, None] & (self.far_first_below > T)[None, :]) | (last[:, None] & (self.far_last_below > T)[None, :])
+        return (shares & far) @ self.shared_bytes
 
     def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti, first=False, last=False):
         """What ``_stage_intervals`` needs of stages (j, i) (arrays that broadcast, flattened): compute,
-        weight bytes, cuts in and out, weight bytes another stage holds too, of those the bytes synced
-        across nodes for sure, whether the stage starts at the empty point, and which weights it shares
-        and its users' flags at j and at i (``ChainSolver._held``); ``first``/``last``: the stage
-        starts at the empty point / ends at the full one.
-
-        With more than one node the first stage (from rank 0) and the last (to rank K - 1) sit in
-        different nodes, so a weight both hold (``_ends_tied``) is synced at B2.
-        """
+        weight bytes, cuts in and out, weight bytes another stage holds too, whether the stage starts at
+        the empty point (``first``) and whether it ends at the full one (``last``), which weights it
+        shares and its users' flags at j and at i (``ChainSolver._held``)."""
         params, tied, shares, flags = self._held(pi - pj, sj, si)
-        far = np.zeros(1)
-        if shares is not None and self.opts.devices > self.G and not self.opts.fewer_devices:
-            ends = (np.asarray(first)[..., None] & self.tied_to_last) | (np.asarray(last)[..., None] & self.tied_to_first)
-            far = (shares & ends) @ self.shared_bytes
         C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
         flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
         rows = lambda x: np.broadcast_to(x, C.shape + x.shape[-1:]).reshape(C.size, -1)  # noqa: E731
-        return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied), flat(far),
-                flat(np.asarray(first)), None if shares is None else rows(shares),
+        return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied),
+                flat(np.asarray(first)), flat(np.asarray(last)), None if shares is None else rows(shares),
                 None if flags is None else tuple(rows(f) for f in flags))
 
     def _stage_intervals(self, stages, T: float) -> _Stages:
         """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``).
 
         A stage sharing a weight syncs it over its ranks and at least ``partners`` more
-        (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or the weight is held at
-        both ends, else at least at B1 (``costmodel.tied_floor_s`` on the flat models of each rate)."""
-        C, params, cut_in, cut_out, tied, far, first, shares, flags = stages
+        (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or a partner sits on
+        another node for sure (``_far``), else at least at B1 (``costmodel.tied_floor_s`` on the flat models of each rate)."""
+        C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
+        far = self._far(first, last, shares, T)
         o = self.opts
         lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)  # one replica never crosses nodes
         lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
         some = np.nonzero(tied > 0)[0]
         if some.size:
-            q = self._partner_count(shares[some], tuple(f[some] for f in flags), T)
+            floor = self._holder_floor(tuple(f[some] for f in flags))
+            q = self._partner_count(shares[some], tuple(f[some] for f in flags), T, floor)
             c, p, t, f = C[some], params[some], tied[some], far[some]
             fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
             inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
@@ -342,13 +418,76 @@ class PlacedChainSolver(ChainSolver):
             across = lambda r, k: stage_time_s(c[k], p[k], 0.0, 0.0, r, slow, t[k], q[k])  # noqa: E731
             lo1[some], hi1[some] = _tied_intervals(inside, some.size, T, o.devices)
             lo2[some], hi2[some] = _tied_intervals(across, some.size, T, o.devices)
-        lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_ends_tied``)
+        lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_far_below``)
+        for at, (least, most) in zip(self._holding(flags), self.holders):  # counts the holders are held to
+            lo1, lo2 = np.where(at, np.maximum(lo1, least), lo1), np.where(at, np.maximum(lo2, least), lo2)
+            hi1, hi2 = np.where(at, np.minimum(hi1, most), hi1), np.where(at, np.minimum(hi2, most), hi2)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
         return _Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
 
+    def _holding(self, flags):
+        """Per stage, whether it holds each of ``self.tie``'s two users (False without one)."""
+        if self.tie is None or flags is None:
+            return (False, False)
+        at_j, at_i = flags
+        return tuple(at_i[:, c] - at_j[:, c] > 0.5 for c in self.tie[1:3])
+
+    def _holder_floor(self, flags):
+        """Partners per (stage, shared weight) that ``holders`` guarantee: a stage holding one user of
+        the tied weight but not the other has at least the other's least count of partners for it;
+        None while both ranges are open."""
+        (a0, _), (a1, _) = self.holders
+        if a0 <= 1 and a1 <= 1:
+            return None
+        has0, has1 = self._holding(flags)
+        floor = np.ones(flags[0].shape[:1] + self.shared_bytes.shape)
+        floor[:, self.tie[0]] = np.where(has1 & ~has0, a0, np.where(has0 & ~has1, a1, 1))
+        return floor
+
     def devices_needed(self, T: float, deadline: float = math.inf):
-        """(devices for the whole graph, back-pointers ``(point, offset, replicas)`` per point and offset)."""
+        """(devices for the whole graph, back-pointers ``(point, offset, replicas)`` per point and offset).
+
+        A stage sharing a weight is charged the ring over its own ranks and only the fewest its partners
+        can have, so where two stages on different nodes share a large weight (GPT's embedding and
+        head) a plan found at T may sync over more ranks and score above it. For the largest weight
+        with two users (``self.tie``) the counts of the stages holding them are then searched by
+        branch and bound (``_split_holders``): the pass is rerun with the first holder (else the
+        second) held to the count the plan gave it, below it and above it, each range charging the
+        other holder its least; T is infeasible when every range is, and the answer stands once a
+        plan's holder counts are the ones charged or it meets T as ``evaluate`` charges it. At most ``TIE_PASSES`` passes per T: past them the
+        first plan is returned (T not proven infeasible, as without the search)."""
+        K = self.opts.devices
+        if not self.SPLIT_HOLDERS or self.tie is None:
+            return self._needed(T, deadline)
+        todo, first, back = [((1, K), (1, K))], None, None
+        try:
+            for _ in range(TIE_PASSES):
+                if not todo:
+                    break
+                self.holders = todo.pop()
+                need, back = self._needed(T, deadline)
+                if need > K:
+                    continue
+                first = first or (need, back, self.end_offset)
+                stage_of, reps = self.plan(back)
+                s0, s1 = stage_of[self.tie[3]], stage_of[self.tie[4]]
+                split = _split_holders(self.holders, reps[s0], reps[s1]) if s0 != s1 else []
+                padded = self.pad(stage_of, reps, T) if split else None
+                if padded is not None and unit_bottleneck(self.units, stage_of, padded, self.opts) <= T * (1 + _EPS):
+                    split = []  # the plan meets T as it is charged: nothing to prove
+                if not split:
+                    return need, back
+                todo += split
+            if not todo:
+                return K + 1, back
+            need, back, self.end_offset = first
+            return need, back
+        finally:
+            self.holders = ((1, K), (1, K))
+
+    def _needed(self, T: float, deadline: float = math.inf):
+        """``devices_needed`` with the tied weight's holders held to ``holders``."""
         K, G = self.opts.devices, self.G
         total = self.offsets[-1]
         dev_all = np.full((total, G), K + 1, dtype=np.int64)
@@ -451,23 +590,31 @@ class PlacedChainSolver(ChainSolver):
         K, G = self.opts.devices, self.G
         j = seg.sub_j
         st = self._near_intervals(seg, off, T)
-        for pairs, starts, targets, rows, s in self._levels(seg):
-            src = _Sources(dev[rows], G, K)  # the level's sources only
-            some = st.take(pairs)
-            val = _targets(src, s, some, G, K)
+        src = _Sources(dev, G, K)  # rows of a level are final before any later level reads them
+        for pairs, starts, targets in self._levels(seg):
+            s, some = j[pairs], st.take(pairs)
+            val = _targets(src, s, some, G, K, crossing=False)
             key = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(key, starts, axis=0)  # (targets, G)
-            best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
-            got_rows, ms = np.nonzero(best_val < dev[targets])
-            if not got_rows.size:
+            # crossing stages unbounded above: the least start per target spreads over every offset
+            start, _ = _crossing_start(src, s, some.lo2, some.hi2, G, K)
+            first = np.minimum.reduceat(start * (1 << 32) + np.arange(pairs.size), starts)
+            cross = _every_offset(first >> 32, G)
+            use = cross < (mins >> 32)
+            best_val = np.where(use, cross, mins >> 32)
+            idx = np.where(use, (first & ((1 << 32) - 1))[:, None], mins & ((1 << 32) - 1))
+            best_val = np.where(best_val <= K, best_val, K + 1)
+            rows, ms = np.nonzero(best_val < dev[targets])
+            if not rows.size:
                 continue
-            x, k = targets[got_rows], idx[got_rows, ms]
+            x, k = targets[rows], idx[rows, ms]
             got, from_m, reps = _targets(src, s[k], some.take(k), G, K, want_from=True)
             pick = np.arange(k.size)
             dev[x, ms] = got[pick, ms]
-            src_b[x, ms, 0] = off + j[pairs[k]]
+            src_b[x, ms, 0] = off + s[k]
             src_b[x, ms, 1] = from_m[pick, ms]
             src_b[x, ms, 2] = reps[pick, ms]
+            src.refresh(np.unique(x))
 
     def _near_pairs(self, seg: Segment, off: int):
         """``_stages`` of the pairs (j, i) with both ends in ``seg`` (the same for every T); segments
@@ -478,14 +625,14 @@ class PlacedChainSolver(ChainSolver):
             stages = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
                                   seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
                                   (j == 0) & (off == 0), (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
-            self._near_stages[key] = self._shared.setdefault(_digest(stages), stages)
+            self._near_stages[key] = self._canon.get(stages)
         return self._near_stages[key]
 
     def _near_intervals(self, seg: Segment, off: int, T: float):
         """``_stage_intervals`` of ``_near_pairs``, once per T for all segments with equal pairs."""
         stages = self._near_pairs(seg, off)
-        if self._intervals_at[0] != T:
-            self._intervals_at = (T, {})
+        if self._intervals_at[0] != (T, self.holders):
+            self._intervals_at = ((T, self.holders), {})
         found = self._intervals_at[1]
         if id(stages) not in found:
             found[id(stages)] = self._stage_intervals(stages, T)
@@ -493,15 +640,15 @@ class PlacedChainSolver(ChainSolver):
 
     def _levels(self, seg: Segment):
         """The pairs of ``seg`` grouped by the size of their end point, smallest first: (pair indices,
-        where each target's run starts, the targets, the distinct sources, each pair's among them). A pair's start is a strict subset of its end, so
+        where each target's run starts, the targets). A pair's start is a strict subset of its end, so
         every start sits on a lower level and is final when its level comes: one sweep does what
         repeating all pairs until nothing improves did, touching each pair once."""
         key = id(seg)
         if key not in self._level_cache:
             i = seg.sub_i
             size = seg.member.sum(axis=1)[i]
-            digest = _digest((seg.sub_j, i, size))
-            if digest not in self._shared:
+            same = self._canon.get((seg.sub_j, i, size))
+            if ("levels", id(same)) not in self._level_cache:
                 order = np.argsort(size, kind="stable")  # within a level the ends stay sorted
                 bounds = np.r_[0, np.nonzero(np.diff(size[order]))[0] + 1, order.size]
                 out = []
@@ -509,10 +656,9 @@ class PlacedChainSolver(ChainSolver):
                     pairs = order[a:b]
                     ends = i[pairs]
                     starts = np.r_[0, np.nonzero(np.diff(ends))[0] + 1]
-                    rows, s = np.unique(seg.sub_j[pairs], return_inverse=True)
-                    out.append((pairs, starts, ends[starts], rows, s))
-                self._shared[digest] = out
-            self._level_cache[key] = self._shared[digest]
+                    out.append((pairs, starts, ends[starts]))
+                self._level_cache["levels", id(same)] = out
+            self._level_cache[key] = self._level_cache["levels", id(same)]
         return self._level_cache[key]
 
     def _next_pool_placed(self, pool, reach, seg: Segment, off: int, dev, dev_all):
@@ -521,8 +667,12 @@ class PlacedChainSolver(ChainSolver):
         K = self.opts.devices
         keep = (dev <= K).any(axis=1)
         if seg.sub_j.size:
-            j, i = seg.sub_j, seg.sub_i
-            beaten = (dev[i] <= dev[j]).all(axis=1) & (seg.cut[i] <= seg.cut[j])
+            key = ("cut", id(seg))
+            if key not in self._level_cache:  # the pairs whose end cuts no more bytes than their start
+                narrower = np.nonzero(seg.cut[seg.sub_i] <= seg.cut[seg.sub_j])[0]
+                self._level_cache[key] = (seg.sub_j[narrower], seg.sub_i[narrower])
+            j, i = self._level_cache[key]
+            beaten = (dev[i] <= dev[j]).all(axis=1)
             keep[j[beaten]] = False
         new = (off + np.nonzero(keep)[0], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
         if pool is None or not pool[0].size:

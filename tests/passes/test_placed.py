@@ -8,6 +8,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 
 from passes.costgraph import CostGraph
@@ -250,3 +251,49 @@ def test_tied_first_and_last_bound_below_brute_force(seed, tied_bytes):
     res = _chain(g, opts, time.monotonic(), math.inf)
     best = _brute_force(g, opts)
     assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4, 5])
+def test_tied_holder_counts_searched_until_the_bound_meets_the_plan(seed, monkeypatch):
+    """A 100 MB weight tied between the first and the last stage: each is charged the other's fewest
+    replicas, which alone leaves the bound 4-9 % under the optimum; searching the two holders' counts
+    (``PlacedChainSolver.devices_needed``) proves the brute-force optimum."""
+    from tests.passes.test_topology import _brute_force
+
+    g = _light_cuts(_tied_chain(seed, 10**8), 1e-3)
+    opts = _opts(6, 2)
+    best = _brute_force(g, opts)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    assert res.status == "OPTIMAL"
+    assert best * (1 - 1e-3) <= res.bound_s <= best * (1 + 1e-9)
+    assert res.bottleneck_s == pytest.approx(best, rel=1e-9)
+    monkeypatch.setattr(PlacedChainSolver, "SPLIT_HOLDERS", False)
+    assert _chain(g, opts, time.monotonic(), math.inf).bound_s < best * 0.97
+
+
+def _tied_after_first(seed: int, tied_bytes: int) -> CostGraph:
+    """A chain whose second and fifth compute nodes share a weight: the first stage need not hold it."""
+    g = _chain_graph(7, seed)
+    nodes = dict(g.nodes)
+    for name in ("n2", "n5"):
+        nodes[name] = dataclasses.replace(nodes[name], params=("w",), param_bytes=0)
+    return CostGraph(nodes=nodes, edges=list(g.edges), param_sizes={"w": tied_bytes})
+
+
+@pytest.mark.parametrize("K,G", [(4, 2), (6, 2), (8, 4)])
+@pytest.mark.parametrize("seed", range(3))
+def test_tied_weight_known_to_cross_nodes_from_the_compute_alone(K, G, seed, monkeypatch):
+    """The last stage holds n5 and shares the weight with n2's stage. That stage shares its node only if
+    every stage from it on does, which needs n2 and everything after it to run on G devices within T:
+    below that T the sync is charged at the slower bandwidth (``_far_below``). The bound stays below
+    the brute-force optimum and rises well above what the faster bandwidth alone allows."""
+    from tests.passes.test_topology import _brute_force
+
+    g = _light_cuts(_tied_after_first(seed, 10**8), 1e-3)
+    opts = _opts(K, G)
+    best = _brute_force(g, opts)
+    res = _chain(g, opts, time.monotonic(), math.inf)
+    assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
+    monkeypatch.setattr(PlacedChainSolver, "_far_below", lambda self: (np.zeros(1), np.zeros(1)))
+    blind = _chain(g, opts, time.monotonic(), math.inf)
+    assert blind.bound_s < res.bound_s * 0.95
