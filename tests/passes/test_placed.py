@@ -230,11 +230,12 @@ def test_tied_weights_scored_as_evaluate_scores_them(K, G):
     assert res.bound_s <= res.bottleneck_s
 
 
-def _tied_chain(seed: int, tied_bytes: int) -> CostGraph:
-    """A chain whose first and last compute nodes share one weight (an embedding tied to a head)."""
+def _tied_chain(seed: int, tied_bytes: int, users=("n1", "n5")) -> CostGraph:
+    """A chain whose first and last compute nodes share one weight (an embedding tied to a head), or
+    the given ones."""
     g = _chain_graph(7, seed)
     nodes = dict(g.nodes)
-    for name in ("n1", "n5"):
+    for name in users:
         nodes[name] = dataclasses.replace(nodes[name], params=("w",), param_bytes=0)
     return CostGraph(nodes=nodes, edges=list(g.edges), param_sizes={"w": tied_bytes})
 
@@ -271,15 +272,6 @@ def test_tied_holder_counts_searched_until_the_bound_meets_the_plan(seed, monkey
     assert _chain(g, opts, time.monotonic(), math.inf).bound_s < best * 0.97
 
 
-def _tied_after_first(seed: int, tied_bytes: int) -> CostGraph:
-    """A chain whose second and fifth compute nodes share a weight: the first stage need not hold it."""
-    g = _chain_graph(7, seed)
-    nodes = dict(g.nodes)
-    for name in ("n2", "n5"):
-        nodes[name] = dataclasses.replace(nodes[name], params=("w",), param_bytes=0)
-    return CostGraph(nodes=nodes, edges=list(g.edges), param_sizes={"w": tied_bytes})
-
-
 @pytest.mark.parametrize("K,G", [(4, 2), (6, 2), (8, 4)])
 @pytest.mark.parametrize("seed", range(3))
 def test_tied_weight_known_to_cross_nodes_from_the_compute_alone(K, G, seed, monkeypatch):
@@ -289,7 +281,7 @@ def test_tied_weight_known_to_cross_nodes_from_the_compute_alone(K, G, seed, mon
     the brute-force optimum and rises well above what the faster bandwidth alone allows."""
     from tests.passes.test_topology import _brute_force
 
-    g = _light_cuts(_tied_after_first(seed, 10**8), 1e-3)
+    g = _light_cuts(_tied_chain(seed, 10**8, ("n2", "n5")), 1e-3)  # the first stage need not hold it
     opts = _opts(K, G)
     best = _brute_force(g, opts)
     res = _chain(g, opts, time.monotonic(), math.inf)
