@@ -364,7 +364,8 @@ def group_times(comp, par, groups, reps, opts: CostOptions, which=None) -> np.nd
 
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
-          ladder: Sequence[float] = (), probe_within: float = math.inf) -> Optional[ChainSolution]:
+          ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
+          ceiling: float = math.inf) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -375,12 +376,16 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     ``ladder``: the first T to try, as multiples of ``sum C / K``, before T
     doubles (a pass that costs more is better spent near that bound);
     ``probe_within``: check just below a plan's own time only while the bracket
-    is narrower than this ratio (far from the bound a bisection step gains more).
+    is narrower than this ratio (far from the bound a bisection step gains more);
+    ``floor``: a bound on the optimum known already (the ladder starts from it);
+    ``ceiling``: the time of a plan known already: tried first instead of the ladder.
     """
     solver = solver or ChainSolver(units, segments, opts)
-    lo = sum(units.compute) / opts.devices * (1 - 1e-9)
+    lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
     steps = [T * f for f in ladder]
+    if ceiling < math.inf:
+        T, steps = max(ceiling, T), []
     try:
         for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)

@@ -15,7 +15,7 @@ from typing import List, NamedTuple
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, flat_bound, min_replicas,
+from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
                                         stage_time_s, tied_floor_s)
 from passes.partition.placed import _EPS, PlacedChainSolver, cut_floors
 from passes.partition.segments import Segment
@@ -57,7 +57,7 @@ class ChargedChainSolver(PlacedChainSolver):
         o, K = self.opts, self.opts.devices
         q = np.ones(C.shape) if shares is None else np.broadcast_to(
             self._partner_count(shares, flags, T), C.shape).astype(float)
-        fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+        fast, slow = self.flat
         lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         sure = np.maximum(_rising_from(lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, slow, tied[k], q[k]),
@@ -74,7 +74,7 @@ class ChargedChainSolver(PlacedChainSolver):
         B2 when the stage crosses nodes or the weight is held at both ends, else at least at B1;
         PipeDream's charge over a group is never below the flat one at B1 (``flat_bound``)."""
         o = self.opts
-        fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+        fast, slow = self.flat
         if o.cost_model == "pipedream":
             return tied_floor_s(ch.tied, r, fast, ch.partners)
         inside = tied_floor_s(ch.tied - ch.far, r, fast, ch.partners) + tied_floor_s(ch.far, r, slow, ch.partners)
@@ -87,8 +87,8 @@ class ChargedChainSolver(PlacedChainSolver):
         where they start (no placement charges less than the first nor more than the second), so
         only those are charged at every offset."""
         G = self.G
-        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, flat_bound(self.opts, f), ch.tied,
-                                   ch.partners) <= T * (1 + _EPS) for f in (True, False))
+        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + _EPS)
+                      for f in self.flat)
         ok = np.broadcast_to(slow, (slow.shape[0], G)).copy()
         torn = np.nonzero((fast & ~slow)[:, 0])[0]
         if torn.size:

@@ -31,7 +31,7 @@ from passes.partition.result import SolveResult
 from passes.partition import branches, charged, placed, retie, stage_count
 
 
-CHARGED_SHARE = 0.5  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
+CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
@@ -214,21 +214,24 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
         return _chain(graph, opts, start, deadline)
-    bracket = _bracketed(graph, opts, start, deadline)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
-    exact = _chain(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()))
+    exact = _chain(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
+                   *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
     return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
 
 
-def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
+               plain: bool = False) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
-    that scores best placed kept, with the fast model's bound."""
-    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline)  # one node: the flat model at B1
+    that scores best placed kept, with the fast model's bound; ``plain``: see ``_chain``."""
+    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline, plain=plain)  # one node: flat at B1
     if fast is None:
         return None
-    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline) if opts.gpus_per_node < opts.devices else None
+    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline, floor=fast.bound_s, plain=plain) \
+        if opts.gpus_per_node < opts.devices else None
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)
     result = dataclasses.replace(
@@ -311,7 +314,8 @@ def _time_for_cpsat(units: Units, opts: CostOptions, deadline: float) -> bool:
     return left >= 0.2 and cells / 2.5e4 <= 0.5 * left
 
 
-def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
+           ceiling: float = math.inf, plain: bool = False) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -323,12 +327,15 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
     as one node and the bound from the graph with it free, its compute still
     counted in the devices of every prefix that must run it (``branches.py``).
     Every candidate plan is scored on ``graph``; a tied weight's real sync
-    gets its plans re-searched (``retie.py``).
+    gets its plans re-searched (``retie.py``). ``floor``, ``ceiling``: a bound
+    on the optimum and a plan's time known already (``chain.solve``); ``plain``: no second
+    search for plans that pay for dead nodes or a mask (``_bracketed`` before
+    the charged DP, where time is short).
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
-    found = _searched(graph, opts, deadline, cones)
+    found = _searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = _searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -346,7 +353,7 @@ def _chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -
             bound = lower[1]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
-    if not cones and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
+    if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
         masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
@@ -438,11 +445,11 @@ def _loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]]
 
 
 def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-              keep_dead: bool = False):
+              keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
-    solved = _segment_dp(merged, opts, deadline, keep_dead)
+    solved = _segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling)
     if solved is None:
         return None
     units, found, margin = solved
@@ -451,7 +458,8 @@ def _searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List[
 
 
 def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
-                hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None):
+                hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None, floor: float = 0.0,
+                ceiling: float = math.inf):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``_chain``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
@@ -473,9 +481,9 @@ def _segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead:
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
-                            placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN)
+                            placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling)
     else:
-        found = chain_solve(units, segs, opts, deadline, score)
+        found = chain_solve(units, segs, opts, deadline, score, floor=floor)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

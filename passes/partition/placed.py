@@ -318,6 +318,7 @@ class PlacedChainSolver(ChainSolver):
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         super().__init__(units, segments, opts)
         self.G = int(opts.gpus_per_node)
+        self.flat = (flat_bound(opts, fast=True), flat_bound(opts, fast=False))  # every link at B1 / at B2
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
         self._level_cache: Dict[object, object] = {}
@@ -412,7 +413,7 @@ class PlacedChainSolver(ChainSolver):
             floor = self._holder_floor(tuple(f[some] for f in flags))
             q = self._partner_count(shares[some], tuple(f[some] for f in flags), T, floor)
             c, p, t, f = C[some], params[some], tied[some], far[some]
-            fast, slow = flat_bound(o, fast=True), flat_bound(o, fast=False)
+            fast, slow = self.flat
             inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
                                    + tied_floor_s(f[k], r, slow, q[k]))
             across = lambda r, k: stage_time_s(c[k], p[k], 0.0, 0.0, r, slow, t[k], q[k])  # noqa: E731

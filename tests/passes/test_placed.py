@@ -289,3 +289,20 @@ def test_tied_weight_known_to_cross_nodes_from_the_compute_alone(K, G, seed, mon
     monkeypatch.setattr(PlacedChainSolver, "_far_below", lambda self: (np.zeros(1), np.zeros(1)))
     blind = _chain(g, opts, time.monotonic(), math.inf)
     assert blind.bound_s < res.bound_s * 0.95
+
+
+@pytest.mark.parametrize("model,replication", CHARGED)
+@pytest.mark.parametrize("seed", range(3))
+def test_charged_dp_started_from_the_bracket_keeps_its_answer(model, replication, seed):
+    """The charged DP starts from the flat bracket's bound and plan (``driver._placed_chain``): the same
+    plan time and a bound that is still below the exact optimum as when it searches from sum C / K."""
+    g = random_dag(9, seed + 40)
+    opts = _opts(8, 4, cost_model=model, replication=replication)
+    from passes.partition.driver import _bracketed
+
+    bracket = _bracketed(g, opts, time.monotonic(), math.inf, plain=True)
+    started = _chain(g, opts, time.monotonic(), math.inf, bracket.bound_s, bracket.bottleneck_s)
+    alone = _chain(g, opts, time.monotonic(), math.inf)
+    best = _exact(g, opts)
+    assert started.bottleneck_s == pytest.approx(alone.bottleneck_s, rel=2e-3)
+    assert started.bound_s <= best * (1 + 1e-9) <= started.bottleneck_s * (1 + 2e-9)
