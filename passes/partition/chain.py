@@ -378,14 +378,15 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     ``probe_within``: check just below a plan's own time only while the bracket
     is narrower than this ratio (far from the bound a bisection step gains more);
     ``floor``: a bound on the optimum known already (the ladder starts from it);
-    ``ceiling``: the time of a plan known already: tried first instead of the ladder.
+    ``ceiling``: the time of a plan known already: with it the search tries
+    the first rung of the ladder, then that time, then bisects.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
     steps = [T * f for f in ladder]
-    if ceiling < math.inf:
-        T, steps = max(ceiling, T), []
+    if ceiling < math.inf:  # a bracket known: just above its bound (cheap, often the optimum), then its plan's time
+        steps = [T * f for f in ladder[:1] if T * f < ceiling] + [ceiling]
     try:
         for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)

@@ -28,7 +28,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.costmodel import CostOptions, StagePlan, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import SolveResult
-from passes.partition import branches, charged, placed, retie, stage_count
+from passes.partition import branches, charged, placed, retie, stage_count, uniform
 
 
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
@@ -99,6 +99,15 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     deadline = start + time_limit - finish_reserve(time_limit)
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
+    found = _searched_plan(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
+                           downset_limit, progress)
+    return _uniform_kept(graph, opts, found, start)
+
+
+def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
+                   time_limit: float, workers: int, coarsen_above: int, solver: str,
+                   downset_limit: Optional[int], progress) -> PartitionResult:
+    """``partition``'s search: the segment DP, then the downset DP or CP-SAT (see ``partition``)."""
     if opts.gpus_per_node is not None:
         return _placed(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
                        progress)
@@ -113,6 +122,23 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             raise
         return chained
     return _better(chained, other)
+
+
+def _uniform_kept(graph: CostGraph, opts: CostOptions, found: PartitionResult, start: float) -> PartitionResult:
+    """``found``, or the hand-made uniform PP x DP layout where that is faster (``uniform.py``): a search
+    cut short by the time limit still answers at least as well as a person would by hand. The bound
+    is the search's."""
+    best = uniform.best_layout(graph, opts)
+    if best is None or best[0].bottleneck_s >= found.bottleneck_s * (1 - 1e-12):
+        return found
+    ev, assignment, replicas = best
+    out = dataclasses.replace(found, assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                              bottleneck_s=ev.bottleneck_s, objective_s=ev.bottleneck_s,
+                              bound_s=min(found.bound_s, ev.bottleneck_s), method=f"{found.method}, uniform layout",
+                              wall_s=time.monotonic() - start)
+    if out.status != "HEURISTIC":
+        out.status = "OPTIMAL" if out.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return out
 
 
 def finish_reserve(time_limit: float) -> float:

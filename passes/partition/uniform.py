@@ -1,0 +1,102 @@
+"""The uniform layout a person would pick by hand, scored as a candidate plan.
+
+Megatron-style PP x DP: the model's topological order cut into PP pieces of
+about equal compute, each replicated DP = K / PP times. A contiguous run of a
+topological order is convex (a path between two of its nodes runs through
+nodes ordered between them), so every such layout is a valid plan. Each cut is
+moved, within a small window around its equal-compute point, to where the
+fewest bytes are live (between transformer blocks, the residual stream alone).
+
+The partitioner scores every PP under the same cost model and keeps the best
+one when it beats what its search found (``driver.partition``): a search cut
+short by the time limit should not hand back less than this. The layouts say
+nothing about the bound.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from passes.costgraph import CostGraph
+from passes.partition.costmodel import CostOptions, Evaluation, evaluate
+
+WINDOW = 0.25  # of a stage's share of compute: how far a cut may move to find fewer live bytes
+
+
+def topological_order(graph: CostGraph) -> List[str]:
+    """``graph.nodes`` in an order where every edge points forward (insertion order kept where it
+    already does)."""
+    preds: Dict[str, int] = {n: 0 for n in graph.nodes}
+    succ: Dict[str, List[str]] = {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        preds[v] += 1
+        succ[u].append(v)
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    ready = sorted((n for n, k in preds.items() if k == 0), key=position.__getitem__, reverse=True)
+    out: List[str] = []
+    while ready:
+        n = ready.pop()
+        out.append(n)
+        fresh = []
+        for v in succ[n]:
+            preds[v] -= 1
+            if preds[v] == 0:
+                fresh.append(v)
+        ready.extend(sorted(fresh, key=position.__getitem__, reverse=True))
+        ready.sort(key=position.__getitem__, reverse=True)
+    return out
+
+
+def _live_bytes(graph: CostGraph, order: List[str]) -> np.ndarray:
+    """``live[p]``: bytes of values made before position p and read at p or later."""
+    at = {n: k for k, n in enumerate(order)}
+    last = {n: at[n] for n in order}
+    for u, v in graph.edges:
+        last[u] = max(last[u], at[v])
+    delta = np.zeros(len(order) + 1)
+    for n in order:
+        if last[n] > at[n]:
+            delta[at[n] + 1] += graph.nodes[n].out_bytes
+            delta[last[n] + 1] -= graph.nodes[n].out_bytes
+    return np.cumsum(delta)[:len(order)]
+
+
+def layouts(graph: CostGraph, opts: CostOptions):
+    """Every uniform layout (stage per node, replicas) allowed by ``opts``: PP stages of K / PP replicas."""
+    order = topological_order(graph)
+    compute = np.array([graph.nodes[n].compute_s for n in order])
+    before = np.concatenate([[0.0], np.cumsum(compute)])  # compute before each position
+    total = before[-1]
+    live = _live_bytes(graph, order)
+    allowed = set(opts.allowed_replicas())
+    K = opts.devices
+    for pp in range(1, K + 1):
+        if K % pp or K // pp not in allowed or pp > max(1, int(np.count_nonzero(compute))):
+            continue
+        cuts = [0]
+        for s in range(1, pp):
+            share = (total - before[cuts[-1]]) / (pp - s + 1)  # what is left, spread over the stages left
+            target = before[cuts[-1]] + share
+            near = np.nonzero(np.abs(before[:-1] - target) <= WINDOW * share)[0]
+            near = near[near > cuts[-1]]
+            if not near.size:
+                break
+            near = near[live[near] <= live[near].min() * 1.01]  # the fewest live bytes, then the nearest
+            cuts.append(int(near[np.argmin(np.abs(before[near] - target))]))
+        if len(cuts) < pp:
+            continue
+        stage = np.searchsorted(np.array(cuts), np.arange(len(order)), side="right") - 1
+        yield {n: int(stage[k]) for k, n in enumerate(order)}, [K // pp] * pp
+
+
+def best_layout(graph: CostGraph, opts: CostOptions) -> Optional[Tuple[Evaluation, Dict[str, int], List[int]]]:
+    """The fastest uniform layout under ``opts`` (within its memory limit, if any), or None."""
+    best = None
+    for assignment, replicas in layouts(graph, opts):
+        ev = evaluate(graph, assignment, replicas, opts)
+        if opts.memory is not None and ev.peak_memory_bytes > opts.memory:
+            continue
+        if best is None or ev.bottleneck_s < best[0].bottleneck_s:
+            best = (ev, assignment, replicas)
+    return best
