@@ -17,7 +17,8 @@ import numpy as np
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
                                         stage_time_s, tied_floor_s)
-from passes.partition.placed import _EPS, PlacedChainSolver, cut_floors
+from passes.partition.offsets import EPS, cut_floors
+from passes.partition.placed import PlacedChainSolver
 from passes.partition.segments import Segment
 
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
@@ -87,7 +88,7 @@ class ChargedChainSolver(PlacedChainSolver):
         where they start (no placement charges less than the first nor more than the second), so
         only those are charged at every offset."""
         G = self.G
-        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + _EPS)
+        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + EPS)
                       for f in self.flat)
         ok = np.broadcast_to(slow, (slow.shape[0], G)).copy()
         torn = np.nonzero((fast & ~slow)[:, 0])[0]
@@ -95,7 +96,7 @@ class ChargedChainSolver(PlacedChainSolver):
             some, rt = ch.take(torn), r[torn]
             one = m + rt <= G
             sync = allreduce_span(some.own, m, rt, self.opts) + self._tied_charge(some, rt, one)
-            ok[torn] = combine_stage_time(some.C, rt, sync, 0.0) <= T * (1 + _EPS)
+            ok[torn] = combine_stage_time(some.C, rt, sync, 0.0) <= T * (1 + EPS)
         one = m + r <= G
         cuts = np.where(one, (r >= ch.near) & ((m + r < G) | (r >= ch.out_far)) & ((m > 0) | (r >= ch.in_far)),
                         r >= np.maximum(ch.in_far, ch.out_far))
@@ -205,13 +206,13 @@ def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:
     does every count between them."""
     lo, hi = np.full(n, 2, dtype=np.int64), np.full(n, K, dtype=np.int64)
     every = np.arange(n)
-    fits = time_at(np.maximum(hi, 1), every) <= T * (1 + _EPS)
+    fits = time_at(np.maximum(hi, 1), every) <= T * (1 + EPS)
     while True:
         k = np.nonzero(fits & (lo < hi))[0]
         if not k.size:
             break
         mid = (lo[k] + hi[k]) // 2
-        good = time_at(mid, k) <= T * (1 + _EPS)
+        good = time_at(mid, k) <= T * (1 + EPS)
         hi[k] = np.where(good, mid, hi[k])
         lo[k] = np.where(good, lo[k], mid + 1)
     return np.where(fits, np.maximum(lo, 1), K + 1)

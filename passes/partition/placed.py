@@ -12,15 +12,15 @@ offset are never worse, since everything after depends on d only through m
 and the devices left.
 
 For a stage (j, i) the replica counts that meet T form an interval at each
-bandwidth (``_intervals``: compute/r plus the ring, ``(C - a)/r + a`` with
+bandwidth (``offsets.intervals``: compute/r plus the ring, ``(C - a)/r + a`` with
 ``a = 2P/B``, is monotone in r). From offset m the counts r <= G - m use the
 B1 interval and end at offset m + r; the others use the B2 interval, and when
 it is unbounded above they reach every count from its start on, so one number
-per pair (``_crossing_start``) yields all G offsets. Both steps are table
+per pair (``offsets.crossing_start``) yields all G offsets. Both steps are table
 look-ups per (source point, offset), so a pass costs G times fewer steps
 than trying every offset pair.
 
-Each cut is charged the least any placement allows (``cut_floors``: B2 on a
+Each cut is charged the least any placement allows (``offsets.cut_floors``: B2 on a
 side with a rank whose partners all sit in other nodes, else B1): T
 infeasible is still a proof, and the plan found is scored placed by the
 caller (``costmodel.evaluate``). Where no cut limits the bottleneck
@@ -40,17 +40,18 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, unit_bottleneck
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import (CostOptions, allreduce_at, fastest_index, flat_bound, stage_time_s,
-                                        tied_floor_s)
+from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
 from passes.partition.segments import Segment
+from passes.partition.canon import Canon
+from passes.partition.offsets import (EPS, Sources, Stages, count, crossing_start, cut_floors, every_offset,
+                                      intervals, targets, tied_intervals)
 
-_EPS = 1e-12
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
 PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
 TIE_PASSES = 6  # passes per T the search over a tied weight's holders may take (``devices_needed``)
@@ -61,48 +62,6 @@ LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3, 1.6)  # first T tried, times sum C
 def supports(opts: CostOptions) -> bool:
     """Whether this DP is exact for ``opts`` (see the module docstring)."""
     return opts.gpus_per_node is not None and opts.replication in ("any", "pow2") and opts.memory is None
-
-
-def _intervals(C, P, T: float, bandwidth: float, K: int):
-    """Per stage (arrays), the replica counts ``[lo, hi]`` whose compute and ring (at ``bandwidth``)
-    meet T (``lo > hi``: none); ``hi`` is K when unbounded. Stages without tied weights
-    (``_tied_intervals`` has those)."""
-    a = 2.0 * P / bandwidth
-    with np.errstate(divide="ignore", invalid="ignore"):
-        falling = C >= a  # (C - a)/r + a falls with r (r = 1 gives C)
-        need = np.where(T > a, (C - a) / (T - a), np.inf)
-        lo = np.where(falling, np.where(C <= T, 1.0, need), np.where(C <= T, 1.0, np.inf))
-        most = np.where(T >= a, np.inf, (a - C) / (a - T))
-        hi = np.where(falling, np.inf, np.where(C <= T, most, -np.inf))
-    hi = np.floor(np.minimum(hi * (1 + _EPS), K))
-    return _count(lo, K), np.maximum(hi, -1.0).astype(np.int64)
-
-
-def _tied_intervals(time_at, n: int, T: float, K: int):
-    """``[lo, hi]`` per stage (``lo > hi``: none) of the counts 1..K whose ``time_at(counts, which)``
-    meets T, for times that fall and then rise in r (a tied weight's ring of r + partners ranks; see
-    ``costmodel.min_replicas``): the fastest count, then bisection on each side of it."""
-    every = np.arange(n)
-    peak = fastest_index(lambda idx, k: time_at(idx + 1, k), np.zeros(n, dtype=np.int64),
-                         np.full(n, K - 1, dtype=np.int64))
-    fits = time_at(peak + 1, every) <= T * (1 + _EPS)
-    lo, hi = np.zeros(n, dtype=np.int64), peak.copy()  # first fit in [lo, hi]: the time falls there
-    top, end = peak.copy(), np.full(n, K - 1, dtype=np.int64)  # last fit in [top, end]: it rises there
-    while True:
-        k = np.nonzero(fits & ((lo < hi) | (top < end)))[0]
-        if not k.size:
-            break
-        left = lo[k] < hi[k]
-        mid = (lo[k] + hi[k]) // 2
-        good = time_at(mid + 1, k) <= T * (1 + _EPS)
-        hi[k] = np.where(left & good, mid, hi[k])
-        lo[k] = np.where(left & ~good, mid + 1, lo[k])
-        right = top[k] < end[k]
-        mid = (top[k] + end[k] + 1) // 2
-        good = time_at(mid + 1, k) <= T * (1 + _EPS)
-        top[k] = np.where(right & good, mid, top[k])
-        end[k] = np.where(right & ~good, mid - 1, end[k])
-    return np.where(fits, lo + 1, K + 1), np.where(fits, top + 1, -1)
 
 
 def _two_user_tie(units: Units):
@@ -129,187 +88,6 @@ def _split_holders(holders, r0: int, r1: int) -> list:
     return []
 
 
-class _Canon:
-    """One copy of equal tuples of arrays (the pairs of repeated blocks' segments): ``get(x)`` returns
-    the first stored tuple equal to ``x`` (None, nested tuples and scalars allowed), or stores ``x``.
-    A fingerprint of shapes and sums picks the candidates; equality is checked in full."""
-
-    def __init__(self) -> None:
-        self._by_print: Dict[tuple, list] = {}
-
-    def get(self, x):
-        bucket = self._by_print.setdefault(_fingerprint(x), [])
-        for y in bucket:
-            if _equal(x, y):
-                return y
-        bucket.append(x)
-        return x
-
-
-def _fingerprint(x) -> tuple:
-    if isinstance(x, tuple):
-        return tuple(_fingerprint(y) for y in x)
-    if x is None:
-        return ("N",)
-    a = np.asarray(x)
-    return (a.dtype.str, a.shape, float(a.sum(dtype=np.float64)) if a.size else 0.0)
-
-
-def _equal(x, y) -> bool:
-    if isinstance(x, tuple):
-        return isinstance(y, tuple) and len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
-    if x is None or y is None:
-        return x is y
-    return np.array_equal(np.asarray(x), np.asarray(y))
-
-
-def _count(x, K: int) -> np.ndarray:
-    """``ceil(x)`` as replica counts, K + 1 standing for none."""
-    return np.minimum(np.ceil(np.maximum(x, 1.0) * (1 - _EPS)), float(K + 1)).astype(np.int64)
-
-
-class _Stages(NamedTuple):
-    """Replica counts that meet T for a set of stages, by where they sit (see ``cut_floors``).
-
-    In one node: ``[lo1, hi1]``, at least ``lo1_end`` when the stage ends on a
-    node boundary and at least ``in_start`` when it starts on one. Across
-    nodes: ``[lo2, hi2]``.
-    """
-
-    lo1: np.ndarray
-    lo1_end: np.ndarray
-    in_start: np.ndarray
-    hi1: np.ndarray
-    lo2: np.ndarray
-    hi2: np.ndarray
-
-    def take(self, idx) -> "_Stages":
-        return _Stages(*(x[idx] for x in self))
-
-
-def cut_floors(A_in, A_out, T: float, opts: CostOptions):
-    """Fewest replicas a stage needs for its cuts to meet T, by placement: (in and out at B1, in at
-    B2, out at B2), each ``ceil(2A/(B·T))``.
-
-    A rank whose partners across a cut all sit in other nodes carries 1/r of
-    the microbatches at B2, so the cut takes at least ``2A/(B2·r)`` on that side
-    (``topology.pair_load``). The ranks of a stage before a cut have such a rank
-    when the stage crosses a node boundary or ends on one; those after it when
-    their stage crosses one or starts on one. Otherwise B1 is the least charge.
-    """
-    edge = lambda A, B: _count(2.0 * A / (B * T), opts.devices)  # noqa: E731
-    return (np.maximum(edge(A_in, opts.intra_bw), edge(A_out, opts.intra_bw)), edge(A_in, opts.bandwidth),
-            edge(A_out, opts.bandwidth))
-
-
-class _Sources:
-    """Look-up tables of a set of source points' rows ``dev[:, m]`` (see the module docstring).
-
-    ``prefix[s, w, hi]``: min over offsets w <= m <= hi (w = 0 or 1) of
-    ``dev - m`` (the first rank of the node the prefix ends in), with its
-    offset; a stage in one node from there ends at that rank plus its end offset.
-    ``cross[s, q]`` (q = 1 .. G+1): fewest devices after a node-crossing stage of at
-    least q replicas, ``min_m max(dev_m + q, node_m + G + 1)``, with its offset.
-    """
-
-    def __init__(self, dev: np.ndarray, G: int, K: int) -> None:
-        self.dev, self.G, self.K = dev, G, K
-        self.inf = np.int64(4 * K + 4 * G + 8)
-        n = dev.shape[0]
-        self.base = np.empty((n, G), dtype=np.int64)
-        self.cross_at = np.empty((n, G + 1), dtype=np.int64)
-        self.cross = np.empty((n, G + 1), dtype=np.int64)
-        self.prefix = np.full((n, 2, G), self.inf * G, dtype=np.int64)
-        self.refresh(slice(None))
-
-    def refresh(self, rows) -> None:
-        """Recompute the tables of ``rows`` from ``dev`` (a live array: the DP fills it in place)."""
-        G, dev = self.G, self.dev[rows]
-        base = np.where(dev <= self.K, dev - np.arange(G)[None, :], self.inf)
-        self.base[rows] = base
-        q = np.arange(1, G + 2)
-        after = np.maximum(dev[:, None, :] + q[None, :, None], base[:, None, :] + G + 1)
-        after = np.where((dev <= self.K)[:, None, :], after, self.inf)
-        at = after.argmin(axis=2)
-        self.cross_at[rows] = at
-        self.cross[rows] = np.take_along_axis(after, at[:, :, None], axis=2)[:, :, 0]
-
-        # prefix[s, w, hi]: least (dev - m) over offsets w <= m <= hi (w = 0, 1), as (value · G + m)
-        key = base * G + np.arange(G)[None, :]
-        prefix = np.full((dev.shape[0], 2, G), self.inf * G, dtype=np.int64)
-        prefix[:, 0] = np.minimum.accumulate(key, axis=1)
-        prefix[:, 1, 1:] = np.minimum.accumulate(key[:, 1:], axis=1)
-        self.prefix[rows] = prefix
-
-
-def _crossing_start(src: _Sources, s, lo2, hi2, G: int, K: int):
-    """Per pair, the fewest devices after a node-crossing stage whose counts are unbounded above
-    (every larger count is reached too; ``src.inf`` where there is none), and its source offset."""
-    q = np.clip(lo2, 1, G + 1) - 1
-    cidx = s * (G + 1) + q
-    start = np.where((hi2 >= K) & (lo2 <= K), src.cross.reshape(-1)[cidx] + np.maximum(lo2 - (G + 1), 0), src.inf)
-    return start, src.cross_at.reshape(-1)[cidx]
-
-
-def _every_offset(start, G: int):
-    """The fewest counts at least ``start`` at each offset m' (last axis)."""
-    shift = (np.arange(G)[None, :] - np.arange(G)[:, None]) % G  # shift[v, m'] = (m' - v) mod G
-    return start[:, None] + shift[start % G]
-
-
-def _targets(src: _Sources, s, st: _Stages, G: int, K: int, want_from: bool = False, crossing: bool = True):
-    """For pairs (source row s, their ``_Stages``): per end offset m' (last axis), the fewest
-    devices after the stage (> K: unreachable); with ``want_from`` also the source offset and replicas.
-    ``crossing=False`` leaves the unbounded crossing stages out (``_from_pool`` takes them on its own)."""
-    inf = src.inf
-    lo1, hi1, lo2, hi2 = st.lo1, st.hi1, st.lo2, st.hi2
-    # one node: from offset m, r = t - m for the end t (t = m' but G for m' = 0), lo1 <= r <= hi1;
-    # ending on the boundary (t = G) needs lo1_end, starting on one (m = 0, r = t) in_start
-    t = np.r_[G, np.arange(1, G)][None, :]
-    mhi = t - np.concatenate([st.lo1_end[:, None], np.broadcast_to(lo1[:, None], (lo1.size, G - 1))], axis=1)
-    mlo = np.maximum(t - hi1[:, None], 0)
-    mlo = np.where(t < st.in_start[:, None], np.maximum(mlo, 1), mlo)
-    idx = (s * (2 * G))[:, None] + np.minimum(mlo, 1) * G + np.maximum(mhi, 0)
-    key = src.prefix.reshape(-1)[idx]
-    val = np.where(mhi >= mlo, key // G + t, inf)
-    if want_from:
-        from_m = key % G
-    narrow = np.nonzero(hi1 < G - 1)[0]  # some mlo > 1 (fewer than G - 1 replicas in a node): rare
-    if narrow.size:
-        m = np.arange(G)[None, None, :]
-        inside = (m >= mlo[narrow][:, :, None]) & (m <= mhi[narrow][:, :, None])
-        k = np.where(inside, src.base[s[narrow]][:, None, :] * G + m, inf * G).min(axis=2)
-        val[narrow] = np.where(mhi[narrow] >= mlo[narrow], k // G + t, inf)
-        if want_from:
-            from_m[narrow] = k % G
-    # across nodes, unbounded above: every count from the first one that crosses
-    if crossing:
-        start, start_m = _crossing_start(src, s, lo2, hi2, G, K)
-        cross = _every_offset(start, G)
-        if want_from:
-            from_m = np.where(cross < val, start_m[:, None], from_m)
-        val = np.minimum(val, cross)
-    # across nodes, bounded (more replicas slow the stage down): each source offset on its own
-    closed = np.nonzero((hi2 < K) & (lo2 <= hi2))[0]
-    if closed.size:
-        dev = src.dev[s[closed]][:, None, :]  # (c, 1, G over the source offset m)
-        m = np.arange(G)[None, None, :]
-        mp = np.arange(G)[None, :, None]
-        low = np.maximum(lo2[closed, None, None], G - m + 1)
-        r = low + (mp - m - low) % G
-        v = np.where((r <= hi2[closed, None, None]) & (dev <= K), dev + r, inf)  # (c, m', m)
-        k = v.argmin(axis=2)
-        best = np.take_along_axis(v, k[:, :, None], axis=2)[:, :, 0]
-        better = best < val[closed]
-        val[closed] = np.where(better, best, val[closed])
-        if want_from:
-            from_m[closed] = np.where(better, k, from_m[closed])
-    val = np.where(val <= K, val, K + 1)
-    if not want_from:
-        return val
-    return val, from_m, val - src.dev[s[:, None], from_m]
-
-
 class PlacedChainSolver(ChainSolver):
     """``ChainSolver`` whose state is (point, devices used mod G); see the module docstring."""
 
@@ -322,7 +100,7 @@ class PlacedChainSolver(ChainSolver):
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
         self._level_cache: Dict[object, object] = {}
-        self._canon = _Canon()  # equal arrays of repeated segments kept once
+        self._canon = Canon()  # equal arrays of repeated segments kept once
         self._intervals_at: Tuple[tuple, dict] = ((), {})
         self.far_first_below, self.far_last_below = self._far_below()
         K = opts.devices
@@ -397,8 +175,8 @@ class PlacedChainSolver(ChainSolver):
                 flat(np.asarray(first)), flat(np.asarray(last)), None if shares is None else rows(shares),
                 None if flags is None else tuple(rows(f) for f in flags))
 
-    def _stage_intervals(self, stages, T: float) -> _Stages:
-        """Replica counts of ``stages`` (from ``_stages``) by placement (``_Stages``).
+    def _stage_intervals(self, stages, T: float) -> Stages:
+        """Replica counts of ``stages`` (from ``_stages``) by placement (``Stages``).
 
         A stage sharing a weight syncs it over its ranks and at least ``partners`` more
         (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or a partner sits on
@@ -406,8 +184,8 @@ class PlacedChainSolver(ChainSolver):
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
         far = self._far(first, last, shares, T)
         o = self.opts
-        lo1, hi1 = _intervals(C, params, T, o.intra_bw, o.devices)  # one replica never crosses nodes
-        lo2, hi2 = _intervals(C, params, T, o.bandwidth, o.devices)
+        lo1, hi1 = intervals(C, params, T, o.intra_bw, o.devices)  # one replica never crosses nodes
+        lo2, hi2 = intervals(C, params, T, o.bandwidth, o.devices)
         some = np.nonzero(tied > 0)[0]
         if some.size:
             floor = self._holder_floor(tuple(f[some] for f in flags))
@@ -417,15 +195,15 @@ class PlacedChainSolver(ChainSolver):
             inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
                                    + tied_floor_s(f[k], r, slow, q[k]))
             across = lambda r, k: stage_time_s(c[k], p[k], 0.0, 0.0, r, slow, t[k], q[k])  # noqa: E731
-            lo1[some], hi1[some] = _tied_intervals(inside, some.size, T, o.devices)
-            lo2[some], hi2[some] = _tied_intervals(across, some.size, T, o.devices)
+            lo1[some], hi1[some] = tied_intervals(inside, some.size, T, o.devices)
+            lo2[some], hi2[some] = tied_intervals(across, some.size, T, o.devices)
         lo1 = np.where(first & (C <= 0), o.devices + 1, lo1)  # the first stage has compute (``_far_below``)
         for at, (least, most) in zip(self._holding(flags), self.holders):  # counts the holders are held to
             lo1, lo2 = np.where(at, np.maximum(lo1, least), lo1), np.where(at, np.maximum(lo2, least), lo2)
             hi1, hi2 = np.where(at, np.minimum(hi1, most), hi1), np.where(at, np.minimum(hi2, most), hi2)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         lo1 = np.maximum(lo1, near)
-        return _Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
+        return Stages(lo1, np.maximum(lo1, out_far), in_far, hi1, np.maximum(lo2, np.maximum(in_far, out_far)), hi2)
 
     def _holding(self, flags):
         """Per stage, whether it holds each of ``self.tie``'s two users (False without one)."""
@@ -475,7 +253,7 @@ class PlacedChainSolver(ChainSolver):
                 s0, s1 = stage_of[self.tie[3]], stage_of[self.tie[4]]
                 split = _split_holders(self.holders, reps[s0], reps[s1]) if s0 != s1 else []
                 padded = self.pad(stage_of, reps, T) if split else None
-                if padded is not None and unit_bottleneck(self.units, stage_of, padded, self.opts) <= T * (1 + _EPS):
+                if padded is not None and unit_bottleneck(self.units, stage_of, padded, self.opts) <= T * (1 + EPS):
                     split = []  # the plan meets T as it is charged: nothing to prove
                 if not split:
                     return need, back
@@ -504,7 +282,7 @@ class PlacedChainSolver(ChainSolver):
                 dev[0, 0] = 0
             # a prefix that leaves more compute than its spare devices can run within T is dropped:
             # every later stage needs at least compute / T replicas
-            rest = _count((self.segs[-1].compute[-1] - seg.compute) / T, K)
+            rest = count((self.segs[-1].compute[-1] - seg.compute) / T, K)
             rest[seg.compute >= self.segs[-1].compute[-1]] = 0
             reach = None
             if pool is not None and pool[0].size:
@@ -531,7 +309,7 @@ class PlacedChainSolver(ChainSolver):
         ``pool``: (global ids, compute, params, shared counts, cut) of the earlier points. A stage
         that crosses nodes with counts unbounded above reaches every offset from one number on, and
         the least such number over all sources gives the same for a target
-        (``_every_offset`` is monotone), so those pairs reduce before the offsets are spread; only
+        (``offsets.every_offset`` is monotone), so those pairs reduce before the offsets are spread; only
         stages that fit in a node or are bounded above go through ``_targets`` pair by pair.
         """
         K, G = self.opts.devices, self.G
@@ -547,16 +325,16 @@ class PlacedChainSolver(ChainSolver):
                                                 cc[None], cp[None], cs[None], ccut[None],
                                                 (ids == 0)[:, None], ends[None, :]), T)
         rows = dev_all[ids]
-        src = _Sources(rows, G, K)
-        start, start_m = _crossing_start(src, s, st.lo2, st.hi2, G, K)
+        src = Sources(rows, G, K)
+        start, start_m = crossing_start(src, s, st.lo2, st.hi2, G, K)
         start = start.reshape(n, d + 1)
         first = start.argmin(axis=0)
-        val = _every_offset(start[first, np.arange(d + 1)], G)  # (d + 1, G)
+        val = every_offset(start[first, np.arange(d + 1)], G)  # (d + 1, G)
         from_row = np.broadcast_to(first[:, None], val.shape).copy()
         reach = start[:, d] <= K
         small = np.nonzero((st.lo1 <= np.minimum(st.hi1, G)) | ((st.hi2 < K) & (st.lo2 <= st.hi2)))[0]
         if small.size:
-            vs = _targets(src, s[small], st.take(small), G, K, crossing=False)
+            vs = targets(src, s[small], st.take(small), G, K, crossing=False)
             dense = np.full((n * (d + 1), G), K + 1, dtype=np.int64)
             dense[small] = vs
             dense = dense.reshape(n, d + 1, G)
@@ -578,7 +356,7 @@ class PlacedChainSolver(ChainSolver):
         got_m = start_m[pair]
         if via.any():
             p = pair[via]
-            _, fm, _ = _targets(src, s[p], st.take(p), G, K, want_from=True, crossing=False)
+            _, fm, _ = targets(src, s[p], st.take(p), G, K, want_from=True, crossing=False)
             got_m[via] = fm[np.arange(p.size), ms[via]]
         dev[xs, ms] = val[xs, ms]
         src_b[xs, ms, 0] = ids[row]
@@ -591,25 +369,25 @@ class PlacedChainSolver(ChainSolver):
         K, G = self.opts.devices, self.G
         j = seg.sub_j
         st = self._near_intervals(seg, off, T)
-        src = _Sources(dev, G, K)  # rows of a level are final before any later level reads them
-        for pairs, starts, targets in self._levels(seg):
+        src = Sources(dev, G, K)  # rows of a level are final before any later level reads them
+        for pairs, starts, ends in self._levels(seg):
             s, some = j[pairs], st.take(pairs)
-            val = _targets(src, s, some, G, K, crossing=False)
+            val = targets(src, s, some, G, K, crossing=False)
             key = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(key, starts, axis=0)  # (targets, G)
             # crossing stages unbounded above: the least start per target spreads over every offset
-            start, _ = _crossing_start(src, s, some.lo2, some.hi2, G, K)
+            start, _ = crossing_start(src, s, some.lo2, some.hi2, G, K)
             first = np.minimum.reduceat(start * (1 << 32) + np.arange(pairs.size), starts)
-            cross = _every_offset(first >> 32, G)
+            cross = every_offset(first >> 32, G)
             use = cross < (mins >> 32)
             best_val = np.where(use, cross, mins >> 32)
             idx = np.where(use, (first & ((1 << 32) - 1))[:, None], mins & ((1 << 32) - 1))
             best_val = np.where(best_val <= K, best_val, K + 1)
-            rows, ms = np.nonzero(best_val < dev[targets])
+            rows, ms = np.nonzero(best_val < dev[ends])
             if not rows.size:
                 continue
-            x, k = targets[rows], idx[rows, ms]
-            got, from_m, reps = _targets(src, s[k], some.take(k), G, K, want_from=True)
+            x, k = ends[rows], idx[rows, ms]
+            got, from_m, reps = targets(src, s[k], some.take(k), G, K, want_from=True)
             pick = np.arange(k.size)
             dev[x, ms] = got[pick, ms]
             src_b[x, ms, 0] = off + s[k]
