@@ -158,7 +158,8 @@ def every_offset(start, G: int):
 def targets(src: Sources, s, st: Stages, G: int, K: int, want_from: bool = False, crossing: bool = True):
     """For pairs (source row s, their ``Stages``): per end offset m' (last axis), the fewest
     devices after the stage (> K: unreachable); with ``want_from`` also the source offset and replicas.
-    ``crossing=False`` leaves the unbounded crossing stages out (``PlacedChainSolver._from_pool`` takes them on its own)."""
+    ``crossing=False`` leaves the unbounded crossing stages out (``PlacedChainSolver._from_pool`` takes
+    them on its own)."""
     inf = src.inf
     lo1, hi1, lo2, hi2 = st.lo1, st.hi1, st.lo2, st.hi2
     # one node: from offset m, r = t - m for the end t (t = m' but G for m' = 0), lo1 <= r <= hi1;

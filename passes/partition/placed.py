@@ -159,7 +159,8 @@ class PlacedChainSolver(ChainSolver):
         """Per stage, the bytes of its shared weights synced across nodes for sure at T (``_far_below``)."""
         if shares is None:
             return np.zeros(first.shape)
-        far = (first[:, None] & (self.far_first_below > T)[None, :]) | (last[:, None] & (self.far_last_below > T)[None, :])
+        far = (first[:, None] & (self.far_first_below > T)[None, :]) \
+            | (last[:, None] & (self.far_last_below > T)[None, :])
         return (shares & far) @ self.shared_bytes
 
     def _stages(self, cj, pj, sj, cutj, ci, pi, si, cuti, first=False, last=False):
@@ -180,7 +181,8 @@ class PlacedChainSolver(ChainSolver):
 
         A stage sharing a weight syncs it over its ranks and at least ``partners`` more
         (``ChainSolver._partner_count``): at B2 when the stage crosses nodes or a partner sits on
-        another node for sure (``_far``), else at least at B1 (``costmodel.tied_floor_s`` on the flat models of each rate)."""
+        another node for sure (``_far``), else at least at B1 (``costmodel.tied_floor_s`` on the flat
+        models of each rate)."""
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
         far = self._far(first, last, shares, T)
         o = self.opts
@@ -234,8 +236,9 @@ class PlacedChainSolver(ChainSolver):
         branch and bound (``_split_holders``): the pass is rerun with the first holder (else the
         second) held to the count the plan gave it, below it and above it, each range charging the
         other holder its least; T is infeasible when every range is, and the answer stands once a
-        plan's holder counts are the ones charged or it meets T as ``evaluate`` charges it. At most ``TIE_PASSES`` passes per T: past them the
-        first plan is returned (T not proven infeasible, as without the search)."""
+        plan's holder counts are the ones charged or it meets T as ``evaluate`` charges it. At most
+        ``TIE_PASSES`` passes per T: past them the first plan is returned (T not proven infeasible, as
+        without the search)."""
         K = self.opts.devices
         if not self.SPLIT_HOLDERS or self.tie is None:
             return self._needed(T, deadline)
