@@ -120,8 +120,8 @@ class ChainSolver:
         """Fewest replicas the other holders of a stage's tied weights have at T (the module docstring):
         per weight the most its outside users need, then the least over the weights it shares; 1 for
         stages that share none (only those few are worked out). ``floor`` (broadcasts to ``shares``):
-        partners per weight known from elsewhere (``placed.PlacedChainSolver`` fixes the end stages'
-        counts)."""
+        partners per weight known from elsewhere (``placed.PlacedChainSolver`` holds a tied weight's
+        holders to ranges of counts)."""
         if shares is None:
             return 1
         some = np.nonzero(shares.any(axis=-1))

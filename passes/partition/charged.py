@@ -36,7 +36,6 @@ class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHA
 
 
 class ChargedChainSolver(PlacedChainSolver):
-    SPLIT_HOLDERS = False  # its candidate windows assume every count of a stage is open
     """The placed DP for charges that are not one interval per bandwidth: PipeDream's all-reduce (a
     ring inside the fullest node plus one across the n nodes, so it depends on where in its node a
     stage starts) and power-of-two counts (which reach only some offsets).
@@ -51,6 +50,8 @@ class ChargedChainSolver(PlacedChainSolver):
     than the first nor more than the second (``flat_bound``), so every residue's fewest count lies
     there. T infeasible is still a proof; the plan is scored placed by the caller.
     """
+
+    SPLIT_HOLDERS = False  # its candidate windows assume every count of a stage is open
 
     def _stage_intervals(self, stages, T: float) -> _Charged:
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
@@ -72,7 +73,8 @@ class ChargedChainSolver(PlacedChainSolver):
 
     def _tied_charge(self, ch: _Charged, r, one_node):
         """The least sync of a stage's tied weights (``costmodel.tied_floor_s``): fxpipe's ring runs at
-        B2 when the stage crosses nodes or the weight is held at both ends, else at least at B1;
+        B2 when the stage crosses nodes or a partner sits on another node for sure
+        (``PlacedChainSolver._far``), else at least at B1;
         PipeDream's charge over a group is never below the flat one at B1 (``flat_bound``)."""
         o = self.opts
         fast, slow = self.flat

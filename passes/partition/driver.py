@@ -127,7 +127,9 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
 def _uniform_kept(graph: CostGraph, opts: CostOptions, found: PartitionResult, start: float) -> PartitionResult:
     """``found``, or the hand-made uniform PP x DP layout where that is faster (``uniform.py``): a search
     cut short by the time limit still answers at least as well as a person would by hand. The bound
-    is the search's."""
+    is the search's. An OPTIMAL answer is within 0.1 % of its bound, so no layout can matter there."""
+    if found.status == "OPTIMAL":
+        return found
     best = uniform.best_layout(graph, opts)
     if best is None or best[0].bottleneck_s >= found.bottleneck_s * (1 - 1e-12):
         return found
