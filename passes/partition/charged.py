@@ -159,16 +159,9 @@ class ChargedChainSolver(PlacedChainSolver):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
         pair through ``_charged_targets``; returns which pool points still reach past the segment."""
         K = self.opts.devices
-        ids, pc, pp, ps, pcut = pool
-        d = len(seg.compute)
-        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
-        cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
-        n = ids.size
-        ends = np.zeros(d + 1, dtype=bool)
-        ends[d - 1] = seg is self.segs[-1]
-        ch = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
-                                                cc[None], cp[None], cs[None], ccut[None],
-                                                (ids == 0)[:, None], ends[None, :]), T)
+        ids = pool[0]
+        d, n = len(seg.compute), ids.size
+        ch = self._pool_stages(pool, seg, T)
         rows = dev_all[ids]
         val, from_m, reps = (x.reshape(n, d + 1, -1) for x in
                              self._charged_targets(rows, np.repeat(np.arange(n), d + 1), ch, T))
@@ -185,7 +178,7 @@ class ChargedChainSolver(PlacedChainSolver):
         """Stages with both ends in this segment (``PlacedChainSolver._inside``), through
         ``_charged_targets``."""
         j = seg.sub_j
-        ch = self._stage_intervals(self._near_pairs(seg, off), T)
+        ch = self._near_intervals(seg, off, T)
         for pairs, starts, targets in self._levels(seg):
             val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T)
             keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]

@@ -99,7 +99,8 @@ class PlacedChainSolver(ChainSolver):
         self.flat = (flat_bound(opts, fast=True), flat_bound(opts, fast=False))  # every link at B1 / at B2
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
-        self._level_cache: Dict[object, object] = {}
+        self._levels_of: Dict[int, list] = {}  # per segment (``_levels``), shared by equal segments
+        self._narrower: Dict[int, tuple] = {}  # per segment: pairs whose end cuts no more than their start
         self._canon = Canon()  # equal arrays of repeated segments kept once
         self._intervals_at: Tuple[tuple, dict] = ((), {})
         self.far_first_below, self.far_last_below = self._far_below()
@@ -190,8 +191,8 @@ class PlacedChainSolver(ChainSolver):
         lo2, hi2 = intervals(C, params, T, o.bandwidth, o.devices)
         some = np.nonzero(tied > 0)[0]
         if some.size:
-            floor = self._holder_floor(tuple(f[some] for f in flags))
-            q = self._partner_count(shares[some], tuple(f[some] for f in flags), T, floor)
+            held = tuple(f[some] for f in flags)
+            q = self._partner_count(shares[some], held, T, self._holder_floor(held))
             c, p, t, f = C[some], params[some], tied[some], far[some]
             fast, slow = self.flat
             inside = lambda r, k: (stage_time_s(c[k], p[k] - f[k], 0.0, 0.0, r, fast, t[k] - f[k], q[k])  # noqa: E731
@@ -313,20 +314,13 @@ class PlacedChainSolver(ChainSolver):
         that crosses nodes with counts unbounded above reaches every offset from one number on, and
         the least such number over all sources gives the same for a target
         (``offsets.every_offset`` is monotone), so those pairs reduce before the offsets are spread; only
-        stages that fit in a node or are bounded above go through ``_targets`` pair by pair.
+        stages that fit in a node or are bounded above go through ``offsets.targets`` pair by pair.
         """
         K, G = self.opts.devices, self.G
-        ids, pc, pp, ps, pcut = pool
-        d = len(seg.compute)
-        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
-        cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
-        n = ids.size
+        ids = pool[0]
+        d, n = len(seg.compute), ids.size
         s = np.repeat(np.arange(n), d + 1)
-        ends = np.zeros(d + 1, dtype=bool)
-        ends[d - 1] = seg is self.segs[-1]
-        st = self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
-                                                cc[None], cp[None], cs[None], ccut[None],
-                                                (ids == 0)[:, None], ends[None, :]), T)
+        st = self._pool_stages(pool, seg, T)
         rows = dev_all[ids]
         src = Sources(rows, G, K)
         start, start_m = crossing_start(src, s, st.lo2, st.hi2, G, K)
@@ -366,6 +360,19 @@ class PlacedChainSolver(ChainSolver):
         src_b[xs, ms, 1] = got_m
         src_b[xs, ms, 2] = val[xs, ms] - rows[row, got_m]
         return reach
+
+    def _pool_stages(self, pool, seg: Segment, T: float):
+        """``_stage_intervals`` of every stage from a pool point (rows) to a point of ``seg`` or past
+        its end (columns: the segment's points, then its last point with no cut after it), flattened."""
+        ids, pc, pp, ps, pcut = pool
+        d = len(seg.compute)
+        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+        cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
+        ends = np.zeros(d + 1, dtype=bool)
+        ends[d - 1] = seg is self.segs[-1]
+        return self._stage_intervals(self._stages(pc[:, None], pp[:, None], ps[:, None], pcut[:, None],
+                                                  cc[None], cp[None], cs[None], ccut[None],
+                                                  (ids == 0)[:, None], ends[None, :]), T)
 
     def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
         """Stages with both ends in this segment, level by level (``_levels``): every pair once."""
@@ -425,12 +432,11 @@ class PlacedChainSolver(ChainSolver):
         where each target's run starts, the targets). A pair's start is a strict subset of its end, so
         every start sits on a lower level and is final when its level comes: one sweep does what
         repeating all pairs until nothing improves did, touching each pair once."""
-        key = id(seg)
-        if key not in self._level_cache:
+        if id(seg) not in self._levels_of:
             i = seg.sub_i
             size = seg.member.sum(axis=1)[i]
-            same = self._canon.get((seg.sub_j, i, size))
-            if ("levels", id(same)) not in self._level_cache:
+            same = self._canon.get((seg.sub_j, i, size))  # an equal earlier segment's arrays, if any
+            if id(same) not in self._levels_of:
                 order = np.argsort(size, kind="stable")  # within a level the ends stay sorted
                 bounds = np.r_[0, np.nonzero(np.diff(size[order]))[0] + 1, order.size]
                 out = []
@@ -439,9 +445,9 @@ class PlacedChainSolver(ChainSolver):
                     ends = i[pairs]
                     starts = np.r_[0, np.nonzero(np.diff(ends))[0] + 1]
                     out.append((pairs, starts, ends[starts]))
-                self._level_cache["levels", id(same)] = out
-            self._level_cache[key] = self._level_cache["levels", id(same)]
-        return self._level_cache[key]
+                self._levels_of[id(same)] = out
+            self._levels_of[id(seg)] = self._levels_of[id(same)]
+        return self._levels_of[id(seg)]
 
     def _next_pool_placed(self, pool, reach, seg: Segment, off: int, dev, dev_all):
         """Earlier points that may still start a stage: dropped when they can no longer reach, or when a
@@ -449,11 +455,10 @@ class PlacedChainSolver(ChainSolver):
         K = self.opts.devices
         keep = (dev <= K).any(axis=1)
         if seg.sub_j.size:
-            key = ("cut", id(seg))
-            if key not in self._level_cache:  # the pairs whose end cuts no more bytes than their start
+            if id(seg) not in self._narrower:  # the same for every T
                 narrower = np.nonzero(seg.cut[seg.sub_i] <= seg.cut[seg.sub_j])[0]
-                self._level_cache[key] = (seg.sub_j[narrower], seg.sub_i[narrower])
-            j, i = self._level_cache[key]
+                self._narrower[id(seg)] = (seg.sub_j[narrower], seg.sub_i[narrower])
+            j, i = self._narrower[id(seg)]
             beaten = (dev[i] <= dev[j]).all(axis=1)
             keep[j[beaten]] = False
         new = (off + np.nonzero(keep)[0], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])

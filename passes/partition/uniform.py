@@ -1,7 +1,8 @@
 """The uniform layout a person would pick by hand, scored as a candidate plan.
 
-Megatron-style PP x DP: the model's topological order cut into PP pieces of
-about equal compute, each replicated DP = K / PP times. A contiguous run of a
+Megatron-style PP x DP: the graph's topological order (a ``CostGraph`` keeps
+its nodes in one) cut into PP pieces of about equal compute, each replicated
+DP = K / PP times. A contiguous run of a
 topological order is convex (a path between two of its nodes runs through
 nodes ordered between them), so every such layout is a valid plan. Each cut is
 moved, within a small window around its equal-compute point, to where the
@@ -24,30 +25,6 @@ from passes.partition.costmodel import CostOptions, Evaluation, evaluate
 WINDOW = 0.25  # of a stage's share of compute: how far a cut may move to find fewer live bytes
 
 
-def topological_order(graph: CostGraph) -> List[str]:
-    """``graph.nodes`` in an order where every edge points forward (insertion order kept where it
-    already does)."""
-    preds: Dict[str, int] = {n: 0 for n in graph.nodes}
-    succ: Dict[str, List[str]] = {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        preds[v] += 1
-        succ[u].append(v)
-    position = {n: k for k, n in enumerate(graph.nodes)}
-    ready = sorted((n for n, k in preds.items() if k == 0), key=position.__getitem__, reverse=True)
-    out: List[str] = []
-    while ready:
-        n = ready.pop()
-        out.append(n)
-        fresh = []
-        for v in succ[n]:
-            preds[v] -= 1
-            if preds[v] == 0:
-                fresh.append(v)
-        ready.extend(sorted(fresh, key=position.__getitem__, reverse=True))
-        ready.sort(key=position.__getitem__, reverse=True)
-    return out
-
-
 def _live_bytes(graph: CostGraph, order: List[str]) -> np.ndarray:
     """``live[p]``: bytes of values made before position p and read at p or later."""
     at = {n: k for k, n in enumerate(order)}
@@ -64,7 +41,7 @@ def _live_bytes(graph: CostGraph, order: List[str]) -> np.ndarray:
 
 def layouts(graph: CostGraph, opts: CostOptions):
     """Every uniform layout (stage per node, replicas) allowed by ``opts``: PP stages of K / PP replicas."""
-    order = topological_order(graph)
+    order = graph.order()  # a CostGraph keeps its nodes in a topological order
     compute = np.array([graph.nodes[n].compute_s for n in order])
     before = np.concatenate([[0.0], np.cumsum(compute)])  # compute before each position
     total = before[-1]
