@@ -379,14 +379,17 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     is narrower than this ratio (far from the bound a bisection step gains more);
     ``floor``: a bound on the optimum known already (the ladder starts from it);
     ``ceiling``: the time of a plan known already: with it the search tries
-    the first rung of the ladder, then that time, then bisects.
+    the first rung of the ladder (only when the two are within ``probe_within``),
+    then that time, then bisects. The bound itself is never tried: no plan is
+    faster than it, so that pass would only confirm what is known.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
     steps = [T * f for f in ladder]
-    if ceiling < math.inf:  # a bracket known: just above its bound (cheap, often the optimum), then its plan's time
-        steps = [T * f for f in ladder[:1] if T * f < ceiling] + [ceiling]
+    if ceiling < math.inf:  # a bracket: just above its bound when the two are near (often the optimum), then its plan
+        steps = [T * f for f in ladder[:1] if T * f < ceiling and ceiling <= T * probe_within] + [ceiling]
+    T = steps.pop(0) if steps else T * 2  # never the bound (lo) itself: no plan is faster
     try:
         for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)

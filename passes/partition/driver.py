@@ -31,6 +31,7 @@ from passes.partition.result import SolveResult
 from passes.partition import branches, charged, placed, retie, stage_count, uniform
 
 
+RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
@@ -237,12 +238,22 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
     DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
-    rest); the better plan and the higher bound are kept (both are bounds of the placed model)."""
+    rest); the better plan and the higher bound are kept (both are bounds of the placed model). Under
+    ``pow2`` with fxpipe's charges the interval DP for ``any`` runs first (``RELAXED_SHARE`` of the
+    time): its bound holds (every pow2 plan is one of its plans) and replaces the flat bracket's, which
+    on many nodes charges every link at B1 and lies far below."""
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
         return _chain(graph, opts, start, deadline)
-    bracket = _bracketed(graph, opts, start, deadline, plain=True)
+    floor = 0.0
+    if opts.cost_model == "fxpipe" and opts.replication == "pow2":
+        # every pow2 plan is an ``any`` plan charged the same, so the interval DP's bound holds here too,
+        # at a fraction of the charged DP's cost per pass and far above the flat bracket's on many nodes
+        share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
+        relaxed = _chain(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True)
+        floor = relaxed.bound_s if relaxed is not None else 0.0
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = _chain(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
@@ -251,20 +262,25 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
 
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-               plain: bool = False) -> Optional[PartitionResult]:
+               plain: bool = False, floor: float = 0.0) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
-    that scores best placed kept, with the fast model's bound; ``plain``: see ``_chain``."""
-    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline, plain=plain)  # one node: flat at B1
-    if fast is None:
+    that scores best placed kept, with the fast model's bound; ``plain``: see ``_chain``; ``floor``: a
+    bound of the placed model known already."""
+    # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
+    fast = _chain(graph, flat_bound(opts, fast=True), start, deadline, plain=plain) if floor <= 0 else None
+    if fast is None and floor <= 0:
         return None
-    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline, floor=fast.bound_s, plain=plain) \
+    bound = fast.bound_s if fast is not None else floor
+    slow = _chain(graph, flat_bound(opts, fast=False), start, deadline, floor=bound, plain=plain) \
         if opts.gpus_per_node < opts.devices else None
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
+    if not scored:
+        return None
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)
     result = dataclasses.replace(
         best, stages=ev.stages, bottleneck_s=ev.bottleneck_s, objective_s=ev.bottleneck_s,
-        options=opts, bound_s=min(fast.bound_s, ev.bottleneck_s), wall_s=time.monotonic() - start)
+        options=opts, bound_s=min(bound, ev.bottleneck_s), wall_s=time.monotonic() - start)
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
 

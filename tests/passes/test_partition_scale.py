@@ -311,3 +311,32 @@ def test_time_limit_is_hard_on_a_two_level_machine(options):
         assert sum(res.replicas) == 128 and is_convex(g, res.assignment)
         assert res.bound_s <= res.bottleneck_s
     assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("floor_scale,ceiling", [(0.0, None), (1.0, None), (1.0, 1.3)])
+def test_bisection_spends_no_pass_at_its_own_bound(floor_scale, ceiling):
+    """No plan is faster than the bound the search starts from (sum C / K, or a floor known already),
+    so ``chain.solve`` never asks the DP about a T at or below it; the answer is the one it gives
+    when it does."""
+    from passes.partition.chain import ChainSolver, solve, unit_bottleneck
+
+    g = transformer_graph(4, seed=3, tied=False)
+    opts = CostOptions(devices=8)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    asked = []
+
+    class Recording(ChainSolver):
+        def devices_needed(self, T, deadline=float("inf")):
+            asked.append(T)
+            return super().devices_needed(T, deadline)
+
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    ideal = sum(units.compute) / 8
+    plain = solve(units, segs, opts, float("inf"), score)
+    floor = plain.bound * floor_scale * 0.99
+    top = plain.objective * ceiling if ceiling else float("inf")
+    found = solve(units, segs, opts, float("inf"), score, Recording(units, segs, opts), floor=floor, ceiling=top)
+    assert asked and min(asked) > max(ideal, floor)
+    assert found.objective == pytest.approx(plain.objective, rel=1e-3)
+    assert found.bound <= found.objective and found.complete
