@@ -84,7 +84,8 @@ class ChargedChainSolver(PlacedChainSolver):
         return np.where(one_node, inside, tied_floor_s(ch.tied, r, slow, ch.partners))
 
     def _fits(self, ch: _Charged, m, r, T: float):
-        """Whether stages (column arrays) of ``r`` replicas starting at offset ``m`` (a row) meet T.
+        """Whether stages (column arrays) of ``r`` replicas (a column, or one count for all) starting at
+        offset ``m`` (a row) meet T.
 
         Only stages that meet T under the faster flat model but not under the slower one depend on
         where they start (no placement charges less than the first nor more than the second), so
@@ -95,7 +96,7 @@ class ChargedChainSolver(PlacedChainSolver):
         ok = np.broadcast_to(slow, (slow.shape[0], G)).copy()
         torn = np.nonzero((fast & ~slow)[:, 0])[0]
         if torn.size:
-            some, rt = ch.take(torn), r[torn]
+            some, rt = ch.take(torn), (r[torn] if r.shape[0] > 1 else r)
             one = m + rt <= G
             sync = allreduce_span(some.own, m, rt, self.opts) + self._tied_charge(some, rt, one)
             ok[torn] = combine_stage_time(some.C, rt, sync, 0.0) <= T * (1 + EPS)
@@ -132,26 +133,31 @@ class ChargedChainSolver(PlacedChainSolver):
         from_m = np.zeros((n, G), dtype=np.int64)
         reps = np.zeros((n, G), dtype=np.int64)
         cols, inside, exact = self._candidates(ch)
+        same = self.opts.replication == "pow2"  # one count per column: every pair shifts offsets alike
         m = np.arange(G)[None, :]
         dev = rows[s]
         for w in range(cols.shape[1]):
             live = np.nonzero(inside[:, w])[0]
             if not live.size:
                 continue
-            live = live[dev[live].min(axis=1) + cols[live, w] <= K]
+            here = dev[live]
+            keep = here.min(axis=1) + cols[live, w] <= K
+            live, here = live[keep], here[keep]
             if not live.size:
                 continue
-            r = cols[live, w][:, None]
+            r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
             some = ch.take(live[:, None])
             fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
-            ok = fits & (dev[live] + r <= K)
-            tot = np.where(ok, dev[live] + r, K + 1)
-            end = (m + r) % G
-            got = np.full((live.size, G), K + 1, dtype=np.int64)
-            np.put_along_axis(got, end, tot, axis=1)
-            better = got < val[live]
-            val[live] = np.where(better, got, val[live])
-            from_m[live] = np.where(better, (m - r) % G, from_m[live])
+            tot = np.where(fits, here + r, K + 1)
+            tot[tot > K] = K + 1
+            src = (m - r) % G  # the start offset of a stage of r replicas that ends at each offset
+            got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
+            cur = val[live]
+            better = got < cur
+            if not better.any():
+                continue
+            val[live] = np.where(better, got, cur)
+            from_m[live] = np.where(better, src, from_m[live])
             reps[live] = np.where(better, r, reps[live])
         return val, from_m, reps
 
