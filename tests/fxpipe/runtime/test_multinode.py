@@ -77,3 +77,15 @@ def test_two_nodes_train_like_one(tmp_path: Path) -> None:
     for k in one:
         assert torch.equal(one[k], two[k]), k  # same ranks, data, order of reductions: bit for bit
     assert any(not torch.equal(one[k], v) for k, v in ns["model"].state_dict().items())  # it trained
+
+
+def test_worker_process_keeps_its_status_and_output_when_it_skips_teardown(tmp_path: Path) -> None:
+    """The worker ends its process without the interpreter's teardown (``worker._exit``: a gloo rank
+    once aborted there after a finished run); what it printed and its status still reach the caller."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), RANK="0", WORLD_SIZE="1")
+    usage = subprocess.run([sys.executable, "-m", "fxpipe.runtime.worker"], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert usage.returncode == 2 and "usage: torchrun" in usage.stderr
+    missing = subprocess.run([sys.executable, "-m", "fxpipe.runtime.worker", str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert missing.returncode == 1 and "cannot read" in missing.stderr and "run.json" in missing.stderr
