@@ -27,7 +27,7 @@ from typing import Any
 
 _HOME = {
     "CostOptions": "costmodel", "Evaluation": "costmodel", "StagePlan": "costmodel", "data_parallel": "costmodel",
-    "evaluate": "costmodel", "InfeasibleError": "driver", "PartitionResult": "driver",
+    "evaluate": "costmodel", "InfeasibleError": "result", "PartitionResult": "result",
     "apply_assignment": "driver", "is_convex": "driver", "partition": "driver", "stderr_progress": "driver",
 }
 __all__ = list(_HOME)

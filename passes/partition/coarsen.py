@@ -238,3 +238,16 @@ class _Merger:
                 heapq.heappush(heap, (self.cost[x] + self.cost[a], x, a))
             for x in self.succ[a]:
                 heapq.heappush(heap, (self.cost[a] + self.cost[x], a, x))
+
+
+def to_nodes(graph: CostGraph, units: Units, stage_of: List[int]) -> Dict[str, int]:
+    """Unit stages back to nodes; nodes the solver did not see (fxpipe inputs) join their first consumer."""
+    assignment = {n: stage_of[i] for i, names in enumerate(units.members) for n in names}
+    succ = graph.successors()
+    for name in reversed(list(graph.nodes)):
+        if name not in assignment:
+            stages = [assignment[v] for v in succ[name] if v in assignment]
+            assignment[name] = min(stages, default=0)
+    used = sorted(set(stage_of))
+    renumber = {s: i for i, s in enumerate(used)}
+    return {n: renumber.get(s, 0) for n, s in assignment.items()}

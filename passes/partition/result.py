@@ -4,7 +4,12 @@ costs most of a second of start-up (it loads pandas)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+from passes.errors import FxpipeError
+from passes.partition.costmodel import CostOptions, StagePlan
+
+OPTIMAL_GAP = 1e-3  # the segment DP calls a plan optimal within 0.1 % of its proven bound, as CP-SAT's scaling does
 
 
 @dataclass
@@ -16,3 +21,38 @@ class SolveResult:
     bound: float  # proven lower bound, same unit, rounding margin removed
     wall_s: float
     progress: List[tuple] = field(default_factory=list)  # (wall_s, objective) per improving solution
+
+
+class InfeasibleError(FxpipeError):
+    """No plan satisfies the request; the message says what would fit."""
+
+
+@dataclass
+class PartitionResult:
+    assignment: Dict[str, int]
+    replicas: List[int]
+    stages: List[StagePlan]
+    bottleneck_s: float
+    options: CostOptions
+    status: str  # OPTIMAL, FEASIBLE (time limit), or HEURISTIC (no solver answer)
+    objective_s: float
+    bound_s: float
+    wall_s: float
+    units: int  # what the solver saw after coarsening
+    heuristic_s: Optional[float] = None  # the warm start's bottleneck
+    trace: List[tuple] = field(default_factory=list)
+    method: str = "CP-SAT"  # or "segment DP" (segments.py, chain.py) or "downset DP" (downsets.py)
+    hierarchical: Optional[Dict[str, object]] = None  # PipeDream's level-by-level answer (pipedream model, G set)
+
+    @property
+    def gap(self) -> float:
+        return max(0.0, (self.bottleneck_s - self.bound_s) / self.bottleneck_s) if self.bottleneck_s > 0 else 0.0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    def solver_stats(self) -> Dict[str, object]:
+        return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
+                "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s,
+                "method": self.method, **({"pipedream_hierarchical": self.hierarchical} if self.hierarchical else {})}

@@ -18,7 +18,7 @@ import pytest
 
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition
-from passes.partition import branches, driver
+from passes.partition import branches, segment_plan
 from tests.passes.test_partition import B, BAR, brute_force
 
 GPT2 = Path(__file__).parent / "data" / "hf_gpt2_12_layers.json"
@@ -54,14 +54,14 @@ def test_branch_plan_and_bound_bracket_brute_force(model, seed, K):
     cones = branches.input_only_cones(g, opts)
     assert cones == [("mask", ["m1", "m2", "m3", "mask"])]
     best = brute_force(g, K, model, opts.allowed_replicas())
-    units, found, margin = driver._segment_dp(branches.relaxed(g, cones), opts, math.inf)
+    units, found, margin = segment_plan.segment_dp(branches.relaxed(g, cones), opts, math.inf)
     assert found.bound - margin <= best * (1 + 1e-9)  # a lower bound of the real graph
     # with the branch's compute counted in the devices of every prefix that needs it: still one, and no
     # lower (but for where each bisection stops, chain.TOLERANCE)
-    _, counted, margin2 = driver._segment_dp(branches.relaxed(g, cones), opts, math.inf,
+    _, counted, margin2 = segment_plan.segment_dp(branches.relaxed(g, cones), opts, math.inf,
                                              hidden=lambda u: branches.hidden_compute(g, u, cones))
     assert (found.bound - margin) * (1 - 3e-4) <= counted.bound - margin2 <= best * (1 + 1e-9)
-    (assignment, replicas), *_ = driver._searched(g, opts, math.inf, cones)
+    (assignment, replicas), *_ = segment_plan.searched(g, opts, math.inf, cones)
     assert is_convex(g, assignment) and sum(replicas) == K
     assert len({assignment[n] for n in ("m1", "m2", "m3", "mask")}) == 1  # the branch moves as one
     assert evaluate(g, assignment, replicas, opts).bottleneck_s >= best * (1 - 1e-9)

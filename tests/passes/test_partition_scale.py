@@ -14,7 +14,7 @@ from passes.partition import CostOptions, evaluate, is_convex, partition
 from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.costmodel import min_replicas, stage_time_s, tied_weights
 from passes.partition.downsets import downset_dp
-from passes.partition.driver import InfeasibleError
+from passes.partition.result import InfeasibleError
 from passes.partition.segments import build_segments, folded_units, separators
 from tests.passes.test_partition import B, BAR, brute_force, random_dag, reference_cost
 from tests.profiles import PROFILES

@@ -16,7 +16,7 @@ import pytest
 
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition
-from passes.partition.driver import _chain
+from passes.partition.segment_plan import chain_plan
 
 GPT2 = Path(__file__).parent / "data" / "hf_gpt2_12_layers.json"
 
@@ -62,7 +62,7 @@ def every_plan(g: CostGraph, opts: CostOptions) -> float:
 
 
 def _check(g: CostGraph, opts: CostOptions, closes: bool) -> None:
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     best = every_plan(g, opts)
     assert res is not None and is_convex(g, res.assignment) and sum(res.replicas) == opts.devices
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)

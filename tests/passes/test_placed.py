@@ -15,7 +15,7 @@ from passes.costgraph import CostGraph
 from passes.partition import CostOptions, evaluate, partition
 from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.downsets import downset_dp
-from passes.partition.driver import _chain
+from passes.partition.segment_plan import chain_plan
 from passes.partition.chain import unit_bottleneck
 from passes.partition.charged import ChargedChainSolver, solver_for
 from passes.partition.placed import PlacedChainSolver, supports
@@ -59,7 +59,7 @@ def test_bound_never_above_the_optimum_and_plan_scored_placed(seed, K, G):
     g = random_dag(9, seed) if seed % 2 else _chain_graph(8, seed)
     opts = _opts(K, G)
     assert supports(opts)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res is not None and res.method == "segment DP"
     best = _exact(g, opts)
     assert res.bound_s <= best * (1 + 1e-9)
@@ -73,7 +73,7 @@ def test_optimal_where_cuts_do_not_limit(seed, K, G):
     """Activations 1000x smaller: cuts never bind, the DP's placed all-reduce charges are exact."""
     g = _light_cuts(random_dag(9, seed) if seed % 2 else _chain_graph(8, seed), 1e-3)
     opts = _opts(K, G)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     best = _exact(g, opts)
     assert res.bottleneck_s == pytest.approx(best, rel=1e-3)
     assert res.bound_s <= best * (1 + 1e-9)
@@ -86,15 +86,15 @@ def test_heavy_cuts_bound_still_below_the_optimum(seed):
     g = _light_cuts(random_dag(10, seed + 20), 5.0)
     for K, G in ((8, 4), (8, 8), (6, 2)):
         opts = _opts(K, G)
-        res = _chain(g, opts, time.monotonic(), math.inf)
+        res = chain_plan(g, opts, time.monotonic(), math.inf)
         best = _exact(g, opts)
         assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
 
 
 def test_one_node_is_the_flat_model_at_the_intra_bandwidth():
     g = random_dag(10, 4)
-    placed = _chain(g, _opts(8, 8), time.monotonic(), math.inf)
-    flat = _chain(g, CostOptions(devices=8, bandwidth=B1), time.monotonic(), math.inf)
+    placed = chain_plan(g, _opts(8, 8), time.monotonic(), math.inf)
+    flat = chain_plan(g, CostOptions(devices=8, bandwidth=B1), time.monotonic(), math.inf)
     assert placed.bottleneck_s == pytest.approx(flat.bottleneck_s, rel=1e-3)
     assert placed.bound_s <= flat.bottleneck_s * (1 + 1e-9)
 
@@ -102,7 +102,7 @@ def test_one_node_is_the_flat_model_at_the_intra_bandwidth():
 def test_fewer_devices_may_end_inside_a_node():
     g = _light_cuts(_chain_graph(8, 3), 1e-3)
     opts = _opts(8, 4, fewer_devices=True)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res.bottleneck_s == pytest.approx(_exact(g, opts), rel=1e-3)
 
 
@@ -156,7 +156,7 @@ def test_charged_dp_bound_below_the_optimum_and_plan_scored_placed(model, replic
     exact placed downset DP: the bound never above the optimum, the plan scored as evaluate scores it."""
     g = random_dag(9, seed) if seed % 2 else _chain_graph(8, seed)
     opts = _opts(K, G, cost_model=model, replication=replication)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert isinstance(solver_for(*_units_and_segments(g, opts), opts), ChargedChainSolver)
     best = _exact(g, opts)
     assert res is not None and res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
@@ -172,7 +172,7 @@ def test_charged_dp_optimal_where_cuts_do_not_limit(model, replication, seed, K,
     """Cuts 1000x lighter: every all-reduce is charged where it runs, so the plan is the optimum."""
     g = _light_cuts(random_dag(9, seed) if seed % 2 else _chain_graph(8, seed), 1e-3)
     opts = _opts(K, G, cost_model=model, replication=replication)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     best = _exact(g, opts)
     assert res.bottleneck_s == pytest.approx(best, rel=1e-3)
     assert res.bound_s <= best * (1 + 1e-9)
@@ -206,7 +206,7 @@ def test_charged_tied_first_and_last_bound_below_brute_force(model, replication,
 
     g = _light_cuts(_tied_chain(seed, 10**8), 1e-3)
     opts = _opts(4, 2, cost_model=model, replication=replication)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     best = _brute_force(g, opts)
     assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
 
@@ -223,7 +223,7 @@ def test_tied_weights_scored_as_evaluate_scores_them(K, G):
     charges (chain.unit_bottleneck), and the bound stays below the plan evaluate scores."""
     g = transformer_graph(6, seed=4, tied=True, dim=256)
     opts = _opts(K, G)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     units, _ = folded_units(g, opts)
     stage_of = [res.assignment[names[0]] for names in units.members]
     assert unit_bottleneck(units, stage_of, res.replicas, opts) == pytest.approx(res.bottleneck_s, rel=1e-9)
@@ -249,7 +249,7 @@ def test_tied_first_and_last_bound_below_brute_force(seed, tied_bytes):
 
     g = _light_cuts(_tied_chain(seed, tied_bytes), 1e-3)
     opts = _opts(4, 2)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     best = _brute_force(g, opts)
     assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
 
@@ -264,12 +264,12 @@ def test_tied_holder_counts_searched_until_the_bound_meets_the_plan(seed, monkey
     g = _light_cuts(_tied_chain(seed, 10**8), 1e-3)
     opts = _opts(6, 2)
     best = _brute_force(g, opts)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res.status == "OPTIMAL"
     assert best * (1 - 1e-3) <= res.bound_s <= best * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(best, rel=1e-9)
     monkeypatch.setattr(PlacedChainSolver, "SPLIT_HOLDERS", False)
-    assert _chain(g, opts, time.monotonic(), math.inf).bound_s < best * 0.97
+    assert chain_plan(g, opts, time.monotonic(), math.inf).bound_s < best * 0.97
 
 
 @pytest.mark.parametrize("K,G", [(4, 2), (6, 2), (8, 4)])
@@ -284,10 +284,10 @@ def test_tied_weight_known_to_cross_nodes_from_the_compute_alone(K, G, seed, mon
     g = _light_cuts(_tied_chain(seed, 10**8, ("n2", "n5")), 1e-3)  # the first stage need not hold it
     opts = _opts(K, G)
     best = _brute_force(g, opts)
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
     monkeypatch.setattr(PlacedChainSolver, "_far_below", lambda self: (np.zeros(1), np.zeros(1)))
-    blind = _chain(g, opts, time.monotonic(), math.inf)
+    blind = chain_plan(g, opts, time.monotonic(), math.inf)
     assert blind.bound_s < res.bound_s * 0.95
 
 
@@ -301,8 +301,8 @@ def test_charged_dp_started_from_the_bracket_keeps_its_answer(model, replication
     from passes.partition.driver import _bracketed
 
     bracket = _bracketed(g, opts, time.monotonic(), math.inf, plain=True)
-    started = _chain(g, opts, time.monotonic(), math.inf, bracket.bound_s, bracket.bottleneck_s)
-    alone = _chain(g, opts, time.monotonic(), math.inf)
+    started = chain_plan(g, opts, time.monotonic(), math.inf, bracket.bound_s, bracket.bottleneck_s)
+    alone = chain_plan(g, opts, time.monotonic(), math.inf)
     best = _exact(g, opts)
     assert started.bottleneck_s == pytest.approx(alone.bottleneck_s, rel=2e-3)
     assert started.bound_s <= best * (1 + 1e-9) <= started.bottleneck_s * (1 + 2e-9)
@@ -321,7 +321,7 @@ def test_pow2_floored_by_the_any_dp_when_the_charged_dp_is_cut_off(monkeypatch):
     assert proven.status == "OPTIMAL"
     monkeypatch.setattr(driver, "CHARGED_SHARE", 0.0)
     res = driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
-    relaxed = _chain(g, dataclasses.replace(opts, replication="any"), time.monotonic(), math.inf)
+    relaxed = chain_plan(g, dataclasses.replace(opts, replication="any"), time.monotonic(), math.inf)
     bracket = driver._bracketed(g, opts, time.monotonic(), math.inf, plain=True)
     assert res.bound_s >= relaxed.bound_s * (1 - 1e-3) and res.bound_s > bracket.bound_s * 1.005
     assert res.bound_s <= proven.bottleneck_s * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from passes.partition import CostOptions, evaluate, is_convex, partition
-from passes.partition.driver import _chain
+from passes.partition.segment_plan import chain_plan
 from tests.passes.test_partition import B, BAR, brute_force, random_dag, reference_cost
 from tests.passes.test_partition_scale import transformer_graph
 
@@ -19,7 +19,7 @@ from tests.passes.test_partition_scale import transformer_graph
 def test_exactly_k_stages_matches_brute_force(model, seed, n, K):
     g = random_dag(n, seed, output=seed % 2 == 1)
     opts = CostOptions(devices=K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, replication="none")
-    res = _chain(g, opts, time.monotonic(), math.inf)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res is not None and res.method == "segment DP"
     best = brute_force(g, K, model, [1])
     assert res.replicas == [1] * K and is_convex(g, res.assignment)

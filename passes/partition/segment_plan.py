@@ -1,0 +1,196 @@
+"""The segment DP as the partitioner runs it: on the folded units of a graph, with the attention-mask
+branches (``branches.py``) planned as one block and bounded on the graph where they are free, the
+loose ends (nodes nobody reads) placed where they slow a stage least, a tied weight's real sync
+re-searched (``retie.py``), and every plan scored on the graph's own nodes (``costmodel.evaluate``).
+
+``chain_plan`` is the entry point (``driver.partition`` and the two-level paths call it); the rest
+are its steps, kept here so the driver holds only the order in which solvers run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from passes.costgraph import CostGraph
+from passes.partition import branches, charged, placed, retie, stage_count
+from passes.partition.chain import solve as chain_solve, unit_bottleneck
+from passes.partition.coarsen import Units, model_nodes, to_nodes
+from passes.partition.costmodel import CostOptions, evaluate, tied_weights
+from passes.partition.result import OPTIMAL_GAP, PartitionResult
+from passes.partition.segments import build_segments, fold_margin, folded_units
+
+
+def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
+           ceiling: float = math.inf, plain: bool = False) -> Optional[PartitionResult]:
+    """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
+
+    Not used with a memory limit (not modelled there). Replication ``none`` on
+    exactly K devices counts stages instead of devices (``stage_count.py``).
+    Nearly free nodes fold into their producers first
+    (``segments.folded_units``); the bound is lowered by what that can cost.
+    Where a segment is too large because of a branch computed from the inputs
+    alone (an attention mask), the plan comes from the graph with that branch
+    as one node and the bound from the graph with it free, its compute still
+    counted in the devices of every prefix that must run it (``branches.py``).
+    Every candidate plan is scored on ``graph``; a tied weight's real sync
+    gets its plans re-searched (``retie.py``). ``floor``, ``ceiling``: a bound
+    on the optimum and a plan's time known already (``chain.solve``); ``plain``: no second
+    search for plans that pay for dead nodes or a mask (``_bracketed`` before
+    the charged DP, where time is short).
+    """
+    if opts.memory is not None:
+        return None
+    cones: List[branches.Cone] = []
+    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling)
+    if found is None and opts.replication != "none" and opts.gpus_per_node is None:
+        cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
+        found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
+    if found is None:
+        return None
+    plan, solution, margin, size = found
+    plans, bound = [plan], solution.bound - margin
+    if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
+        bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
+        lower = relaxation(graph, opts, deadline, cones)
+        if lower is not None:
+            plans.append(lower[0])
+            plain = searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            plans += [plain[0]] if plain else []
+            bound = lower[1]
+    ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
+    scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
+    if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
+        # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
+        # attention mask folded away like an input, whose bytes then cross every boundary unseen)
+        masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
+        for again in (searched(graph, opts, deadline, c, keep_dead=True) for c in [[]] + ([masks] if masks else [])):
+            scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+        # the folding above placed those branches like model inputs, so the bound forgot their compute:
+        # the relaxation that counts it in every prefix that must run it bounds the same plans higher
+        lower = relaxation(graph, opts, deadline, masks) if masks else None
+        if lower is not None:
+            scored.append((evaluate(graph, *lower[0], opts), *lower[0]))
+            bound = max(bound, lower[1])
+    loose = loose_groups(graph, opts)
+    scored = [(*loose_ends(graph, loose, a, reps, e, opts), reps) for e, a, reps in scored]
+    ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
+    bound = max(bound, ideal)
+    if opts.gpus_per_node is None and tied_weights(graph, assignment):
+        better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
+                                 lambda heavier: (searched(heavier, opts, deadline, cones, True) or [None])[0],
+                                 bound * (1 + OPTIMAL_GAP), deadline)
+        if better is not None:
+            (assignment, replicas), ev = better
+    result = PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                             bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
+                             objective_s=solution.objective, bound_s=min(bound, ev.bottleneck_s),
+                             wall_s=time.monotonic() - start, units=size, method="segment DP")
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
+    return result
+
+
+def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]):
+    """(plan, bound) from the segment DP on the graph with every cone node but its exit free, the cones'
+    compute still counted in the devices of each prefix that must run it (``branches.py``); None if cut
+    off by the deadline. Any plan of ``graph`` is a plan there and no slower, so the bound holds."""
+    lower = segment_dp(branches.relaxed(graph, cones), opts, deadline,
+                        hidden=lambda units: branches.hidden_compute(graph, units, cones))
+    if lower is None:
+        return None
+    units, found, margin = lower
+    return (to_nodes(graph, units, found.stage_of), found.replicas), found.bound - margin
+
+
+def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
+    """Weightless nodes computed from model inputs alone whose results nobody uses (export's guard
+    checks, an unused arange), each mapped to the first node of its connected group, and each
+    group's compute; none on a two-level machine, whose placed plans ``loose_ends`` leaves alone."""
+    if opts.gpus_per_node is not None:
+        return {}, {}
+    succ, pred = graph.successors(), {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        pred[v].append(u)
+    names = model_nodes(graph, opts)
+    dead: set = set()
+    for n in reversed(names):
+        node = graph.nodes[n]
+        if node.op != "output" and not node.params and node.param_bytes == 0 and not node.is_input \
+                and all(v in dead for v in succ[n]):
+            dead.add(n)
+    loose: Dict[str, str] = {}  # node -> the first node of its group
+    for n in names:
+        if n in dead and all(graph.nodes[p].is_input or p in loose for p in pred[n]):
+            roots = {loose[p] for p in pred[n] if p in loose}
+            loose[n] = min(roots, key=names.index) if roots else n
+            for other, root in loose.items():
+                if root in roots:
+                    loose[other] = loose[n]
+    groups: Dict[str, float] = {}
+    for n, root in loose.items():
+        groups[root] = groups.get(root, 0.0) + graph.nodes[n].compute_s
+    return loose, groups
+
+
+def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]], assignment: Dict[str, int],
+                replicas: List[int], ev, opts: CostOptions):
+    """The loose groups of ``loose_groups`` where they slow a stage least: the DP leaves them out
+    (``folded_units``), and any stage may run them."""
+    loose, groups = found
+    if not any(groups.values()):
+        return ev, assignment
+    times = [s.time_s for s in ev.stages]  # taken out where they were; each group adds compute / r
+    for n in loose:
+        times[assignment[n]] -= graph.nodes[n].compute_s / ev.stages[assignment[n]].replicas
+    moved, where = dict(assignment), {}
+    for root in sorted(groups, key=lambda r: -groups[r]):
+        where[root] = min(range(len(times)), key=lambda s: times[s] + groups[root] / replicas[s])
+        times[where[root]] += groups[root] / replicas[where[root]]
+    moved.update({n: where[root] for n, root in loose.items()})
+    again = evaluate(graph, moved, replicas, opts)
+    return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
+
+
+def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+              keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf):
+    """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
+    ``graph`` with each cone as one node (``branches.contracted``), or None."""
+    merged = branches.contracted(graph, cones) if cones else graph
+    solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling)
+    if solved is None:
+        return None
+    units, found, margin = solved
+    assignment = branches.expand(to_nodes(merged, units, found.stage_of), cones)
+    return (assignment, found.replicas), found, margin, len(units)
+
+
+def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
+                hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None, floor: float = 0.0,
+                ceiling: float = math.inf):
+    """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
+    once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
+    if time.monotonic() > deadline:
+        return None
+    ideal = graph.total_compute_s() / opts.devices
+    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
+                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
+                                 keep_dead=keep_dead)
+    if hidden is not None:
+        units.hidden = hidden(units)
+    segs = build_segments(units, deadline=deadline)
+    if segs is None:
+        return None
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    if opts.replication == "none" and not opts.fewer_devices:
+        if not stage_count.applies(opts, units):
+            return None
+        found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts))
+    elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
+        found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
+                            placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling)
+    else:
+        found = chain_solve(units, segs, opts, deadline, score, floor=floor)
+    if found is None:
+        return None
+    return units, found, fold_margin(units, folded)
