@@ -250,7 +250,9 @@ def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -
     return proc.returncode
 
 
-_EXITED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_EXITED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")  # the first exit torchrun saw
+_LISTED = re.compile(r"local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")  # its table of every failed rank
+_STOPPED = -15  # SIGTERM: how torchrun stops the others after a failure, so named only when nothing else is
 
 
 def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> LaunchError:
@@ -273,14 +275,18 @@ def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> Lau
 
 
 def _silent_exit(log: str, reported: set) -> str:
-    """The first worker torchrun saw fail that wrote no error line (single node: local rank = rank)."""
+    """The first worker torchrun saw fail that wrote no error line (single node: local rank = rank): from
+    its "failed (exitcode ...)" line or, when that names a rank that reported, its table of failures,
+    a rank stopped by SIGTERM (torchrun stopping the others) named last."""
     if not os.path.exists(log):
         return ""
     with open(log, errors="replace") as f:
-        for m in _EXITED.finditer(f.read()):
-            if int(m.group(2)) not in reported:
-                return (f"rank {m.group(2)} exited with code {m.group(1)} without an error line "
-                        "(killed? out of memory?)")
+        text = f.read()
+    exits = [(int(m.group(2)), int(m.group(1))) for m in _EXITED.finditer(text)]
+    exits += [(int(m.group(1)), int(m.group(2))) for m in _LISTED.finditer(text)]
+    for rank, code in sorted(exits, key=lambda e: e[1] == _STOPPED):  # stable: torchrun's order otherwise
+        if rank not in reported:
+            return f"rank {rank} exited with code {code} without an error line (killed? out of memory?)"
     return ""
 
 

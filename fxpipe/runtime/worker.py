@@ -157,17 +157,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _exit(code: int) -> None:
-    """Leave without the interpreter's teardown once the run is over and the groups are destroyed.
+    """After a finished run, leave without the interpreter's teardown.
 
     Rarely (about one run in 25 here, never reproduced on purpose), a gloo rank that had
     trained, reported and destroyed its process groups died in that teardown with
     "terminate called without an active exception" (SIGABRT: a C++ thread object destroyed while
     still joinable), and ``fxpipe train`` then called a finished run failed. Everything this worker
     writes is closed before ``main`` returns, so it flushes Python's streams and ends the process
-    at once with ``main``'s status."""
+    at once. A failed rank exits the usual way: its peers' exits then reach torchrun in the order
+    the parent's report expects (the rank that died first is named), and the run failed anyway."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code == 0:
+        os._exit(0)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

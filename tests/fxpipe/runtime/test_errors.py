@@ -222,3 +222,33 @@ def test_root_cause_is_the_first_failure_that_did_not_just_lose_a_peer(tmp_path:
     assert failure.root_cause(records)["rank"] == 1
     failure.clear(str(tmp_path))
     assert failure.root_cause(failure.read(str(tmp_path))) is None
+
+
+def test_silent_rank_found_in_torchrun_failure_table(tmp_path: Path) -> None:
+    """torchrun's one-line report may name a rank that did report (it left first, losing its peer);
+    the rank that died without a word is then found in torchrun's failure table, and a rank torchrun
+    stopped with SIGTERM is not named while another one is there."""
+    from fxpipe.runtime.launch import _silent_exit
+
+    log = tmp_path / "workers.log"
+    log.write_text(textwrap.dedent("""\
+        E1125 api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 11) of binary: python
+        Failures:
+        [1]:
+          time      : 2026-11-25_20:00:00
+          host      : localhost
+          rank      : 2 (local_rank: 2)
+          exitcode  : -15 (pid: 13)  (SIGTERM)
+        [2]:
+          time      : 2026-11-25_20:00:00
+          host      : localhost
+          rank      : 1 (local_rank: 1)
+          exitcode  : 9 (pid: 12)
+        Root Cause (first observed failure):
+        [0]:
+          rank      : 0 (local_rank: 0)
+          exitcode  : 1 (pid: 11)
+        """))
+    assert _silent_exit(str(log), {0}).startswith("rank 1 exited with code 9 without an error line")
+    assert _silent_exit(str(log), {0, 1}).startswith("rank 2 exited with code -15")
+    assert _silent_exit(str(log), {0, 1, 2}) == ""

@@ -79,9 +79,10 @@ def test_two_nodes_train_like_one(tmp_path: Path) -> None:
     assert any(not torch.equal(one[k], v) for k, v in ns["model"].state_dict().items())  # it trained
 
 
-def test_worker_process_keeps_its_status_and_output_when_it_skips_teardown(tmp_path: Path) -> None:
-    """The worker ends its process without the interpreter's teardown (``worker._exit``: a gloo rank
-    once aborted there after a finished run); what it printed and its status still reach the caller."""
+def test_worker_process_status_and_line_reach_the_caller(tmp_path: Path) -> None:
+    """A finished worker leaves without the interpreter's teardown (``worker._exit``; the run above
+    checks its status 0 and its output under torchrun); a failing one exits the usual way, with its
+    usage or error line on stderr and status 2 or 1."""
     env = dict(os.environ, PYTHONPATH=os.getcwd(), RANK="0", WORLD_SIZE="1")
     usage = subprocess.run([sys.executable, "-m", "fxpipe.runtime.worker"], capture_output=True, text=True,
                            env=env, timeout=120)
