@@ -54,9 +54,9 @@ class DeadlineExceeded(Exception):
 
 @dataclass
 class ChainSolution:
-    stage_of: List[int]  # per unit
-    replicas: List[int]
-    objective: float  # the plan's bottleneck on the units
+    stage_of: Optional[List[int]]  # per unit; None: a bound and no plan (``solve``'s ``ceiling``)
+    replicas: Optional[List[int]]
+    objective: float  # the plan's bottleneck on the units (inf without a plan)
     bound: float  # proven: no plan on these units is faster
     complete: bool  # the bisection closed (bound within ``TOLERANCE`` (0.03 %) of the plan)
 
@@ -378,20 +378,26 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     ``probe_within``: check just below a plan's own time only while the bracket
     is narrower than this ratio (far from the bound a bisection step gains more);
     ``floor``: a bound on the optimum known already (the ladder starts from it);
-    ``ceiling``: the time of a plan known already: with it the search tries
-    the first rung of the ladder (only when the two are within ``probe_within``),
-    then that time, then bisects. The bound itself is never tried: no plan is
-    faster than it, so that pass would only confirm what is known.
+    ``ceiling``: the time of a plan known already (the caller keeps that plan):
+    when the bound is within ``probe_within`` of it the search tries the first
+    rung of the ladder, then that time, then bisects; further apart it bisects
+    between the two at once, since a pass there either raises the bound or
+    finds a faster plan, where one at the ceiling could only do the second.
+    With a ceiling the answer may then hold a bound and no plan
+    (``stage_of`` None) when no pass found one faster. The bound itself is
+    never tried: no plan is faster than it, so that pass would only confirm
+    what is known.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
     T, best, hi = max(lo, 1e-12), None, math.inf
     steps = [T * f for f in ladder]
+    wide = ceiling < math.inf and ceiling > T * probe_within
     if ceiling < math.inf:  # a bracket: just above its bound when the two are near (often the optimum), then its plan
-        steps = [T * f for f in ladder[:1] if T * f < ceiling and ceiling <= T * probe_within] + [ceiling]
+        steps = [T * f for f in ladder[:1] if T * f < ceiling and not wide] + [ceiling]
     T = steps.pop(0) if steps else T * 2  # never the bound (lo) itself: no plan is faster
     try:
-        for _ in range(64):  # find a plan: up the ladder, then double T, from sum C / K
+        for _ in range(0 if wide else 64):  # find a plan: up the ladder, then double T, from sum C / K
             found = _attempt(solver, units, opts, T, score, deadline)
             if found is _INFEASIBLE:
                 lo = T
@@ -399,9 +405,12 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 best, hi = found, found.objective
                 break
             T = steps.pop(0) if steps else T * 2
-        if best is None:
+        if wide:
+            hi = ceiling
+        elif best is None:
             return None
-        probe = best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # no slack: bisect at once
+        # no slack: bisect at once
+        probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within
         while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)
@@ -415,10 +424,13 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             elif found is _UNPADDED:
                 hi = T
             else:  # on a two-level machine a plan may score above T (``placed.py`` charges cuts at their cheapest)
-                best, hi = min(best, found, key=lambda f: f.objective), min(found.objective, T)
+                best = found if best is None else min(best, found, key=lambda f: f.objective)
+                hi = min(found.objective, T)
     except DeadlineExceeded:
-        if best is None:
+        if best is None and ceiling == math.inf:
             return None
+    if best is None:  # only with a ceiling: the bound the passes proved, the caller's plan stands
+        return ChainSolution(None, None, math.inf, min(lo, ceiling), False)
     bound = min(lo, best.objective)
     return ChainSolution(*best, bound, best.objective <= bound * (1 + tolerance))
 

@@ -222,7 +222,12 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
-                   *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
+                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
+    if exact is not None and not exact.replicas:  # no faster plan than the bracket's, but maybe a higher bound
+        if bracket is not None and exact.bound_s > bracket.bound_s:
+            bracket.bound_s = min(exact.bound_s, bracket.bottleneck_s)
+            bracket.status = "OPTIMAL" if bracket.gap <= OPTIMAL_GAP else "FEASIBLE"
+        return bracket
     return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
 
 

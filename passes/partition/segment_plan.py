@@ -49,6 +49,10 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     if found is None:
         return None
     plan, solution, margin, size = found
+    if plan is None:  # ``ceiling``: no plan faster than the caller's within the time, only a bound
+        return PartitionResult(assignment={}, replicas=[], stages=[], bottleneck_s=math.inf, options=opts,
+                               status="BOUND", objective_s=math.inf, bound_s=max(0.0, solution.bound - margin),
+                               wall_s=time.monotonic() - start, units=size, method="segment DP")
     plans, bound = [plan], solution.bound - margin
     if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
@@ -160,6 +164,8 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
     if solved is None:
         return None
     units, found, margin = solved
+    if found.stage_of is None:  # a bound and no plan (the caller's ``ceiling`` plan stands)
+        return None, found, margin, len(units)
     assignment = branches.expand(to_nodes(merged, units, found.stage_of), cones)
     return (assignment, found.replicas), found, margin, len(units)
 

@@ -340,3 +340,22 @@ def test_bisection_spends_no_pass_at_its_own_bound(floor_scale, ceiling):
     assert asked and min(asked) > max(ideal, floor)
     assert found.objective == pytest.approx(plain.objective, rel=1e-3)
     assert found.bound <= found.objective and found.complete
+
+
+def test_bisection_under_a_known_plan_keeps_the_bound_it_proves():
+    """With the caller's plan as the ceiling and the floor far below it, ``chain.solve`` bisects between
+    the two at once; when no pass finds a faster plan (the ceiling is the optimum here) it answers
+    the bound those passes proved and no plan, instead of dropping what they proved."""
+    from passes.partition.chain import solve, unit_bottleneck
+
+    g = transformer_graph(4, seed=3, tied=False)
+    opts = CostOptions(devices=8)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    best = solve(units, segs, opts, float("inf"), score)
+    assert best.complete
+    found = solve(units, segs, opts, float("inf"), score, floor=best.bound * 0.8, ceiling=best.objective * (1 - 1e-6),
+                  probe_within=1.05)
+    assert found.stage_of is None and found.replicas is None and not found.complete
+    assert best.bound * (1 - 1e-3) <= found.bound <= best.objective
