@@ -409,8 +409,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             hi = ceiling
         elif best is None:
             return None
-        # no slack: bisect at once
-        probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within
+        probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
         while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)

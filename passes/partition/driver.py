@@ -203,7 +203,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
     DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
-    rest); the better plan and the higher bound are kept (both are bounds of the placed model). Under
+    rest); the better plan and the higher bound are kept (both are bounds of the placed model; the
+    charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges the interval DP for ``any`` runs first (``RELAXED_SHARE`` of the
     time): its bound holds (every pow2 plan is one of its plans) and replaces the flat bracket's, which
     on many nodes charges every link at B1 and lies far below."""
@@ -235,8 +236,8 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                plain: bool = False, floor: float = 0.0) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
-    that scores best placed kept, with the fast model's bound; ``plain``: see ``segment_plan.chain_plan``; ``floor``: a
-    bound of the placed model known already."""
+    that scores best placed kept, with the fast model's bound; ``plain``: see ``segment_plan.chain_plan``;
+    ``floor``: a bound of the placed model known already."""
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain) if floor <= 0 else None
     if fast is None and floor <= 0:
@@ -263,7 +264,8 @@ def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: flo
     exact = None
     if solver == "auto":
         quick = best_order_dp(fine, slow, deadline) if len(fine) <= coarsen_above else None
-        upper = evaluate(graph, to_nodes(graph, fine, quick.stage_of), quick.replicas, opts).bottleneck_s if quick else math.inf
+        upper = evaluate(graph, to_nodes(graph, fine, quick.stage_of), quick.replicas, opts).bottleneck_s \
+            if quick else math.inf
         exact = downset_dp(fine, opts, downset_limit, upper=upper, deadline=deadline)
     if exact is not None and opts.memory is None and not fine.shared:
         solved = SolveResult("OPTIMAL", *exact, exact.objective, time.monotonic() - start)

@@ -34,7 +34,8 @@ class PartitionResult:
     stages: List[StagePlan]
     bottleneck_s: float
     options: CostOptions
-    status: str  # OPTIMAL, FEASIBLE (time limit), or HEURISTIC (no solver answer)
+    status: str  # OPTIMAL, FEASIBLE (time limit), HEURISTIC (no solver answer); BOUND only inside the driver
+    # (``segment_plan.chain_plan`` under a known plan: a bound, no plan of its own)
     objective_s: float
     bound_s: float
     wall_s: float
