@@ -129,7 +129,8 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     run_dir = run_dir or tempfile.mkdtemp(prefix="fxpipe-train-")
     weights = save or (os.path.join(run_dir, "trained.pt") if return_state and launcher == "torchrun" else None)
     try:
-        prep = prepare(source, cfg, devices, run_dir, split, dict(plan_options, time_limit=time_limit), weights)
+        prep = prepare(source, cfg, devices, run_dir, split, dict(plan_options, time_limit=time_limit), weights,
+                       multi_node=launcher == "none")
     except BaseException:
         if own:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -199,7 +200,7 @@ def _sort_options(options: Dict[str, Any], config: Any) -> Tuple[Dict[str, Any],
 
     train_names = {f.name for f in fields(config)} - {"schedule", "microbatches", "steps", "optimizer", "lr",
                                                       "checkpoint", "resume", "timeout_s"}
-    plan_names = ({"capture_method", "repeats", "batch_size", "device"}  # fxpipe.split's own
+    plan_names = ({"capture_method", "repeats", "batch_size"}  # fxpipe.split's own ("device" is TrainConfig's)
                   | set(inspect.signature(partition).parameters) | {f.name for f in fields(CostOptions)})
     plan_names -= {"graph", "devices", "time_limit", "progress", "microbatches", "schedule", "options"}
     unknown = sorted(set(options) - train_names - plan_names)

@@ -64,27 +64,55 @@ def profile(
     (``torch.bfloat16``, ``torch.float16``): run and time everything under
     ``torch.autocast`` to that dtype, as mixed-precision training runs it, so
     the recorded values (``ValueMeta``: what crosses a cut, its bytes) and
-    the times are the low-precision ones. Parameters stay as they are.
+    the times are the low-precision ones. Parameters stay as they are, and
+    where they are: ``gm`` (which shares them with the model it was captured
+    from) is moved to ``device`` to be measured and back afterwards, so
+    profiling a CPU model on a GPU leaves it on the CPU, next to its inputs.
     """
     dev = _device(device)
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"profile: repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    home = _placement(gm)
     gm.to(dev)
-    inputs = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x, tuple(example_inputs)))
-    _train_mode(gm)
-    clock = Clock(dev)
-    saved = save_buffers(gm)
     try:
-        with _autocast(dev, autocast_dtype):
-            env, fwd_s, bwd_s = _measure_all(gm, inputs, clock, repeats, warmup, progress)
+        inputs = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x,
+                                       tuple(example_inputs)))
+        _train_mode(gm)
+        clock = Clock(dev)
+        saved = save_buffers(gm)
+        try:
+            with _autocast(dev, autocast_dtype):
+                env, fwd_s, bwd_s = _measure_all(gm, inputs, clock, repeats, warmup, progress)
+        finally:
+            restore_buffers(saved)
     finally:
-        restore_buffers(saved)
+        _move_back(home)
     _write_param_costs(gm, env)
     meta.put(gm, meta.ProfileInfo(
         device=str(dev), repeats=repeats, batch_size=_batch_size(inputs),
         torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s, clock=clock.name,
     ))
     return gm
+
+
+def _placement(gm: torch.fx.GraphModule) -> List[Tuple[torch.nn.Module, str, str, torch.device]]:
+    """Where every parameter and buffer of ``gm`` lives: (module, "_parameters" or "_buffers", name, device)."""
+    return [(m, kind, name, t.device) for m in gm.modules() for kind in ("_parameters", "_buffers")
+            for name, t in getattr(m, kind).items() if t is not None]
+
+
+def _move_back(placement: List[Tuple[torch.nn.Module, str, str, torch.device]]) -> None:
+    """Each tensor back where ``_placement`` found it (a parameter keeps its object: tied ones stay tied)."""
+    for module, kind, name, dev in placement:
+        t = getattr(module, kind)[name]
+        if t.device == dev:
+            continue
+        if kind == "_parameters":
+            t.data = t.data.to(dev)
+            if t.grad is not None:
+                t.grad = t.grad.to(dev)
+        else:
+            module._buffers[name] = t.to(dev)
 
 
 def _autocast(dev: torch.device, dtype: Optional[torch.dtype]) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 
+from fxpipe.runtime.devices import DEVICES
 from fxpipe.runtime.lr_schedule import LR_SCHEDULES
 from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
@@ -75,6 +76,9 @@ def register(subparsers) -> None:
     p.add_argument("--launcher", choices=("torchrun", "none"), default="torchrun",
                    help="torchrun: start the workers here (default); none: only write --run-dir and print the "
                         "torchrun command to run on every node (multi-node)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the workers run: cuda (NCCL, one GPU per worker), cpu (gloo), or auto (default: "
+                        "cuda when this machine has a GPU for every worker); profiling runs there too")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="stage forwards under autocast to this dtype; weights and optimizer stay fp32; "
                         "fp16 adds dynamic loss scaling (1f1b-flush and gpipe only)")
@@ -104,6 +108,6 @@ def run(args: argparse.Namespace) -> int:
           checkpoint_every=args.checkpoint_every, resume=args.resume, save=args.save, split=args.split,
           run_dir=args.run_dir, launcher=args.launcher, threads=args.threads, timeout=args.timeout,
           time_limit=args.time_limit, return_state=False, debug=bool(getattr(args, "debug", False)),
-          precision=args.precision, recompute=args.recompute, clip_grad_norm=args.clip_grad_norm,
+          device=args.device, precision=args.precision, recompute=args.recompute, clip_grad_norm=args.clip_grad_norm,
           lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, **plan_options)
     return 0

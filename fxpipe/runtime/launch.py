@@ -32,10 +32,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
-import torch
-
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint, failure, payload
+from fxpipe.runtime.devices import gpu_count, resolve_device
 from fxpipe.runtime.loop import TrainConfig, checkpoint_info
 from fxpipe.runtime.preflight import check_config, check_count, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
@@ -81,7 +80,7 @@ def plan_and_split(spec: Any, devices: int, schedule: str, microbatches: int,
 
 def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], run_dir: str,
             split_dir: Optional[str] = None, plan_options: Optional[Dict[str, Any]] = None,
-            save: Optional[str] = None) -> Prepared:
+            save: Optional[str] = None, multi_node: bool = False) -> Prepared:
     """Write RUN_DIR (split + run.json) for ``model``; ``split_dir`` reuses a saved split.
 
     ``model``: a model file or ``package.module:factory`` (the workers load it
@@ -90,7 +89,10 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     pickle, ``fxpipe.runtime.payload``, checked first, before any profiling).
     Everything the parent can check alone is checked here, before any worker
     starts: the settings, the first batch, the split against the model, and
-    the checkpoint to resume from.
+    the checkpoint to resume from. ``cfg.device`` is resolved here
+    (``fxpipe.runtime.devices``) for the workers this machine starts; with
+    ``multi_node`` (``--launcher none``) it stays as asked and each worker
+    resolves ``auto`` on its own node.
     """
     from fxpipe.loader import load_model
 
@@ -112,7 +114,12 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     # --recompute auto: the partitioner cannot model recomputation yet, so it plans without the memory
     # limit and each stage over it recomputes (fxpipe.runtime.recompute.auto_stages)
     budget = plan_options.pop("memory", None) if cfg.recompute == "auto" else None
-    split = _split(spec, cfg, devices, split_dir, plan_options)
+    requested = cfg.device
+    if multi_node:  # the nodes may not be this machine: each worker resolves auto on its node
+        profile_on = "cuda" if requested != "cpu" and gpu_count() else "cpu"
+    else:  # profiling runs where training will
+        profile_on = resolve_device(requested, devices) if devices else "cpu"
+    split = _split(spec, cfg, devices, split_dir, plan_options, profile_on)
     if cfg.recompute == "auto":
         from fxpipe.runtime.recompute import auto_stages
         cfg.recompute_stages = auto_stages(split, budget, _log)
@@ -121,6 +128,9 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     if devices and devices != layout.world_size:
         raise FxpipeError(f"the split uses {layout.world_size} devices ({replicas} replicas per stage), "
                           f"not --devices {devices}; drop --devices or split again")
+    if not multi_node:
+        cfg.device = resolve_device(requested, layout.world_size)
+        _say_device(cfg.device, requested, layout.world_size)
     if cfg.resume:
         step = checkpoint.check(cfg.checkpoint, layout, checkpoint_info(cfg), split.stages)
         _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")
@@ -134,7 +144,7 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
 
 
 def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
-           plan_options: Optional[Dict[str, Any]]) -> Any:
+           plan_options: Optional[Dict[str, Any]], profile_on: str = "cpu") -> Any:
     """The saved split (checked against the model) or a new one."""
     from fxpipe.split_model import SplitModel
 
@@ -146,7 +156,17 @@ def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optio
         raise FxpipeError("give --devices N (or --split DIR from `fxpipe split`)")
     # profiled under the autocast training will run in, so the plan sees those times and bytes
     return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches,
-                          dict(plan_options or {}, precision=cfg.precision))
+                          dict(plan_options or {}, precision=cfg.precision, device=profile_on))
+
+
+def _say_device(device: str, requested: str, world: int) -> None:
+    """One line where a GPU is in play: which device the workers got, and why for ``auto``."""
+    gpus = gpu_count()
+    if device == "cuda":
+        _log(f"{world} worker{'s' if world > 1 else ''} on CUDA (NCCL, one GPU each)")
+    elif gpus and requested == "auto":
+        _log(f"{world} workers on CPU (gloo): this machine has {gpus} GPU{'s' if gpus > 1 else ''} and NCCL "
+             f"needs one per worker; --device cuda with --devices {gpus} or fewer uses them")
 
 
 def _model_file(run_dir: str, model: str) -> Dict[str, Any]:
@@ -186,7 +206,7 @@ def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
     from fxpipe.runtime.stepcost import step_costs
     from fxpipe.simulate import simulate_split
 
-    cpu = not torch.cuda.is_available()
+    cpu = cfg.device == "cpu"
     steps = step_costs(split, cfg) if cpu else None
     cores = os.cpu_count() or 1
     extra = {"post_s": posting_cost_s(), "cores": cores} if cpu else {}

@@ -38,6 +38,7 @@ from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint
 from fxpipe.runtime.clipping import GradClipper, make_clipper
 from fxpipe.runtime.data import batch_dim
+from fxpipe.runtime.devices import check_device
 from fxpipe.runtime.executor import Executor, LossFn
 from fxpipe.runtime.groups import GradReducer, make_groups
 from fxpipe.runtime.heap import keep_freed_memory
@@ -81,12 +82,14 @@ class TrainConfig:
     warmup_steps: int = 0
     min_lr: float = 0.0  # where cosine and linear decay to
     weight_stash: str = "copy-free"  # copy-free | copy: how stashing schedules keep weight versions
+    device: str = "auto"  # auto | cpu | cuda (fxpipe.runtime.devices); the parent resolves auto
 
     def __post_init__(self) -> None:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
         check_lr_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
         check_precision(self.precision, self.schedule)
         check_recompute(self.recompute, self.schedule)
+        check_device(self.device)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
         if self.weight_stash not in WEIGHT_STASH:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from fxpipe.layout import Layout
 from fxpipe.runtime.data import FromBatches, RepeatExample, as_tuple, batch_dim
+from fxpipe.runtime.devices import worker_device
 from fxpipe.runtime.failure import describe, record
 from fxpipe.runtime.poster import stop_poster
 from fxpipe.runtime import payload
@@ -48,17 +49,13 @@ RESULT_FILE = "result.json"  # rank 0 writes the losses here for the parent
 SPLIT_DIR = "split"
 
 
-def init(rank: int, world: int, timeout_s: float, init_method: str = "env://") -> torch.device:
-    """Join the default process group: NCCL with one GPU per local rank when CUDA is there, else gloo."""
-    if torch.cuda.is_available():  # guarded GPU path: one device per local rank
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device, backend = torch.device("cuda", local), "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+def init(rank: int, world: int, timeout_s: float, init_method: str = "env://", device: str = "auto") -> torch.device:
+    """Join the default process group on ``device`` (``fxpipe.runtime.devices``): NCCL with one GPU per
+    local rank, or gloo on CPU."""
+    dev, backend = worker_device(device, int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-    return device
+    return dev
 
 
 def make_data(spec: Any, microbatches: int) -> Any:
@@ -93,7 +90,7 @@ def run(run_dir: str, rank: int, world: int, seen: Dict[str, Any]) -> int:
         raise FxpipeError(f"the split needs {layout.world_size} processes, torchrun started {world}; "
                           f"start {layout.world_size} in all (--nnodes x --nproc-per-node)")
     seen.update(stage=layout.stage_of(rank), microbatches=cfg.microbatches)
-    device = init(rank, world, cfg.timeout_s)
+    device = init(rank, world, cfg.timeout_s, device=cfg.device)
     try:
         from fxpipe.loader import load_model
         from fxpipe.split_model import SplitModel

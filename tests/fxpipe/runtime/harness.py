@@ -34,7 +34,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: Seque
     result: Dict[str, Any]
     t0 = time.monotonic()
     try:
-        init(rank, world, timeout_s, init_method=f"tcp://127.0.0.1:{port}")
+        init(rank, world, timeout_s, init_method=f"tcp://127.0.0.1:{port}", device="cpu")
         try:
             result = {"ok": fn(rank, *args)}
         finally:

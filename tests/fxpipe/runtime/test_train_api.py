@@ -190,7 +190,9 @@ def test_launcher_none_run_folder_trains_under_own_torchrun(tmp_path: Path) -> N
                        lr=0.05, replication="none", time_limit=3, save=str(saved), launcher="none",
                        run_dir=str(run))
     assert out.command and "-m fxpipe.runtime.worker" in out.command and out.state_dict is None
-    assert (run / "payload.pkl").exists() and json.loads((run / "run.json").read_text())["payload"]
+    job = json.loads((run / "run.json").read_text())
+    assert (run / "payload.pkl").exists() and job["payload"]
+    assert job["config"]["device"] == "auto"  # each node's workers decide: the parent cannot see them
     env = {k: v for k, v in _env().items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--max-restarts", "0", "-m", "fxpipe.runtime.worker", str(run)],
