@@ -45,6 +45,8 @@ from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_
 from passes.partition.segments import Segment, user_pairs
 
 
+PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it proves the plan within 1 %, where
+# bisecting from a far bound would need several passes (on two-level machines a pass can cost seconds)
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
 
 
@@ -382,7 +384,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     when the bound is within ``probe_within`` of it the search tries the first
     rung of the ladder, then that time, then bisects; further apart it bisects
     between the two at once, since a pass there either raises the bound or
-    finds a faster plan, where one at the ceiling could only do the second.
+    finds a faster plan, where one at the ceiling could only do the second;
+    that first pass sits at most ``PROVE_WITHIN`` below the ceiling, so that
+    one infeasible pass proves the caller's plan that close.
     With a ceiling the answer may then hold a bound and no plan
     (``stage_of`` None) when no pass found one faster. The bound itself is
     never tried: no plan is faster than it, so that pass would only confirm
@@ -410,11 +414,14 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         elif best is None:
             return None
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
+        first_wide = wide
         while hi > lo * (1 + tolerance):
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
+            if first_wide:  # one pass may prove the caller's plan within PROVE_WITHIN (or beat it by that)
+                T, first_wide = max(T, hi / (1 + PROVE_WITHIN)), False
             found = _attempt(solver, units, opts, T, score, deadline)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within

@@ -359,3 +359,29 @@ def test_bisection_under_a_known_plan_keeps_the_bound_it_proves():
                   probe_within=1.05)
     assert found.stage_of is None and found.replicas is None and not found.complete
     assert best.bound * (1 - 1e-3) <= found.bound <= best.objective
+
+
+def test_first_pass_under_a_far_known_plan_tries_to_prove_it_within_one_percent():
+    """Bisecting from a far floor needs several passes to prove the caller's plan close; on a two-level
+    machine a pass can cost seconds. So the first pass sits ``PROVE_WITHIN`` (1 %) under the ceiling:
+    when it is infeasible, that one pass proves the plan within 1 %."""
+    from passes.partition.chain import PROVE_WITHIN, ChainSolver, solve, unit_bottleneck
+
+    g = transformer_graph(4, seed=3, tied=False)
+    opts = CostOptions(devices=8)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    asked = []
+
+    class Recording(ChainSolver):
+        def devices_needed(self, T, deadline=float("inf")):
+            asked.append(T)
+            return super().devices_needed(T, deadline)
+
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    best = solve(units, segs, opts, float("inf"), score)
+    top = best.objective * (1 - 1e-6)  # the optimum itself: nothing faster exists
+    found = solve(units, segs, opts, float("inf"), score, Recording(units, segs, opts), floor=best.bound * 0.8,
+                  ceiling=top, probe_within=1.05)
+    assert asked[0] == pytest.approx(top / (1 + PROVE_WITHIN))
+    assert found.bound >= top / (1 + PROVE_WITHIN) and found.stage_of is None
