@@ -313,12 +313,9 @@ def test_time_limit_is_hard_on_a_two_level_machine(options):
     assert time.monotonic() - start < 3.0
 
 
-@pytest.mark.parametrize("floor_scale,ceiling", [(0.0, None), (1.0, None), (1.0, 1.3)])
-def test_bisection_spends_no_pass_at_its_own_bound(floor_scale, ceiling):
-    """No plan is faster than the bound the search starts from (sum C / K, or a floor known already),
-    so ``chain.solve`` never asks the DP about a T at or below it; the answer is the one it gives
-    when it does."""
-    from passes.partition.chain import ChainSolver, solve, unit_bottleneck
+def _recorded_chain():
+    """A 4-block chain on 8 devices and a flat ``ChainSolver`` that records every T it is asked about."""
+    from passes.partition.chain import ChainSolver, unit_bottleneck
 
     g = transformer_graph(4, seed=3, tied=False)
     opts = CostOptions(devices=8)
@@ -332,11 +329,22 @@ def test_bisection_spends_no_pass_at_its_own_bound(floor_scale, ceiling):
             return super().devices_needed(T, deadline)
 
     score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    return units, segs, opts, score, Recording(units, segs, opts), asked
+
+
+@pytest.mark.parametrize("floor_scale,ceiling", [(0.0, None), (1.0, None), (1.0, 1.3)])
+def test_bisection_spends_no_pass_at_its_own_bound(floor_scale, ceiling):
+    """No plan is faster than the bound the search starts from (sum C / K, or a floor known already),
+    so ``chain.solve`` never asks the DP about a T at or below it; the answer is the one it gives
+    when it does."""
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
     ideal = sum(units.compute) / 8
     plain = solve(units, segs, opts, float("inf"), score)
     floor = plain.bound * floor_scale * 0.99
     top = plain.objective * ceiling if ceiling else float("inf")
-    found = solve(units, segs, opts, float("inf"), score, Recording(units, segs, opts), floor=floor, ceiling=top)
+    found = solve(units, segs, opts, float("inf"), score, recording, floor=floor, ceiling=top)
     assert asked and min(asked) > max(ideal, floor)
     assert found.objective == pytest.approx(plain.objective, rel=1e-3)
     assert found.bound <= found.objective and found.complete
@@ -365,23 +373,12 @@ def test_first_pass_under_a_far_known_plan_tries_to_prove_it_within_one_percent(
     """Bisecting from a far floor needs several passes to prove the caller's plan close; on a two-level
     machine a pass can cost seconds. So the first pass sits ``PROVE_WITHIN`` (1 %) under the ceiling:
     when it is infeasible, that one pass proves the plan within 1 %."""
-    from passes.partition.chain import PROVE_WITHIN, ChainSolver, solve, unit_bottleneck
+    from passes.partition.chain import PROVE_WITHIN, solve
 
-    g = transformer_graph(4, seed=3, tied=False)
-    opts = CostOptions(devices=8)
-    units, _ = folded_units(g, opts)
-    segs = build_segments(units)
-    asked = []
-
-    class Recording(ChainSolver):
-        def devices_needed(self, T, deadline=float("inf")):
-            asked.append(T)
-            return super().devices_needed(T, deadline)
-
-    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    units, segs, opts, score, recording, asked = _recorded_chain()
     best = solve(units, segs, opts, float("inf"), score)
     top = best.objective * (1 - 1e-6)  # the optimum itself: nothing faster exists
-    found = solve(units, segs, opts, float("inf"), score, Recording(units, segs, opts), floor=best.bound * 0.8,
-                  ceiling=top, probe_within=1.05)
+    found = solve(units, segs, opts, float("inf"), score, recording, floor=best.bound * 0.8, ceiling=top,
+                  probe_within=1.05)
     assert asked[0] == pytest.approx(top / (1 + PROVE_WITHIN))
     assert found.bound >= top / (1 + PROVE_WITHIN) and found.stage_of is None
