@@ -102,7 +102,10 @@ class Executor:
         self.flatten, self.unflatten = flatten, unflatten  # model inputs -> stage inputs; outputs back
         self.tracer = tracer or Tracer(rank, enabled=False)
         self.inflight: Dict[int, _InFlight] = {}
-        self.losses: List[Tuple[int, float]] = []  # (global microbatch, loss) on the last stage
+        self.losses: List[Tuple[int, Any]] = []  # (global microbatch, loss) on the last stage
+        # off the CPU a loss stays a device tensor until the next optimizer step (``settle_losses``):
+        # reading it at once would make the host wait for the forward every microbatch
+        self.defer_loss = p2p.device.type != "cpu"
         self.on_step: Optional[Callable[[], None]] = None  # called after every optimizer step
         # called before every optimizer step with the STEP's global mb (-1: flush/gpipe): lr, clipping
         self.before_step: Optional[Callable[[int], None]] = None
@@ -195,8 +198,11 @@ class Executor:
         state.forwarded = True
         state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
         if loss is not None:
-            self.losses.append((g, float(loss.detach())))
-            check_loss(self.losses[-1][1])  # stop before a NaN reaches the gradients (fxpipe.runtime.failure)
+            if self.defer_loss:
+                self.losses.append((g, loss.detach()))
+            else:  # on the CPU at once: a NaN stops before it reaches the gradients (fxpipe.runtime.failure)
+                self.losses.append((g, float(loss.detach())))
+                check_loss(self.losses[-1][1])
             scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
             state.loss = loss * scale if scale != 1.0 else loss
         if state.loss is None and not state.tokens:
@@ -261,7 +267,16 @@ class Executor:
         self.stash.gather_grads()
         self.reducer()
 
+    def settle_losses(self) -> None:
+        """Every loss still held as a device tensor read into a float and checked: before each update
+        (a non-finite loss then stops the run before any weight takes it) and before a step's report."""
+        for i, (g, value) in enumerate(self.losses):
+            if isinstance(value, torch.Tensor):
+                self.losses[i] = (g, float(value))
+                check_loss(self.losses[i][1])
+
     def _step(self, a: Action, g: int) -> None:
+        self.settle_losses()
         self.stash.gather_grads()
         # fp16: unscale and agree on skipping first (every rank), so the hook clips true gradients
         apply = self.scaler is None or self.scaler.prepare_step(self.stash.master.values())

@@ -248,7 +248,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     reporter = None
     if r.stage == layout.num_stages - 1:
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
-                            r.ex.losses, r.loss_group, notes=stats.note)
+                            r.ex.losses, r.loss_group, notes=stats.note, settle=r.ex.settle_losses)
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})

@@ -27,11 +27,12 @@ from fxpipe.runtime.transport import peer_guard
 
 class Reporter:
     def __init__(self, steps: int, microbatches: int, samples_per_step: int, printing: bool,
-                 losses: List[Tuple[int, float]], loss_group: Optional[Any] = None,
-                 notes: Optional[Callable[[int], str]] = None) -> None:
-        """``notes(step)``: more of the step line after the loss (the learning rate, the gradient norm)."""
+                 losses: List[Tuple[int, Any]], loss_group: Optional[Any] = None,
+                 notes: Optional[Callable[[int], str]] = None, settle: Optional[Callable[[], None]] = None) -> None:
+        """``notes(step)``: more of the step line after the loss (the learning rate, the gradient norm);
+        ``settle()``: reads into floats (and checks) losses the executor still holds as device tensors."""
         self.steps, self.M, self.samples = steps, microbatches, samples_per_step
-        self.notes = notes
+        self.notes, self.settle = notes, settle
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
         self.left: Dict[int, int] = {}
         self.step_losses: List[float] = []
@@ -58,6 +59,8 @@ class Reporter:
         self.t_last = time.perf_counter()
 
     def step_done(self, s: int) -> None:
+        if self.settle is not None:
+            self.settle()
         now = time.perf_counter()
         sps = self.samples / max(now - self.t_last, 1e-9)
         self.t_last = now
