@@ -140,7 +140,8 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
         split.save(kept)
     if spec.batches is None:
         _log(f"{spec.source} defines no batches(): every microbatch is the example minibatch, repeated")
-    return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size))
+    on_cpu = (profile_on if cfg.device == "auto" else cfg.device) == "cpu"  # auto stays only multi-node
+    return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size, on_cpu))
 
 
 def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
@@ -190,7 +191,7 @@ def _write_run_dir(run_dir: str, job: Dict[str, Any], split: Any, replicas: List
         json.dump(job, f, indent=1)
 
 
-def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
+def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool) -> Optional[float]:
     """Samples/s the simulator predicts for this run from the plan's profiled costs.
 
     Printed before training and again beside the measured rate at the end, so a
@@ -198,7 +199,8 @@ def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
     optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``),
     the cost of posting a message is measured (``fxpipe.runtime.postcost``)
     and ranks beyond the core count share cores (``fxpipe.sharing``: workers
-    run one thread each then, ``launch``); on GPUs all three are left out.
+    run one thread each then, ``launch``); on GPUs (``on_cpu`` False) all
+    three are left out.
     """
     if split.plan is None:
         return None
@@ -206,17 +208,16 @@ def _predict(split: Any, cfg: TrainConfig, world: int) -> Optional[float]:
     from fxpipe.runtime.stepcost import step_costs
     from fxpipe.simulate import simulate_split
 
-    cpu = cfg.device == "cpu"
-    steps = step_costs(split, cfg) if cpu else None
+    steps = step_costs(split, cfg) if on_cpu else None
     cores = os.cpu_count() or 1
-    extra = {"post_s": posting_cost_s(), "cores": cores} if cpu else {}
+    extra = {"post_s": posting_cost_s(), "cores": cores} if on_cpu else {}
     try:
         sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, **extra)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None
     with_step = "optimizer step included" if steps else "optimizer step not included"
-    shared = f"; {world} ranks share {cores} cores" if cpu and world > cores else ""
+    shared = f"; {world} ranks share {cores} cores" if on_cpu and world > cores else ""
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
          f"simulated from the profile, {with_step}{shared}; bubble {sim.bubble_fraction:.0%})")
     return sim.samples_per_s
