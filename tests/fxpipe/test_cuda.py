@@ -51,9 +51,17 @@ def _xent(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def test_split_runs_on_cuda_like_the_model() -> None:
-    """Three stages in one process on the GPU: outputs and every gradient as the unsplit model's."""
+@pytest.fixture
+def no_tf32():
+    """Full fp32 matmuls for the test, then the setting as it was (TF32 rounds to 10 mantissa bits)."""
+    before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_split_runs_on_cuda_like_the_model(no_tf32) -> None:
+    """Three stages in one process on the GPU: outputs and every gradient as the unsplit model's."""
     model = _gpt().cuda()
     (x,), y = _tokens(1)[0]
     x, y = x.cuda(), y.cuda()
