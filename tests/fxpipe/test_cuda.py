@@ -1,4 +1,4 @@
-"""fxpipe on a GPU: the split, one-rank training over NCCL, and autocast, against plain torch on the same GPU.
+"""fxpipe on a GPU: the split, one-rank training over NCCL (every schedule, resume), and autocast, against plain torch.
 
 Skipped without CUDA (CI has no GPU). One GPU is enough: NCCL between two
 ranks needs two GPUs, so what crosses stages on CUDA is checked in one
@@ -167,3 +167,52 @@ def test_cli_trains_the_example_on_one_gpu(tmp_path: Path) -> None:
     assert "1 worker on CUDA (NCCL" in out.stderr
     losses = [float(line.split("loss ")[1].split()[0]) for line in out.stdout.splitlines() if " loss " in line]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.5, losses
+
+
+def _schedule_run(schedule: str, device: str) -> None:
+    """One rank, float64, AdamW: the weights after 3 steps against the schedule's reference.
+
+    On one stage ``1f1b-stash`` is an update after every microbatch (a step is M minibatches of one),
+    ``2bw`` is W(t+1) = W(t) - lr * grad f(W(t-1)), and the flushing schedules are accumulation.
+    """
+    steps, M, lr = 3, 2, 0.05
+    model = make_net()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = fxpipe.train(model, data_list(steps * M), loss_fn=mse, devices=1, device=device, microbatches=M,
+                       steps=steps, lr=lr, optimizer="adamw", schedule=schedule, time_limit=3, timeout=120)
+    data = data_list(steps * M).__getitem__
+    if schedule == "2bw":
+        want = cases.two_bw_model(make_net(), data, mse, steps, M, "adamw", lr)
+    elif schedule == "1f1b-stash":
+        want = cases.accumulate_model(make_net(), data, mse, steps * M, 1, "adamw", lr)
+    else:
+        want = cases.accumulate_model(make_net(), data, mse, steps, M, "adamw", lr)
+    assert_close_to_reference(out.state_dict, want, start)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1", "1f1b-stash", "2bw"])
+def test_every_schedule_trains_on_one_gpu_like_its_reference(schedule: str) -> None:
+    _schedule_run(schedule, "cuda")
+
+
+def _resume_run(tmp_path: Path, device: str) -> None:
+    """Stop after 2 of 4 steps, resume from the checkpoint: the weights equal an uninterrupted run's."""
+    M, lr = 2, 0.01
+
+    def run(steps: int, where: str, resume: bool = False) -> Dict[str, torch.Tensor]:
+        return fxpipe.train(make_net(), data_list(4 * M), loss_fn=mse, devices=1, device=device, microbatches=M,
+                            steps=steps, lr=lr, optimizer="adamw", schedule="1f1b-stash",
+                            checkpoint=str(tmp_path / where), checkpoint_every=2, resume=resume, time_limit=3,
+                            timeout=120).state_dict
+
+    whole = run(4, "a")
+    run(2, "b")
+    resumed = run(4, "b", resume=True)
+    start = make_net().state_dict()
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=1e-12, atol=1e-12)
+    assert any(not torch.equal(whole[k], start[k]) for k in whole)  # it trained
+
+
+def test_resume_on_cuda_continues_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    _resume_run(tmp_path, "cuda")
