@@ -14,8 +14,9 @@ validator and the simulator all walk the same instructions (the torchgpipe
    in the ``F m`` / ``B m`` that uses it, see ``fxpipe.validate``), so each
    receive moves in front of the compute action before it: its bytes then
    arrive while that action computes instead of after it. Receives on
-   ``blocking_links`` (values that are not tensors: the transport reads a
-   length header first, which blocks) stay in place.
+   ``blocking_links`` stay in place: the runtime names the links that carry
+   non-tensor values on NCCL, where the transport completes them inside the
+   receive action (``fxpipe.runtime.transport``).
 
 A 1F1B rank of stage ``j`` runs ``in_flight`` forwards before its first
 backward: the count the cost model charges memory for

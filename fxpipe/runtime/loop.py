@@ -252,7 +252,9 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
-    blocking = sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
+    # non-tensor values: one bundle per link, posted early on gloo; NCCL completes it in the receive action
+    blocking = [] if device.type == "cpu" else \
+        sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     cache: Dict[int, list] = {}
     for first, n in _segments(cfg, start):
         current[0] = first

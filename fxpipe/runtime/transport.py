@@ -13,10 +13,17 @@ the schedule's ``SEND_*``/``RECV_*`` actions name:
   value did not influence the loss) travels as zeros, so both sides always
   agree on the message count without a handshake.
 
-Non-tensor values (sizes, Python scalars) are pickled into a byte tensor and
-sent as a length header followed by the payload; the receiver completes that
-pair inside the receive action so that, on NCCL, messages between two ranks
-are posted in the same order on both sides.
+Non-tensor values (sizes, Python scalars) that one stage sends another for a
+microbatch travel together, pickled into one message of ``OBJECT_BYTES``: an
+8-byte length, then the pickle (a longer pickle sends its rest as a second
+message). One message, of a size known ahead, is received like a tensor: on
+gloo it is posted early and waited in the compute that uses it. Sent one by one
+with a length header each, as before, six shape values of a GPT stage made
+twelve messages that the receiver waited in turn while the sender's one
+posting thread competed with its compute for Python's lock: the next stage
+waited milliseconds per microbatch. On NCCL, which matches messages by order
+alone, the receive action still completes the bundle where it stands, so both
+sides post in the same order.
 
 Message tags are derived from (edge index, microbatch, direction), so gloo
 matches every message exactly even when several microbatches are in flight.
@@ -51,6 +58,8 @@ from passes.meta import TensorMeta, ValueMeta
 # direction codes inside a tag
 _FWD, _BWD, _HDR, _PAY = 0, 1, 2, 3
 _TAG_WINDOW = 4096  # microbatches in flight never come close to this
+OBJECT_BYTES = 1024  # one message of a microbatch's non-tensor values: length + pickle (a few shapes fit)
+_LEN = 8
 
 
 class TransportError(FxpipeError):
@@ -115,6 +124,8 @@ class _Pending:
     tag: str
     peer: int
     what: str
+    objects: Optional[List[Wire]] = None  # a bundle of these non-tensor values (``buf``: its first message)
+    rest_tag: int = 0  # where a bundle longer than OBJECT_BYTES sends the rest
 
 
 class P2P:
@@ -194,10 +205,17 @@ class P2P:
                 continue
             _check(value, w, mb, self._dtypes[w.index])
             self._isend(value, peer, self._tag(w, mb, _FWD), mb)
-        for w, value in objects:  # headers first, payloads after: one order on both sides
-            payload = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-            self._isend(torch.tensor([payload.numel()], dtype=torch.int64), peer, self._tag(w, mb, _HDR), mb)
-            self._isend(payload, peer, self._tag(w, mb, _PAY), mb)
+        if objects:  # tensors first, then one bundle: one order on both sides
+            data = pickle.dumps([value for _, value in objects])
+            first = bytearray(OBJECT_BYTES)
+            first[:_LEN] = len(data).to_bytes(_LEN, "little")
+            k = min(len(data), OBJECT_BYTES - _LEN)
+            first[_LEN:_LEN + k] = data[:k]
+            w = objects[0][0]
+            self._isend(torch.frombuffer(first, dtype=torch.uint8), peer, self._tag(w, mb, _HDR), mb)
+            if len(data) > k:
+                self._isend(torch.frombuffer(bytearray(data[k:]), dtype=torch.uint8), peer,
+                            self._tag(w, mb, _PAY), mb)
 
     def send_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         """Gradients of the values ``peer_stage`` sent here, back to it."""
@@ -239,15 +257,32 @@ class P2P:
             buf = self._empty(w)
             work = self._post(dist.irecv, buf, peer, self._tag(w, mb, _FWD))
             pending.append(_Pending(work, buf, box.inbox, w.tag, peer, f"RECV_F{mb}"))
-        for w in objects:
-            box.inbox[w.tag] = self._recv_object(w, mb, peer)
+        if objects:
+            buf = torch.empty(OBJECT_BYTES, dtype=torch.uint8, device=self.device)
+            work = self._post(dist.irecv, buf, peer, self._tag(objects[0], mb, _HDR))
+            bundle = _Pending(work, buf, box.inbox, objects[0].tag, peer, f"RECV_F{mb} (non-tensor values)",
+                              objects, self._tag(objects[0], mb, _PAY))
+            if self.device.type == "cpu":  # gloo matches tags: waited with the tensors, in the compute
+                pending.append(bundle)
+            else:  # NCCL matches by order: finish here, before any later receive from this peer is posted
+                self._file(bundle)
 
-    def _recv_object(self, w: Wire, mb: int, peer: int) -> Any:
-        head = torch.empty(1, dtype=torch.int64, device=self.device)
-        self._wait(self._post(dist.irecv, head, peer, self._tag(w, mb, _HDR)), f"RECV_F{mb} '{w.tag}'", peer)
-        payload = torch.empty(int(head.item()), dtype=torch.uint8, device=self.device)
-        self._wait(self._post(dist.irecv, payload, peer, self._tag(w, mb, _PAY)), f"RECV_F{mb} '{w.tag}'", peer)
-        return pickle.loads(payload.cpu().numpy().tobytes())
+    def _file(self, p: _Pending) -> None:
+        """Wait for a received message and put its value(s) in the mailbox."""
+        self._wait(p.work, p.what, p.peer)
+        if p.objects is None:
+            p.store[p.tag] = p.buf
+            return
+        first = p.buf.cpu().numpy().tobytes()
+        n = int.from_bytes(first[:_LEN], "little")
+        data = first[_LEN:_LEN + n]
+        if n > len(data):
+            rest = torch.empty(n - len(data), dtype=torch.uint8, device=self.device)
+            self._wait(self._post(dist.irecv, rest, p.peer, p.rest_tag), p.what, p.peer)
+            data += rest.cpu().numpy().tobytes()
+        values = pickle.loads(data)
+        for w, value in zip(p.objects, values):
+            p.store[w.tag] = value
 
     def recv_backward(self, box: MailboxTransport, mb: int, my_stage: int, peer_stage: int, peer: int) -> None:
         pending = self._recvs.setdefault((mb, "B"), [])
@@ -261,8 +296,7 @@ class P2P:
     def complete(self, mb: int, direction: str) -> None:
         """Wait for the receives of ``mb`` (``"F"`` or ``"B"``) and file them in their mailbox."""
         for p in self._recvs.pop((mb, direction), []):
-            self._wait(p.work, p.what, p.peer)
-            p.store[p.tag] = p.buf
+            self._file(p)
 
     def _wait(self, work: Any, what: str, peer: int) -> None:
         span = self.on_wait(what) if self.on_wait else None
