@@ -337,13 +337,16 @@ def plan_bandwidth(plan) -> Bandwidth:
 
 def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                   tied_stages: Optional[Sequence[int]] = None, links: Optional[Sequence[Tuple[int, int]]] = None,
-                  step_s: Optional[Sequence[float]] = None, **sim_options) -> Tuple[SimResult, "object"]:
+                  step_s: Optional[Sequence[float]] = None, compute_scale: float = 1.0,
+                  **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
     profile; ``tied_stages`` (e.g. the split's) default to the plan's stages
     that share a weight with another (``StagePlan.tied_bytes``); ``step_s``: per stage, the optimizer step's seconds (the plan has
-    none: the optimizer is a training option); ``sim_options`` go to
+    none: the optimizer is a training option); ``compute_scale``: multiplies
+    every forward and backward (workers running more threads than the
+    profile's, ``fxpipe.runtime.threadcost``); ``sim_options`` go to
     ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
@@ -360,6 +363,9 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         if len(step_s) != len(costs):
             raise ScheduleError(f"step_s has {len(step_s)} entries for a plan of {len(costs)} stages")
         costs = [dataclasses.replace(c, step_s=float(t)) for c, t in zip(costs, step_s)]
+    if compute_scale != 1.0:
+        costs = [dataclasses.replace(c, fwd_s=c.fwd_s * compute_scale, bwd_s=c.bwd_s * compute_scale,
+                                     wgrad_s=None if c.wgrad_s is None else c.wgrad_s * compute_scale) for c in costs]
     links = list(links) if links is not None else found
     if schedule == "1f1b-stash":
         M = _round_up_for_stash(M, layout)

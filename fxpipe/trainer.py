@@ -130,7 +130,7 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
     weights = save or (os.path.join(run_dir, "trained.pt") if return_state and launcher == "torchrun" else None)
     try:
         prep = prepare(source, cfg, devices, run_dir, split, dict(plan_options, time_limit=time_limit), weights,
-                       multi_node=launcher == "none")
+                       multi_node=launcher == "none", threads=threads)
     except BaseException:
         if own:
             shutil.rmtree(run_dir, ignore_errors=True)

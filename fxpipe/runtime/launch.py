@@ -78,9 +78,14 @@ def plan_and_split(spec: Any, devices: int, schedule: str, microbatches: int,
     return result
 
 
+def worker_threads(threads: Optional[int], world: int) -> int:
+    """Torch threads per local worker: ``threads``, else this machine's cores shared out (at least one)."""
+    return threads or max(1, (os.cpu_count() or 1) // world)
+
+
 def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], run_dir: str,
             split_dir: Optional[str] = None, plan_options: Optional[Dict[str, Any]] = None,
-            save: Optional[str] = None, multi_node: bool = False) -> Prepared:
+            save: Optional[str] = None, multi_node: bool = False, threads: Optional[int] = None) -> Prepared:
     """Write RUN_DIR (split + run.json) for ``model``; ``split_dir`` reuses a saved split.
 
     ``model``: a model file or ``package.module:factory`` (the workers load it
@@ -141,7 +146,10 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     if spec.batches is None:
         _log(f"{spec.source} defines no batches(): every microbatch is the example minibatch, repeated")
     on_cpu = (profile_on if cfg.device == "auto" else cfg.device) == "cpu"  # auto stays only multi-node
-    return Prepared(run_dir, layout, split, spec, _predict(split, cfg, layout.world_size, on_cpu))
+    # multi-node: each node's workers share its own cores, unknown here; the prediction assumes one thread
+    per_worker = 1 if multi_node else worker_threads(threads, layout.world_size)
+    return Prepared(run_dir, layout, split, spec,
+                    _predict(split, cfg, layout.world_size, on_cpu, spec.example_inputs, per_worker))
 
 
 def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
@@ -191,33 +199,41 @@ def _write_run_dir(run_dir: str, job: Dict[str, Any], split: Any, replicas: List
         json.dump(job, f, indent=1)
 
 
-def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool) -> Optional[float]:
+def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any = (),
+             threads: int = 1) -> Optional[float]:
     """Samples/s the simulator predicts for this run from the plan's profiled costs.
 
     Printed before training and again beside the measured rate at the end, so a
     user sees at once how far the cost model is from this machine. On CPU the
     optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``),
-    the cost of posting a message is measured (``fxpipe.runtime.postcost``)
-    and ranks beyond the core count share cores (``fxpipe.sharing``: workers
-    run one thread each then, ``launch``); on GPUs (``on_cpu`` False) all
-    three are left out.
+    the cost of posting a message is measured (``fxpipe.runtime.postcost``),
+    ranks beyond the core count share cores (``fxpipe.sharing``: workers
+    run one thread each then, ``launch``), and workers given more than one
+    thread (``threads``) run compute faster than the one-thread profile by the
+    speed-up measured on ``inputs`` (``fxpipe.runtime.threadcost``); on GPUs
+    (``on_cpu`` False) all four are left out.
     """
     if split.plan is None:
         return None
     from fxpipe.runtime.postcost import posting_cost_s
     from fxpipe.runtime.stepcost import step_costs
+    from fxpipe.runtime.threadcost import thread_speedup
     from fxpipe.simulate import simulate_split
 
-    steps = step_costs(split, cfg) if on_cpu else None
+    steps = step_costs(split, cfg, threads) if on_cpu else None
+    speed = thread_speedup(split, inputs, threads) if on_cpu and threads > 1 and inputs else 1.0
     cores = os.cpu_count() or 1
     extra = {"post_s": posting_cost_s(), "cores": cores} if on_cpu else {}
     try:
-        sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, **extra)
+        sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, compute_scale=1.0 / speed,
+                             **extra)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None
     with_step = "optimizer step included" if steps else "optimizer step not included"
     shared = f"; {world} ranks share {cores} cores" if on_cpu and world > cores else ""
+    if speed != 1.0:
+        shared += f"; {threads} threads per worker run the model {speed:.2f}x as fast as the profile's one"
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
          f"simulated from the profile, {with_step}{shared}; bubble {sim.bubble_fraction:.0%})")
     return sim.samples_per_s
@@ -246,7 +262,7 @@ def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -
     """
     world = prep.layout.world_size
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads or max(1, (os.cpu_count() or 1) // world))
+    env["OMP_NUM_THREADS"] = str(worker_threads(threads, world))
     env["PYTHONUNBUFFERED"] = "1"
     if debug:
         env["FXPIPE_DEBUG"] = "1"

@@ -10,7 +10,7 @@ measured").
 
 So before training the parent times, per stage, the very optimizer the
 workers build (``make_optimizer``) on throwaway copies of the stage's
-parameters with gradients set, one thread as the workers run; with a copying
+parameters with gradients set, on as many threads as each worker runs; with a copying
 stash (``weight_stash="copy"``), plus the copy of the weights that makes the
 next version (the default copy-free stash has none). The model's own
 parameters and optimizer state are never touched. A stage over
@@ -62,11 +62,11 @@ def _time_step(params: List[torch.Tensor], cfg: TrainConfig, repeats: int, warmu
     return statistics.median(times)
 
 
-def step_costs(split: Any, cfg: TrainConfig, repeats: int = 5) -> List[float]:
-    """``stage_step_s`` of every stage of ``split``, timed on one thread as the workers run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def step_costs(split: Any, cfg: TrainConfig, threads: int = 1, repeats: int = 5) -> List[float]:
+    """``stage_step_s`` of every stage of ``split``, timed on the ``threads`` the workers run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return [stage_step_s(stage, cfg, repeats) for stage in split.stages]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)

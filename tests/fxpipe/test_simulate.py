@@ -175,6 +175,17 @@ def test_optimizer_step_times_lengthen_the_step_once_per_step_or_per_backward():
         simulate_plan(plan, graph=g, step_s=[0.1, 0.1])
 
 
+def test_compute_scale_scales_forwards_and_backwards_only():
+    """Workers on more threads than the profile's: compute shrinks by the measured speed-up, nothing else."""
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
+    free, _ = simulate_plan(plan, graph=g, bandwidth=math.inf)
+    half, _ = simulate_plan(plan, graph=g, bandwidth=math.inf, compute_scale=0.5)
+    assert half.step_s == pytest.approx(free.step_s / 2)  # no communication: the step is all compute
+    with_steps, _ = simulate_plan(plan, graph=g, bandwidth=math.inf, compute_scale=0.5, step_s=[0.5, 0.5, 0.5])
+    assert with_steps.step_s == pytest.approx(free.step_s / 2 + 0.5)  # the optimizer step is timed as is
+
+
 def test_stage_step_cost_is_timed_on_copies():
     import torch
 

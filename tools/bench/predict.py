@@ -10,8 +10,9 @@ rates:
   profiled costs (node times calibrated to the whole model) through
   ``fxpipe.simulate``, plus each stage's optimizer step timed by
   ``fxpipe.runtime.stepcost``, the measured cost of posting a message
-  (``fxpipe.runtime.postcost``) and, with more ranks than cores, ranks
-  sharing the cores (``fxpipe.sharing``);
+  (``fxpipe.runtime.postcost``), with more ranks than cores, ranks
+  sharing the cores (``fxpipe.sharing``), and with fewer, the speed-up of
+  the threads each worker then runs (``fxpipe.runtime.threadcost``);
 - *replay*: the same simulation with each stage's forward, backward and step
   times replaced by their medians in the measured trace (waits inside them
   removed) and each send blocking its rank for the median measured send
@@ -78,6 +79,7 @@ def _mse(out, y):
 
 
 CASES = {  # name -> (factory, devices, schedule, microbatches)
+    "mlp-1-flush": ("tools.bench.predict:mlp", 1, "1f1b-flush", 4),  # fewer ranks than cores: 2 threads each
     "mlp-2-flush": ("tools.bench.predict:mlp", 2, "1f1b-flush", 4),
     "mlp-2-gpipe": ("tools.bench.predict:mlp", 2, "gpipe", 4),
     "mlp-2-stash": ("tools.bench.predict:mlp", 2, "1f1b-stash", 4),
