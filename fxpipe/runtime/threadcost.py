@@ -25,6 +25,7 @@ import time
 from typing import Any, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from passes.capture_check import restore_buffers, save_buffers
 
@@ -47,7 +48,8 @@ def thread_speedup(split: Any, inputs: Sequence[Any], threads: int, repeats: int
     def once(clock) -> float:
         start = clock()
         out = run_local(split, *inputs)
-        leaves = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+                  and t.is_floating_point()]
         if leaves:
             sum(t.float().sum() for t in leaves).backward()
         for p in params:
@@ -71,12 +73,3 @@ def thread_speedup(split: Any, inputs: Sequence[Any], threads: int, repeats: int
         restore_buffers(saved)
     return took[1] / took[threads] if took[threads] > 0 else 1.0
 
-
-def _tensors(x: Any) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
