@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, List, Optional
 
+from fxpipe.runtime.devices import DEVICES
 from fxpipe.units import at_least
 
 if TYPE_CHECKING:
@@ -24,12 +25,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure every node of a model (forward, backward, bytes)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL", help="model .py file or package.module:factory")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to time on (default cpu)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="device to time on: cpu (default), cuda, or auto (cuda where this machine has a GPU)")
     p.add_argument("--repeats", type=at_least(1), default=5, help="timed repetitions per node; the median is kept (default 5)")
     p.add_argument("--warmup", type=at_least(0), default=2, help="untimed repetitions first (default 2)")
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
-    p.add_argument("--threads", type=at_least(1), default=1,
+    p.add_argument("--threads", type=at_least(0), default=1,
                    help="torch intra-op threads while timing on CPU (default 1: then each node is timed in "
                         "CPU time of its thread, which other jobs on the machine do not inflate; 0 = torch's default, "
                         "timed in wall time)")
@@ -41,10 +43,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from fxpipe.loader import load_model
     from fxpipe.profiling import profile_model
+    from fxpipe.runtime.devices import resolve_device
     from passes.profile import to_cost_graph
 
     spec = load_model(args.model)
-    gm = profile_model(spec, device=args.device, repeats=args.repeats, warmup=args.warmup,
+    gm = profile_model(spec, device=resolve_device(args.device, None), repeats=args.repeats, warmup=args.warmup,
                        method=args.method, threads=args.threads or None)
     graph = to_cost_graph(gm)  # what plans read: node times calibrated to the whole model's
     print(render_table(to_cost_graph(gm, calibrate=False), args.top))  # the node timings as measured

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, List
 
 from fxpipe.cli.plan_cmd import add_plan_options, partition_kwargs
+from fxpipe.runtime.devices import DEVICES
 from fxpipe.units import at_least
 
 
@@ -33,7 +34,8 @@ def register(subparsers: Any) -> None:
     add_plan_options(p)
     p.add_argument("--method", choices=("auto", "fx", "export"), default="auto",
                    help="capture: symbolic tracing, torch.export, or fx then export (default auto)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to profile on (default cpu)")
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="device to profile on: cpu (default), cuda, or auto (cuda where this machine has a GPU)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed repetitions per node (default 3)")
     p.add_argument("-o", "--output", metavar="OUTDIR", default=None,
                    help="folder to write (default fxpipe-out/<model name>)")
@@ -98,13 +100,15 @@ def check_outdir(outdir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from fxpipe.api import split
     from fxpipe.loader import load_model
+    from fxpipe.runtime.devices import resolve_device
 
     outdir = Path(args.output) if args.output else default_outdir(args.model)
     check_outdir(outdir)  # before the minutes of profiling and planning, not after
     spec = load_model(args.model)
     kwargs = partition_kwargs(args)
     result = split(spec.model, spec.example_inputs, args.devices, capture_method=args.method,
-                   leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args, device=args.device,
+                   leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args,
+                   device=resolve_device(args.device, None),
                    repeats=args.repeats, batch_size=args.batch_size, **kwargs)
     result.save(outdir)
     result.plan.save(outdir / "plan.json")

@@ -46,7 +46,7 @@ def resolve_device(device: str, local_ranks: Optional[int]) -> str:
     if device == "cuda":
         if not gpus:
             raise DeviceError("--device cuda was asked for, but this torch build sees no CUDA device; "
-                              "use --device cpu (gloo)")
+                              "use --device cpu")
         if local_ranks is not None and gpus < local_ranks:
             raise DeviceError(f"--device cuda runs one worker per GPU (NCCL), but {local_ranks} workers were "
                               f"asked for and this machine has {gpus} GPU{'s' if gpus > 1 else ''}; use "

@@ -43,6 +43,21 @@ def test_profile_export_method_and_top(capsys):
     assert len(rows) == 5
 
 
+def test_threads_zero_keeps_torchs_threads_and_times_wall_clock(capsys):
+    """``--threads 0`` (as its help says): torch's own thread count, timed in wall time."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's count here, whatever this machine's default
+    try:
+        code = main(["profile", str(EXAMPLES / "cnn.py"), "--threads", "0", "--repeats", "1", "--warmup", "0",
+                     "--top", "1"])
+        assert code == 0, capsys.readouterr().err
+        assert "wall time" in capsys.readouterr().out and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_missing_file_exit_code_2_no_traceback(tmp_path, capsys):
     code = main(["profile", str(tmp_path / "missing.py")])
     err = capsys.readouterr().err
@@ -60,3 +75,20 @@ def test_untraceable_model_error_names_module(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "'gate'" in err and "leaf_modules" in err
+
+
+def test_device_auto_and_cuda_without_a_gpu(capsys):
+    """``--device auto`` profiles on the CPU of a machine without CUDA; ``--device cuda`` there is one line."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    args = [str(EXAMPLES / "cnn.py"), "--repeats", "1", "--warmup", "0", "--top", "1"]
+    assert main(["profile", *args, "--device", "auto"]) == 0
+    assert "device cpu" in capsys.readouterr().out
+    assert main(["profile", *args, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "sees no CUDA device; use --device cpu" in err and "Traceback" not in err
+    assert main(["split", str(EXAMPLES / "cnn.py"), "--devices", "2", "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
