@@ -1,8 +1,8 @@
 """`fxpipe profile`: the table on the bundled example, the JSON it writes, and user errors."""
-import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fxpipe.cli import main
 from passes.costgraph import CostGraph
@@ -45,8 +45,6 @@ def test_profile_export_method_and_top(capsys):
 
 def test_threads_zero_keeps_torchs_threads_and_times_wall_clock(capsys):
     """``--threads 0`` (as its help says): torch's own thread count, timed in wall time."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # torch's count here, whatever this machine's default
     try:
@@ -77,13 +75,9 @@ def test_untraceable_model_error_names_module(tmp_path, capsys):
     assert "'gate'" in err and "leaf_modules" in err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_auto_and_cuda_without_a_gpu(capsys):
     """``--device auto`` profiles on the CPU of a machine without CUDA; ``--device cuda`` there is one line."""
-    import pytest
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
     args = [str(EXAMPLES / "cnn.py"), "--repeats", "1", "--warmup", "0", "--top", "1"]
     assert main(["profile", *args, "--device", "auto"]) == 0
     assert "device cpu" in capsys.readouterr().out
