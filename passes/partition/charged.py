@@ -10,10 +10,12 @@ between the two.
 """
 from __future__ import annotations
 
+import time
 from typing import List, NamedTuple
 
 import numpy as np
 
+from passes.partition.chain import DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
                                         stage_time_s, tied_floor_s)
@@ -137,6 +139,8 @@ class ChargedChainSolver(PlacedChainSolver):
         m = np.arange(G)[None, :]
         dev = rows[s]
         for w in range(cols.shape[1]):
+            if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
+                raise DeadlineExceeded()
             live = np.nonzero(inside[:, w])[0]
             if not live.size:
                 continue

@@ -33,6 +33,7 @@ from passes.partition.segment_plan import chain_plan
 from passes.partition import placed, uniform
 
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
+BRACKET_SHARE = 0.5  # of the time, for the flat bracket before the charged DP under PipeDream's charges
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 
 
@@ -207,7 +208,9 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges the interval DP for ``any`` runs first (``RELAXED_SHARE`` of the
     time): its bound holds (every pow2 plan is one of its plans) and replaces the flat bracket's, which
-    on many nodes charges every link at B1 and lies far below."""
+    on many nodes charges every link at B1 and lies far below. Otherwise (PipeDream's charges) the
+    bracket gets ``BRACKET_SHARE`` of the time, so the charged DP's first pass, which sits
+    ``chain.PROVE_WITHIN`` under the bracket's plan, can prove it."""
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
@@ -219,7 +222,11 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True)
         floor = relaxed.bound_s if relaxed is not None else 0.0
-    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor)
+    # under PipeDream's charges the bracket's slow model bisects to its own optimum, which proves nothing
+    # placed: the charged DP's passes (seconds each) are what prove, so the bracket gets a share; under
+    # pow2 its plan is most often the answer and the charged passes rarely fit, so it keeps the rest
+    until = deadline if opts.replication == "pow2" else time.monotonic() + BRACKET_SHARE * (deadline - time.monotonic())
+    bracket = _bracketed(graph, opts, start, until, plain=True, floor=floor)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),

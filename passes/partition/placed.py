@@ -92,6 +92,7 @@ class PlacedChainSolver(ChainSolver):
     """``ChainSolver`` whose state is (point, devices used mod G); see the module docstring."""
 
     SPLIT_HOLDERS = True  # search the counts of a tied weight's holders (``devices_needed``)
+    deadline = math.inf  # of the pass running (``_needed``)
 
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         super().__init__(units, segments, opts)
@@ -272,6 +273,7 @@ class PlacedChainSolver(ChainSolver):
     def _needed(self, T: float, deadline: float = math.inf):
         """``devices_needed`` with the tied weight's holders held to ``holders``."""
         K, G = self.opts.devices, self.G
+        self.deadline = deadline  # a charged pass also checks it inside a segment (``charged.py``)
         total = self.offsets[-1]
         dev_all = np.full((total, G), K + 1, dtype=np.int64)
         back = np.zeros((total, G, 3), dtype=np.int64)

@@ -65,7 +65,8 @@ def test_split_runs_on_cuda_like_the_model(no_tf32) -> None:
     model = _gpt().cuda()
     (x,), y = _tokens(1)[0]
     x, y = x.cuda(), y.cuda()
-    sm = fxpipe.split(model, (x,), 3, progress=False, device="cuda", time_limit=5)
+    # without replicas: the CUDA profile decides the plan, and on an H100 the optimum had 2 stages, one replicated
+    sm = fxpipe.split(model, (x,), 3, progress=False, device="cuda", time_limit=5, replication="none")
     assert sm.num_stages == 3
     assert all(p.is_cuda for st in sm.stages for p in st.parameters())
     want = model(x)
