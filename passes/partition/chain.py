@@ -387,8 +387,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     finds a faster plan, where one at the ceiling could only do the second;
     that first pass sits at most ``PROVE_WITHIN`` below the ceiling, so that
     one infeasible pass proves the caller's plan that close (a pass near the
-    bound instead would raise it by a rung only, PipeDream's charges at 32
-    blocks on 128 devices: 2.4 % -> 0.75 %).
+    bound instead would raise the bound by a rung only).
     With a ceiling the answer may then hold a bound and no plan
     (``stage_of`` None) when no pass found one faster. The bound itself is
     never tried: no plan is faster than it, so that pass would only confirm

@@ -30,10 +30,9 @@ from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_w
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import chain_plan
-from passes.partition import placed, uniform
+from passes.partition import node_floor, placed, uniform
 
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
-BRACKET_SHARE = 0.5  # of the time, for the flat bracket before the charged DP under PipeDream's charges
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 
 
@@ -208,9 +207,10 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges the interval DP for ``any`` runs first (``RELAXED_SHARE`` of the
     time): its bound holds (every pow2 plan is one of its plans) and replaces the flat bracket's, which
-    on many nodes charges every link at B1 and lies far below. Otherwise (PipeDream's charges) the
-    bracket gets ``BRACKET_SHARE`` of the time, so the charged DP's first pass, which sits
-    ``chain.PROVE_WITHIN`` under the bracket's plan, can prove it."""
+    on many nodes charges every link at B1 and lies far below. Under PipeDream's charges (any count)
+    the bracket's bound comes from the flat model at B1 with each stage's all-reduce floored at the
+    nodes it must touch (``node_floor.py``), far closer to the placed optimum where stages are
+    replicated across nodes."""
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
@@ -222,11 +222,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True)
         floor = relaxed.bound_s if relaxed is not None else 0.0
-    # under PipeDream's charges the bracket's slow model bisects to its own optimum, which proves nothing
-    # placed: the charged DP's passes (seconds each) are what prove, so the bracket gets a share; under
-    # pow2 its plan is most often the answer and the charged passes rarely fit, so it keeps the rest
-    until = deadline if opts.replication == "pow2" else time.monotonic() + BRACKET_SHARE * (deadline - time.monotonic())
-    bracket = _bracketed(graph, opts, start, until, plain=True, floor=floor)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
@@ -242,11 +238,13 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
                plain: bool = False, floor: float = 0.0) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
-    model: no placement makes a link faster) and at the SLOWER one (its plans place well), the plan
-    that scores best placed kept, with the fast model's bound; ``plain``: see ``segment_plan.chain_plan``;
-    ``floor``: a bound of the placed model known already."""
+    model: no placement makes a link faster; under PipeDream's charges with its all-reduces floored
+    by node count, ``node_floor.py``, its plans then scored placed) and at the SLOWER one (its plans
+    place well), the plan that scores best placed kept, with the fast model's bound; ``plain``: see
+    ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already."""
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
-    fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain) if floor <= 0 else None
+    fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
+                      machine=opts if node_floor.applies(opts) else None) if floor <= 0 else None
     if fast is None and floor <= 0:
         return None
     bound = fast.bound_s if fast is not None else floor

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition import branches, charged, placed, retie, stage_count
+from passes.partition import branches, charged, node_floor, placed, retie, stage_count
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Units, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
@@ -22,7 +22,8 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 
 
 def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
-           ceiling: float = math.inf, plain: bool = False) -> Optional[PartitionResult]:
+           ceiling: float = math.inf, plain: bool = False,
+           machine: Optional[CostOptions] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -37,12 +38,15 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     gets its plans re-searched (``retie.py``). ``floor``, ``ceiling``: a bound
     on the optimum and a plan's time known already (``chain.solve``); ``plain``: no second
     search for plans that pay for dead nodes or a mask (``_bracketed`` before
-    the charged DP, where time is short).
+    the charged DP, where time is short); ``machine``: with ``opts`` the flat model at B1 of that
+    two-level machine, the DP floors each stage's all-reduce at the nodes it must touch
+    (``node_floor.py``: a higher bound under PipeDream's charges), and plans are scored on that machine
+    (a plan's time under ``opts`` may lie below this bound, so it could not cap it).
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
-    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling)
+    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -63,24 +67,25 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             plans += [plain[0]] if plain else []
             bound = lower[1]
     ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
-    scored = [(evaluate(graph, a, reps, opts), a, reps) for a, reps in plans]
+    judge = machine or opts  # plans are scored where the bound holds
+    scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
     if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
         masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
         for again in (searched(graph, opts, deadline, c, keep_dead=True) for c in [[]] + ([masks] if masks else [])):
-            scored += [(evaluate(graph, *again[0], opts), *again[0])] if again else []
+            scored += [(evaluate(graph, *again[0], judge), *again[0])] if again else []
         # the folding above placed those branches like model inputs, so the bound forgot their compute:
         # the relaxation that counts it in every prefix that must run it bounds the same plans higher
         lower = relaxation(graph, opts, deadline, masks) if masks else None
         if lower is not None:
-            scored.append((evaluate(graph, *lower[0], opts), *lower[0]))
+            scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
     loose = loose_groups(graph, opts)
-    scored = [(*loose_ends(graph, loose, a, reps, e, opts), reps) for e, a, reps in scored]
+    scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
     bound = max(bound, ideal)
-    if opts.gpus_per_node is None and tied_weights(graph, assignment):
+    if machine is None and opts.gpus_per_node is None and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
                                  lambda heavier: (searched(heavier, opts, deadline, cones, True) or [None])[0],
                                  bound * (1 + OPTIMAL_GAP), deadline)
@@ -156,11 +161,12 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
 
 
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-              keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf):
+              keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
+              machine: Optional[CostOptions] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
-    solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling)
+    solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine)
     if solved is None:
         return None
     units, found, margin = solved
@@ -172,7 +178,7 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None, floor: float = 0.0,
-                ceiling: float = math.inf):
+                ceiling: float = math.inf, machine: Optional[CostOptions] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
@@ -187,7 +193,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
-    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
+    score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, machine or opts)  # noqa: E731
     if opts.replication == "none" and not opts.fewer_devices:
         if not stage_count.applies(opts, units):
             return None
@@ -195,6 +201,9 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
                             placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling)
+    elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
+        found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
+                            floor=floor)  # no ladder: its first pass, at twice the bound, finds a plan
     else:
         found = chain_solve(units, segs, opts, deadline, score, floor=floor)
     if found is None:

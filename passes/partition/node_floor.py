@@ -1,0 +1,132 @@
+"""A cheap lower bound for PipeDream's hierarchical all-reduce on a two-level machine.
+
+The flat model at the faster bandwidth B1 (``costmodel.flat_bound``) is a bound
+of the placed model, but it charges a stage spread over many nodes as if its
+all-reduce ran at B1 throughout. PipeDream charges such a stage ``(4(c-1)/(B1·c)
++ 4(n-1)/(B2·n)) · P / r`` (or one ring at B2, ``4(r-1)/(B2·r) · P / r``, when
+that is less): r ranks over n nodes, c in the fullest. Whatever its placement,
+r ranks touch at least ``n = ceil(r / G)`` nodes, three or more of them with a
+full node between (c = G), two with at least half the ranks in one, and the
+sum is at least that at the least n (``NodeFloorSolver._band``): what the flat
+B1 model misses on plans that replicate stages across nodes (8 blocks on 512
+devices: the B1 bound lay 2.9 % under the plan, the floor's 0.17 %).
+
+``NodeFloorSolver`` is the flat segment DP with that floor in its fewest-replicas
+step: r <= G as the B1 model counts (one node can hold the stage, and inside it
+PipeDream's charge is the flat one at B1); for r > G each band of counts that
+touch the same least number of nodes n, ``((n-1)G, nG]``, charges the own
+weights that band's least (or the B1 ring, if more) over r, tied weights and
+cuts as the B1 model does. Every term falls with r inside a band (PipeDream's ring
+``4(r-1)/r^2`` falls from r = 2), so a band holds a count that meets T iff its
+top count does, and its fewest is found by bisection; the bands are tried in
+order. No placement charges a stage less, so T infeasible here is infeasible
+placed: a bound, at the cost of a flat pass.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import List
+
+import numpy as np
+
+from passes.partition.chain import ChainSolver, DeadlineExceeded
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, combine_stage_time, flat_bound, min_replicas, tied_floor_s
+from passes.partition.offsets import EPS
+from passes.partition.segments import Segment
+
+MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
+
+
+def applies(opts: CostOptions) -> bool:
+    """PipeDream's charges, any count, a machine of several nodes (where the floor says more than B1)."""
+    return (opts.cost_model == "pipedream" and opts.replication == "any" and opts.gpus_per_node is not None
+            and opts.gpus_per_node < opts.devices and opts.memory is None)
+
+
+class NodeFloorSolver(ChainSolver):
+    """The flat segment DP under ``flat_bound(machine, fast=True)`` with the all-reduce of a stage over
+    more than G ranks floored at the nodes it must touch (module docstring)."""
+
+    def __init__(self, units: Units, segments: List[Segment], machine: CostOptions) -> None:
+        if not applies(machine):
+            raise ValueError("NodeFloorSolver: PipeDream's charges with any count on several nodes only")
+        super().__init__(units, segments, flat_bound(machine, fast=True))
+        self.machine, self.G, self.inter = machine, machine.gpus_per_node, min(machine.bandwidth, machine.intra_bw)
+        self.deadline = math.inf
+
+    def devices_needed(self, T: float, deadline: float = math.inf):
+        """``ChainSolver.devices_needed``, the deadline also checked inside a segment (few, large
+        segments on many devices: one can take a second)."""
+        self.deadline = deadline
+        return super().devices_needed(T, deadline)
+
+    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        if time.monotonic() > self.deadline:
+            raise DeadlineExceeded()
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
+        q = self._partner_count(shares, flags, T)
+        C = ci - cj
+        R = min_replicas(C, params, cutj, cuti, T, self.opts, tied, q)
+        wide = np.nonzero(np.ravel(R > self.G) & np.ravel(R <= self.opts.devices))[0]
+        if not wide.size:
+            return R
+        shape = R.shape
+        C, own, tied, q, cut = (np.broadcast_to(x, shape).ravel()[wide] for x in
+                                (C, params - tied, tied, q, np.maximum(cutj, cuti)))
+        out = R.ravel().copy()
+        out[wide] = self._fewest_across(C, own, tied, q, cut, out[wide], T)
+        return out.reshape(shape)
+
+    def _band(self, n):
+        """Per weight byte, times r, the least PipeDream charges r ranks in band n (``r > (n-1)G``) anywhere:
+        n >= 3 nodes hold a full middle node (c = G); two nodes hold at least half of the band's least
+        count in one of them, or the stage spans three; one ring at B2 over the band's least count."""
+        G, B1, B2 = self.G, self.opts.bandwidth, self.inter
+        least = (n - 1) * G + 1
+        full = 4.0 * (G - 1) / (B1 * G) + 4.0 * (n - 1) / (B2 * n)
+        half = (G + 2) // 2  # ceil((G + 1) / 2)
+        two = np.minimum(4.0 * (half - 1) / (B1 * half) + 2.0 / B2, 4.0 * (G - 1) / (B1 * G) + 8.0 / (3.0 * B2))
+        return np.minimum(np.where(n == 2, two, full), 4.0 * (least - 1) / (B2 * least))
+
+    def _time(self, C, own, tied, q, cut, r, n):
+        """A stage's floor at r replicas over at least n nodes (arrays)."""
+        fast = self.opts
+        per_byte = np.maximum(4.0 * (r - 1) / (fast.bandwidth * r), self._band(n))
+        sync = own * per_byte / r + tied_floor_s(tied, r, fast, q)
+        return combine_stage_time(C, r, sync, 2.0 * cut / (fast.bandwidth * r))
+
+    def _fewest_across(self, C, own, tied, q, cut, start, T):
+        """Fewest counts from ``start`` (> G, where the B1 model's fewest lies) meeting T under the floor,
+        band by band; ``devices + 1`` where none does, a floor past ``MAX_BANDS`` bands."""
+        K, G = self.opts.devices, self.G
+        out = np.full(C.shape, K + 1, dtype=np.int64)
+        open_ = np.arange(C.size)
+        n = (start + G - 1) // G
+        lo = start.copy()
+        for _ in range(MAX_BANDS):
+            if not open_.size:
+                return out
+            if time.monotonic() > self.deadline:
+                raise DeadlineExceeded()
+            top = np.minimum(n * G, K)
+            args = (C[open_], own[open_], tied[open_], q[open_], cut[open_])
+            fits = self._time(*args, top, n) <= T * (1 + EPS)
+            if fits.any():
+                k = np.nonzero(fits)[0]
+                a, b = lo[k].copy(), top[k].copy()  # b meets T; the band's time falls with r
+                sub = tuple(x[k] for x in args)
+                while True:
+                    go = np.nonzero(a < b)[0]
+                    if not go.size:
+                        break
+                    mid = (a[go] + b[go]) // 2
+                    good = self._time(*(x[go] for x in sub), mid, n[k][go]) <= T * (1 + EPS)
+                    b[go] = np.where(good, mid, b[go])
+                    a[go] = np.where(good, a[go], mid + 1)
+                out[open_[k]] = b
+            keep = ~fits & (top < K)
+            open_, n, lo = open_[keep], n[keep] + 1, top[keep] + 1
+        out[open_] = np.minimum(lo, K + 1)  # not settled within the bands tried: at least the next count
+        return out

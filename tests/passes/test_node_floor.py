@@ -1,0 +1,107 @@
+"""The node-count floor of PipeDream's two-level all-reduce (``passes/partition/node_floor.py``)."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+from passes.partition import CostOptions
+from passes.partition.costmodel import _allreduce, allreduce_span, flat_bound, stage_time_s
+from passes.partition.node_floor import NodeFloorSolver, applies
+from passes.partition.segment_plan import chain_plan
+from passes.partition.segments import build_segments, folded_units
+from tests.passes.test_partition import random_dag
+from tests.passes.test_partition_scale import transformer_graph
+from tests.passes.test_placed import _exact, _opts
+
+B1, B2 = 1.0e11, 1.25e10
+
+
+def _solver(K: int = 256, G: int = 8) -> NodeFloorSolver:
+    g = transformer_graph(4, seed=3, tied=False)
+    opts = CostOptions(devices=K, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=G, cost_model="pipedream")
+    units, _ = folded_units(g, opts)
+    return NodeFloorSolver(units, build_segments(units), opts)
+
+
+@pytest.mark.parametrize("K,G", [(256, 8), (96, 4), (64, 16)])
+def test_floor_never_above_the_charge_at_any_offset(K, G):
+    """The premise: for every count and every rank the stage may start at, PipeDream's placed all-reduce
+    (``allreduce_span``) is at least the floor: the B1 ring up to G ranks, the band's least beyond."""
+    solver = _solver(K, G)
+    P = 1.0e8
+    for r in range(2, K + 1):
+        n = -(-r // G)
+        floor = _allreduce(P, r, solver.opts) if r <= G else \
+            P * max(4.0 * (r - 1) / (B1 * r), float(solver._band(np.array([n]))[0])) / r
+        placed = allreduce_span(P, np.arange(G), r, solver.machine)
+        assert placed.min() >= floor * (1 - 1e-12), (r, placed.min(), floor)
+
+
+def test_fewest_count_is_the_least_that_meets_t_band_by_band():
+    """``_fewest_across`` against trying every count: the band's time falls with r, so bisecting each band
+    from its top finds the same fewest count (or ``devices + 1`` where none meets T)."""
+    solver = _solver(256, 8)
+    rng = np.random.default_rng(0)
+    m = 400
+    C = rng.uniform(1e-4, 1e-2, m)
+    own = rng.uniform(0, 4e8, m)
+    tied = np.where(rng.random(m) < 0.3, rng.uniform(0, 1e8, m), 0.0)
+    q = rng.integers(1, 4, m).astype(float)
+    cut = rng.uniform(0, 1e6, m)
+    T = 2e-4
+    start = rng.integers(9, 200, m)
+    got = solver._fewest_across(C, own, tied, q, cut, start, T)
+    for k in range(m):
+        want = solver.opts.devices + 1
+        for r in range(int(start[k]), solver.opts.devices + 1):
+            n = -(-r // solver.G)
+            if solver._time(C[k], own[k], tied[k], q[k], cut[k], r, n) <= T * (1 + 1e-9):
+                want = r
+                break
+        # past MAX_BANDS bands the answer is a floor of the fewest count, never above it
+        assert got[k] == want or (got[k] < want and got[k] > start[k] + 16 * solver.G - solver.G), (k, got[k], want)
+
+
+def test_fewest_count_never_below_the_flat_b1_model():
+    """Stages the B1 model fits within one node keep its count; wider ones need at least as many."""
+    solver = _solver(256, 8)
+    rng = np.random.default_rng(1)
+    C = rng.uniform(1e-4, 5e-2, 300)
+    P = rng.uniform(0, 4e8, 300)
+    zeros = np.zeros(300)
+    T = 3e-4
+    fast = solver._r(zeros, zeros, np.zeros((300, 0)), zeros, C, P, np.zeros((300, 0)), zeros, T)
+    from passes.partition.costmodel import min_replicas
+    flat = min_replicas(C, P, 0.0, 0.0, T, solver.opts)
+    assert (fast >= flat).all()
+    assert (fast[flat <= 8] == flat[flat <= 8]).all()
+    assert (fast[flat > 8] > flat[flat > 8]).any()  # the floor bites where stages span nodes
+
+
+@pytest.mark.parametrize("seed,K,G", [(s, K, G) for s in range(4) for K, G in ((8, 2), (8, 4), (6, 3))])
+def test_bound_holds_against_the_exact_placed_optimum(seed, K, G):
+    """The floor's bound on small graphs: never above the exact placed optimum (the downset DP), never
+    below the flat B1 model's, and its plan scored placed."""
+    g = random_dag(9, seed)
+    opts = _opts(K, G, cost_model="pipedream")
+    assert applies(opts)
+    now = time.monotonic()
+    floored = chain_plan(g, flat_bound(opts, fast=True), now, math.inf, plain=True, machine=opts)
+    flat = chain_plan(g, flat_bound(opts, fast=True), now, math.inf, plain=True)
+    best = _exact(g, opts)
+    assert floored.bound_s <= best * (1 + 1e-9) and best <= floored.bottleneck_s * (1 + 1e-9)
+    assert floored.bound_s >= flat.bound_s * (1 - 1e-9)
+
+
+def test_deep_gpt_on_many_nodes_bounded_closer_than_the_b1_model():
+    """Where plans replicate stages over many nodes (8 transformer blocks on 128 devices, 8 a node),
+    the floor's bound lies above the B1 model's and still below the plan it finds, scored placed."""
+    g = transformer_graph(8, seed=1)
+    opts = CostOptions(devices=128, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=8, cost_model="pipedream")
+    now = time.monotonic()
+    floored = chain_plan(g, flat_bound(opts, fast=True), now, now + 60, plain=True, machine=opts)
+    flat = chain_plan(g, flat_bound(opts, fast=True), now, now + 60, plain=True)
+    assert flat.bound_s < floored.bound_s <= floored.bottleneck_s
