@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from passes.partition import CostOptions
-from passes.partition.costmodel import _allreduce, allreduce_span, flat_bound, stage_time_s
+from passes.partition.costmodel import _allreduce, allreduce_span, flat_bound
 from passes.partition.node_floor import NodeFloorSolver, applies
 from passes.partition.segment_plan import chain_plan
 from passes.partition.segments import build_segments, folded_units
