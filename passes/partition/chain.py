@@ -91,6 +91,8 @@ class _Partners:
 
 
 class ChainSolver:
+    deadline = math.inf  # of the pass running: subclasses whose one segment can take seconds check it inside
+
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
@@ -139,6 +141,7 @@ class ChainSolver:
     def devices_needed(self, T: float, deadline: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
         K = self.opts.devices
+        self.deadline = deadline
         near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)

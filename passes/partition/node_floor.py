@@ -24,7 +24,6 @@ placed: a bound, at the cost of a flat pass.
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import List
 
@@ -54,16 +53,9 @@ class NodeFloorSolver(ChainSolver):
             raise ValueError("NodeFloorSolver: PipeDream's charges with any count on several nodes only")
         super().__init__(units, segments, flat_bound(machine, fast=True))
         self.machine, self.G, self.inter = machine, machine.gpus_per_node, min(machine.bandwidth, machine.intra_bw)
-        self.deadline = math.inf
-
-    def devices_needed(self, T: float, deadline: float = math.inf):
-        """``ChainSolver.devices_needed``, the deadline also checked inside a segment (few, large
-        segments on many devices: one can take a second)."""
-        self.deadline = deadline
-        return super().devices_needed(T, deadline)
 
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
-        if time.monotonic() > self.deadline:
+        if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
             raise DeadlineExceeded()
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         q = self._partner_count(shares, flags, T)

@@ -92,7 +92,6 @@ class PlacedChainSolver(ChainSolver):
     """``ChainSolver`` whose state is (point, devices used mod G); see the module docstring."""
 
     SPLIT_HOLDERS = True  # search the counts of a tied weight's holders (``devices_needed``)
-    deadline = math.inf  # of the pass running (``_needed``)
 
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         super().__init__(units, segments, opts)

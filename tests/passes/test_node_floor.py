@@ -105,3 +105,17 @@ def test_deep_gpt_on_many_nodes_bounded_closer_than_the_b1_model():
     floored = chain_plan(g, flat_bound(opts, fast=True), now, now + 60, plain=True, machine=opts)
     flat = chain_plan(g, flat_bound(opts, fast=True), now, now + 60, plain=True)
     assert flat.bound_s < floored.bound_s <= floored.bottleneck_s
+
+
+def test_floor_pass_stops_at_the_deadline():
+    """A pass checks the deadline in its fewest-replicas step too (``ChainSolver.deadline``), not only
+    between segments: on few, large segments one step can take a second."""
+    from passes.partition.chain import DeadlineExceeded
+
+    solver = _solver(256, 8)
+    C, P = np.full(4, 1e-2), np.full(4, 1e8)
+    zeros, none = np.zeros(4), np.zeros((4, 0))
+    solver._r(zeros, zeros, none, zeros, C, P, none, zeros, 1e-4)  # no pass running: no deadline
+    solver.deadline = time.monotonic() - 1.0
+    with pytest.raises(DeadlineExceeded):
+        solver._r(zeros, zeros, none, zeros, C, P, none, zeros, 1e-4)
