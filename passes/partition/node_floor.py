@@ -31,7 +31,8 @@ import numpy as np
 
 from passes.partition.chain import ChainSolver, DeadlineExceeded
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, combine_stage_time, flat_bound, min_replicas, tied_floor_s
+from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
+                                        tied_floor_s)
 from passes.partition.offsets import EPS
 from passes.partition.segments import Segment
 
@@ -72,21 +73,21 @@ class NodeFloorSolver(ChainSolver):
         return out.reshape(shape)
 
     def _band(self, n):
-        """Per weight byte, times r, the least PipeDream charges r ranks in band n (``r > (n-1)G``) anywhere:
-        n >= 3 nodes hold a full middle node (c = G); two nodes hold at least half of the band's least
-        count in one of them, or the stage spans three; one ring at B2 over the band's least count."""
-        G, B1, B2 = self.G, self.opts.bandwidth, self.inter
+        """Per weight byte, times r, the least PipeDream charges (``costmodel.allreduce_nodes``) r ranks of
+        band n (``r > (n-1)G``) anywhere: at the band's least count (the flat B2 ring grows with r); over
+        n >= 3 nodes a full middle one holds G of them; over two at least half sit in one, unless the
+        stage spans three."""
+        G, machine = self.G, self.machine
         least = (n - 1) * G + 1
-        full = 4.0 * (G - 1) / (B1 * G) + 4.0 * (n - 1) / (B2 * n)
-        half = (G + 2) // 2  # ceil((G + 1) / 2)
-        two = np.minimum(4.0 * (half - 1) / (B1 * half) + 2.0 / B2, 4.0 * (G - 1) / (B1 * G) + 8.0 / (3.0 * B2))
-        return np.minimum(np.where(n == 2, two, full), 4.0 * (least - 1) / (B2 * least))
+        k = allreduce_nodes(1.0, least, n, np.where(n == 2, (G + 2) // 2, G), machine) * least
+        return np.where(n == 2, np.minimum(k, allreduce_nodes(1.0, least, 3, G, machine) * least), k)
 
     def _time(self, C, own, tied, q, cut, r, n):
-        """A stage's floor at r replicas over at least n nodes (arrays)."""
+        """A stage's floor at r replicas over at least n nodes (arrays): its own weights at the band's
+        least, or the B1 ring if more; tied weights and cuts as the B1 model charges them."""
         fast = self.opts
-        per_byte = np.maximum(4.0 * (r - 1) / (fast.bandwidth * r), self._band(n))
-        sync = own * per_byte / r + tied_floor_s(tied, r, fast, q)
+        sync = np.maximum(allreduce_nodes(own, r, 1, r, fast), own * self._band(n) / r) \
+            + tied_floor_s(tied, r, fast, q)
         return combine_stage_time(C, r, sync, 2.0 * cut / (fast.bandwidth * r))
 
     def _fewest_across(self, C, own, tied, q, cut, start, T):
