@@ -54,6 +54,12 @@ class NodeFloorSolver(ChainSolver):
             raise ValueError("NodeFloorSolver: PipeDream's charges with any count on several nodes only")
         super().__init__(units, segments, flat_bound(machine, fast=True))
         self.machine, self.G, self.inter = machine, machine.gpus_per_node, min(machine.bandwidth, machine.intra_bw)
+        r = np.arange(machine.devices + 1)
+        ring = allreduce_nodes(1.0, r, 1, r, self.opts)  # the B1 ring, per weight byte
+        wide = np.maximum(ring, self._band(np.maximum((r + self.G - 1) // self.G, 1)) / np.maximum(r, 1))
+        # per count, the floor's charge per own weight byte: it depends on r alone (its band is ceil(r/G)),
+        # so one table serves every stage and T (a pass evaluates it for millions of stage-count pairs)
+        self._own = np.where(r > self.G, wide, ring)
 
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
@@ -82,12 +88,14 @@ class NodeFloorSolver(ChainSolver):
         k = allreduce_nodes(1.0, least, n, np.where(n == 2, (G + 2) // 2, G), machine) * least
         return np.where(n == 2, np.minimum(k, allreduce_nodes(1.0, least, 3, G, machine) * least), k)
 
-    def _time(self, C, own, tied, q, cut, r, n):
-        """A stage's floor at r replicas over at least n nodes (arrays): its own weights at the band's
-        least, or the B1 ring if more; tied weights and cuts as the B1 model charges them."""
+    def _time(self, C, own, tied, q, cut, r):
+        """A stage's floor at r replicas (arrays; r > G spans at least ceil(r/G) nodes): its own weights at
+        their band's least, or the B1 ring if more (``_own``); tied weights and cuts as the B1 model
+        charges them."""
         fast = self.opts
-        sync = np.maximum(allreduce_nodes(own, r, 1, r, fast), own * self._band(n) / r) \
-            + tied_floor_s(tied, r, fast, q)
+        sync = own * self._own[r]
+        if np.any(tied):
+            sync = sync + tied_floor_s(tied, r, fast, q)
         return combine_stage_time(C, r, sync, 2.0 * cut / (fast.bandwidth * r))
 
     def _fewest_across(self, C, own, tied, q, cut, start, T):
@@ -105,7 +113,7 @@ class NodeFloorSolver(ChainSolver):
                 raise DeadlineExceeded()
             top = np.minimum(n * G, K)
             args = (C[open_], own[open_], tied[open_], q[open_], cut[open_])
-            fits = self._time(*args, top, n) <= T * (1 + EPS)
+            fits = self._time(*args, top) <= T * (1 + EPS)
             if fits.any():
                 k = np.nonzero(fits)[0]
                 a, b = lo[k].copy(), top[k].copy()  # b meets T; the band's time falls with r
@@ -115,7 +123,7 @@ class NodeFloorSolver(ChainSolver):
                     if not go.size:
                         break
                     mid = (a[go] + b[go]) // 2
-                    good = self._time(*(x[go] for x in sub), mid, n[k][go]) <= T * (1 + EPS)
+                    good = self._time(*(x[go] for x in sub), mid) <= T * (1 + EPS)
                     b[go] = np.where(good, mid, b[go])
                     a[go] = np.where(good, a[go], mid + 1)
                 out[open_[k]] = b

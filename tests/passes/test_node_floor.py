@@ -36,6 +36,7 @@ def test_floor_never_above_the_charge_at_any_offset(K, G):
         n = -(-r // G)
         floor = _allreduce(P, r, solver.opts) if r <= G else \
             P * max(4.0 * (r - 1) / (B1 * r), float(solver._band(np.array([n]))[0])) / r
+        assert P * solver._own[r] == pytest.approx(floor, rel=1e-12)  # the table the pass reads
         placed = allreduce_span(P, np.arange(G), r, solver.machine)
         assert placed.min() >= floor * (1 - 1e-12), (r, placed.min(), floor)
 
@@ -57,8 +58,7 @@ def test_fewest_count_is_the_least_that_meets_t_band_by_band():
     for k in range(m):
         want = solver.opts.devices + 1
         for r in range(int(start[k]), solver.opts.devices + 1):
-            n = -(-r // solver.G)
-            if solver._time(C[k], own[k], tied[k], q[k], cut[k], r, n) <= T * (1 + 1e-9):
+            if solver._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9):
                 want = r
                 break
         # past MAX_BANDS bands the answer is a floor of the fewest count, never above it
