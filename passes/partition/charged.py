@@ -24,14 +24,17 @@ from passes.partition.placed import PlacedChainSolver
 from passes.partition.segments import Segment
 
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
-_CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi")
+_CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi",
+            "one_fast", "one_slow", "rise_fast", "rise_slow")
 
 
 class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHARGED])):
     """What a stage's exact placed time needs, per pair (see ``ChargedChainSolver``): compute, own
     weight bytes (tied ones left out), tied bytes, of those the bytes synced across nodes for sure,
     the tied group's least partner replicas, the cut floors of ``cut_floors``, whether it is a first
-    stage without compute, and the candidate counts ``[lo, hi]``."""
+    stage without compute, the candidate counts ``[lo, hi]``, and, under PipeDream's charges, where the
+    two flat models meet T (one replica meets it; every count from ``rise`` on does, none from 2 below
+    it; see ``ChargedChainSolver._flat_fits``)."""
 
     def take(self, idx) -> "_Charged":
         return _Charged(*(x[idx] for x in self))
@@ -64,14 +67,22 @@ class ChargedChainSolver(PlacedChainSolver):
         fast, slow = self.flat
         lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
-        sure = np.maximum(_rising_from(lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, slow, tied[k], q[k]),
-                                       C.size, T, K), np.maximum(in_far, out_far))
+        at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
+        rise_slow = _rising_from(at(slow), C.size, T, K)
+        sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
+        one_fast = one_slow = rise_fast = None
+        if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
+            one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
+            rise_fast = _rising_from(at(fast), C.size, T, K)
         hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
         if o.replication == "pow2":  # counts of at least G are multiples of G: the first past ``sure`` ends it
             allowed = np.asarray(o.allowed_replicas(), dtype=np.int64)
             step = allowed[np.minimum(np.searchsorted(allowed, np.maximum(sure, self.G)), allowed.size - 1)]
             hi = np.where((self.G & (self.G - 1)) == 0, np.where(sure <= K, step, K), K)
-        return _Charged(C, params - tied, tied, far, q, near, in_far, out_far, first & (C <= 0), lo, hi)
+        if one_fast is None:
+            one_fast = one_slow = rise_fast = rise_slow = np.zeros(C.shape)  # not read (``_flat_fits``)
+        return _Charged(C, params - tied, tied, far, q, near, in_far, out_far, first & (C <= 0), lo, hi,
+                        one_fast, one_slow, rise_fast, rise_slow)
 
     def _tied_charge(self, ch: _Charged, r, one_node):
         """The least sync of a stage's tied weights (``costmodel.tied_floor_s``): fxpipe's ring runs at
@@ -93,19 +104,61 @@ class ChargedChainSolver(PlacedChainSolver):
         where they start (no placement charges less than the first nor more than the second), so
         only those are charged at every offset."""
         G = self.G
-        fast, slow = (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + EPS)
-                      for f in self.flat)
+        fast, slow = self._flat_fits(ch, r, T)
         ok = np.broadcast_to(slow, (slow.shape[0], G)).copy()
         torn = np.nonzero((fast & ~slow)[:, 0])[0]
         if torn.size:
             some, rt = ch.take(torn), (r[torn] if r.shape[0] > 1 else r)
             one = m + rt <= G
-            sync = allreduce_span(some.own, m, rt, self.opts) + self._tied_charge(some, rt, one)
+            sync = some.own * self._span[rt, m]
+            if some.tied.any():
+                sync = sync + self._tied_charge(some, rt, one)
             ok[torn] = combine_stage_time(some.C, rt, sync, 0.0) <= T * (1 + EPS)
-        one = m + r <= G
-        cuts = np.where(one, (r >= ch.near) & ((m + r < G) | (r >= ch.out_far)) & ((m > 0) | (r >= ch.in_far)),
-                        r >= np.maximum(ch.in_far, ch.out_far))
-        return ok & cuts & ~ch.empty_first
+        # cuts: a count at or above every floor fits them wherever the stage starts; below the least, nowhere
+        n = ok.shape[0]
+        far = np.maximum(ch.in_far, ch.out_far)
+        row = lambda x: np.broadcast_to(x, (n, 1))[:, 0]  # noqa: E731
+        cleared = row(r >= np.maximum(far, ch.near))
+        anywhere = row(slow).copy()
+        if torn.size:
+            anywhere[torn] = ok[torn].any(axis=1)
+        check = np.nonzero(~cleared & row(r >= np.minimum(far, ch.near)) & anywhere)[0]
+        out = ok & cleared[:, None]
+        if check.size:
+            sub, rc = ch.take(check), (r[check] if r.shape[0] > 1 else r)
+            cuts = np.where(m + rc <= G, (rc >= sub.near) & ((m + rc < G) | (rc >= sub.out_far))
+                            & ((m > 0) | (rc >= sub.in_far)), rc >= np.maximum(sub.in_far, sub.out_far))
+            out[check] = ok[check] & cuts
+        return out & ~ch.empty_first
+
+    def _flat_fits(self, ch: _Charged, r, T: float):
+        """Whether stages (columns) of ``r`` replicas meet T under the faster and the slower flat model.
+        Under PipeDream's charges a stage's time falls from r = 2 on (``costmodel.min_replicas``), so
+        that is r = 1's answer or ``r >= rise``, worked out once per T (``_stage_intervals``) instead
+        of two stage times per candidate count; fxpipe's tied ring can rise again, so there they are
+        computed."""
+        if self.opts.cost_model == "pipedream":
+            return (np.where(r == 1, one, r >= rise) for one, rise in
+                    ((ch.one_fast, ch.rise_fast), (ch.one_slow, ch.rise_slow)))
+        return (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + EPS)
+                for f in self.flat)
+
+    @property
+    def _span(self) -> np.ndarray:
+        """``allreduce_span`` per weight byte, by count (rows 0..K) and start offset in a node (columns): the
+        charge is linear in the bytes, so one table serves every stage of every pass."""
+        if getattr(self, "_span_table", None) is None:
+            counts, offsets = np.arange(self.opts.devices + 1)[:, None], np.arange(self.G)[None, :]
+            self._span_table = allreduce_span(1.0, offsets, counts, self.opts)
+        return self._span_table
+
+    @property
+    def _payload(self) -> np.ndarray:
+        """Per count r (rows 0..K) and end offset m' (columns): ``_packed(0, r, (m' - r) mod G)``."""
+        if getattr(self, "_payload_table", None) is None:
+            r, end = np.arange(self.opts.devices + 1)[:, None], np.arange(self.G)[None, :]
+            self._payload_table = _packed(0, r, (end - r) % self.G)
+        return self._payload_table
 
     def _candidates(self, ch: _Charged):
         """(columns of counts, per pair, to try; whether each is in its pair's window; whether it is
@@ -131,39 +184,34 @@ class ChargedChainSolver(PlacedChainSolver):
         fewest devices after the stage (> K: none), the source offset and the replicas."""
         K, G = self.opts.devices, self.G
         n = s.size
-        val = np.full((n, G), K + 1, dtype=np.int64)
-        from_m = np.zeros((n, G), dtype=np.int64)
-        reps = np.zeros((n, G), dtype=np.int64)
+        # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
+        # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
+        # tried, as the columns rise), whose source offset follows from it
+        best = np.full((n, G), _packed(K + 1, 0, 0), dtype=np.int64)
         cols, inside, exact = self._candidates(ch)
         same = self.opts.replication == "pow2"  # one count per column: every pair shifts offsets alike
-        m = np.arange(G)[None, :]
+        m = np.arange(G)[None, :]  # start offsets
         dev = rows[s]
+        least = dev.min(axis=1)
         for w in range(cols.shape[1]):
             if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
                 raise DeadlineExceeded()
             live = np.nonzero(inside[:, w])[0]
             if not live.size:
                 continue
-            here = dev[live]
-            keep = here.min(axis=1) + cols[live, w] <= K
-            live, here = live[keep], here[keep]
+            live = live[least[live] + cols[live, w] <= K]
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
             some = ch.take(live[:, None])
             fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
-            tot = np.where(fits, here + r, K + 1)
-            tot[tot > K] = K + 1
-            src = (m - r) % G  # the start offset of a stage of r replicas that ends at each offset
+            after = dev[live] + r
+            tot = np.where(fits & (after <= K), after, K + 1)
+            pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
+            src = pay & _LOW
             got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
-            cur = val[live]
-            better = got < cur
-            if not better.any():
-                continue
-            val[live] = np.where(better, got, cur)
-            from_m[live] = np.where(better, src, from_m[live])
-            reps[live] = np.where(better, r, reps[live])
-        return val, from_m, reps
+            best[live] = np.minimum(best[live], (got << _VAL) | pay)
+        return best >> _VAL, best & _LOW, (best >> _REPS) & _LOW
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
@@ -202,6 +250,15 @@ class ChargedChainSolver(PlacedChainSolver):
             src_b[x, ms, 0] = off + j[pairs[k]]
             src_b[x, ms, 1] = from_m[k, ms]
             src_b[x, ms, 2] = reps[k, ms]
+
+
+_VAL, _REPS, _LOW = 40, 20, (1 << 20) - 1  # bit positions of ``_packed``'s fields, and a field's mask
+
+
+def _packed(devices, replicas, offset):
+    """(devices, replicas, offset) as one int64 that orders like the tuple (each field below 2^20)."""
+    return (np.asarray(devices, dtype=np.int64) << _VAL) | (np.asarray(replicas, dtype=np.int64) << _REPS) \
+        | np.asarray(offset, dtype=np.int64)
 
 
 def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:

@@ -1,0 +1,62 @@
+"""Pieces of the charged placed DP (``passes/partition/charged.py``) that its speed rests on."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from passes.partition.charged import ChargedChainSolver, _packed, _CHARGED, _Charged, _LOW, _REPS, _VAL
+from passes.partition.costmodel import allreduce_span, stage_time_s
+from passes.partition.offsets import EPS
+from passes.partition.segments import build_segments, folded_units
+from tests.passes.test_partition_scale import transformer_graph
+from tests.passes.test_placed import _opts
+
+
+def _solver(K=64, G=8, **kw) -> ChargedChainSolver:
+    opts = _opts(K, G, **kw)
+    units, _ = folded_units(transformer_graph(3, seed=4), opts)
+    return ChargedChainSolver(units, build_segments(units), opts)
+
+
+def test_packed_orders_like_the_tuple_and_unpacks():
+    """One minimum over packed integers keeps the fewest devices, then the fewest replicas: what the
+    per-column comparisons it replaced kept (columns rise in r, ties kept the first)."""
+    triples = list(itertools.product([0, 1, 5, 1025], [0, 1, 7, 1024], [0, 3, 7]))
+    packed = _packed(*(np.array(x) for x in zip(*triples)))
+    assert [triples[i] for i in np.argsort(packed, kind="stable")] == sorted(triples)
+    assert np.array_equal(packed >> _VAL, [t[0] for t in triples])
+    assert np.array_equal((packed >> _REPS) & _LOW, [t[1] for t in triples])
+    assert np.array_equal(packed & _LOW, [t[2] for t in triples])
+
+
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+def test_flat_fits_equal_the_stage_times(model):
+    """Under PipeDream's charges the flat models' answers are thresholds worked out once per T; they
+    must equal the stage times evaluated count by count (fxpipe's are evaluated)."""
+    solver = _solver(cost_model=model, replication="any" if model == "pipedream" else "pow2")
+    rng = np.random.default_rng(3)
+    n, K = 300, solver.opts.devices
+    C = rng.uniform(1e-5, 3e-3, n)
+    params = rng.uniform(0, 3e8, n)
+    tied = np.where(rng.random(n) < 0.3, rng.uniform(0, 5e7, n), 0.0)
+    zeros, T = np.zeros(n), 1e-4
+    stages = (C, params, zeros, zeros, tied, np.zeros(n, bool), np.zeros(n, bool), None, None)
+    ch = solver._stage_intervals(stages, T)
+    col = _Charged(*(x[:, None] for x in ch))
+    for r in range(1, K + 1):
+        fast, slow = solver._flat_fits(col, np.full((n, 1), r), T)
+        for got, flat in zip((fast, slow), solver.flat):
+            want = stage_time_s(C, params, 0.0, 0.0, r, flat, tied, ch.partners) <= T * (1 + EPS)
+            assert np.array_equal(got[:, 0], want), (r, np.nonzero(got[:, 0] != want))
+    assert len(_CHARGED) == len(ch)
+
+
+def test_span_table_is_the_charge_per_byte():
+    """``_span[r, m]`` times the bytes is ``allreduce_span`` at every count and offset."""
+    solver = _solver(K=96, G=8, cost_model="pipedream")
+    P = 3.7e8
+    r = np.arange(97)[:, None]
+    m = np.arange(8)[None, :]
+    assert np.allclose(P * solver._span, allreduce_span(P, m, r, solver.opts), rtol=1e-12, atol=0)
