@@ -15,6 +15,7 @@ from typing import List, NamedTuple
 
 import numpy as np
 
+from passes.errors import FxpipeError
 from passes.partition.chain import DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
@@ -156,6 +157,9 @@ class ChargedChainSolver(PlacedChainSolver):
     def _payload(self) -> np.ndarray:
         """Per count r (rows 0..K) and end offset m' (columns): ``_packed(0, r, (m' - r) mod G)``."""
         if getattr(self, "_payload_table", None) is None:
+            if self.opts.devices >= _LOW:
+                raise FxpipeError(f"partition: the placed DP packs replica counts in 20 bits; {self.opts.devices} "
+                                  "devices are more (plan a flat machine, without --gpus-per-node)")
             r, end = np.arange(self.opts.devices + 1)[:, None], np.arange(self.G)[None, :]
             self._payload_table = _packed(0, r, (end - r) % self.G)
         return self._payload_table
