@@ -59,6 +59,19 @@ class ChargedChainSolver(PlacedChainSolver):
 
     SPLIT_HOLDERS = False  # its candidate windows assume every count of a stage is open
 
+    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
+        super().__init__(units, segments, opts)
+        K, G = opts.devices, self.G
+        if K >= _LOW:
+            raise FxpipeError(f"partition: the placed DP packs replica counts in 20 bits; {K} devices are more "
+                              "(plan a flat machine, without --gpus-per-node)")
+        counts, offsets = np.arange(K + 1)[:, None], np.arange(G)[None, :]
+        # by count (rows 0..K) and offset in a node: ``allreduce_span`` per weight byte (linear in the
+        # bytes, so one table serves every stage of every pass), and ``_packed(0, r, (m' - r) mod G)`` for
+        # a stage of r replicas that ends at offset m' (``_charged_targets``)
+        self._span = allreduce_span(1.0, offsets, counts, opts)
+        self._payload = _packed(0, counts, (offsets - counts) % G)
+
     def _stage_intervals(self, stages, T: float) -> _Charged:
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
         far = self._far(first, last, shares, T)
@@ -143,26 +156,6 @@ class ChargedChainSolver(PlacedChainSolver):
                     ((ch.one_fast, ch.rise_fast), (ch.one_slow, ch.rise_slow)))
         return (stage_time_s(ch.C, ch.own + ch.tied, 0.0, 0.0, r, f, ch.tied, ch.partners) <= T * (1 + EPS)
                 for f in self.flat)
-
-    @property
-    def _span(self) -> np.ndarray:
-        """``allreduce_span`` per weight byte, by count (rows 0..K) and start offset in a node (columns): the
-        charge is linear in the bytes, so one table serves every stage of every pass."""
-        if getattr(self, "_span_table", None) is None:
-            counts, offsets = np.arange(self.opts.devices + 1)[:, None], np.arange(self.G)[None, :]
-            self._span_table = allreduce_span(1.0, offsets, counts, self.opts)
-        return self._span_table
-
-    @property
-    def _payload(self) -> np.ndarray:
-        """Per count r (rows 0..K) and end offset m' (columns): ``_packed(0, r, (m' - r) mod G)``."""
-        if getattr(self, "_payload_table", None) is None:
-            if self.opts.devices >= _LOW:
-                raise FxpipeError(f"partition: the placed DP packs replica counts in 20 bits; {self.opts.devices} "
-                                  "devices are more (plan a flat machine, without --gpus-per-node)")
-            r, end = np.arange(self.opts.devices + 1)[:, None], np.arange(self.G)[None, :]
-            self._payload_table = _packed(0, r, (end - r) % self.G)
-        return self._payload_table
 
     def _candidates(self, ch: _Charged):
         """(columns of counts, per pair, to try; whether each is in its pair's window; whether it is

@@ -53,7 +53,7 @@ class NodeFloorSolver(ChainSolver):
         if not applies(machine):
             raise ValueError("NodeFloorSolver: PipeDream's charges with any count on several nodes only")
         super().__init__(units, segments, flat_bound(machine, fast=True))
-        self.machine, self.G, self.inter = machine, machine.gpus_per_node, min(machine.bandwidth, machine.intra_bw)
+        self.machine, self.G = machine, machine.gpus_per_node
         r = np.arange(machine.devices + 1)
         ring = allreduce_nodes(1.0, r, 1, r, self.opts)  # the B1 ring, per weight byte
         wide = np.maximum(ring, self._band(np.maximum((r + self.G - 1) // self.G, 1)) / np.maximum(r, 1))

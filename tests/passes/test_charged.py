@@ -6,6 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
+from passes.errors import FxpipeError
 from passes.partition.charged import ChargedChainSolver, _packed, _CHARGED, _Charged, _LOW, _REPS, _VAL
 from passes.partition.costmodel import allreduce_span, stage_time_s
 from passes.partition.offsets import EPS
@@ -60,3 +61,8 @@ def test_span_table_is_the_charge_per_byte():
     r = np.arange(97)[:, None]
     m = np.arange(8)[None, :]
     assert np.allclose(P * solver._span, allreduce_span(P, m, r, solver.opts), rtol=1e-12, atol=0)
+
+
+def test_more_devices_than_the_packed_field_holds_is_refused():
+    with pytest.raises(FxpipeError, match="20 bits"):
+        _solver(K=1 << 20, G=8, cost_model="pipedream")
