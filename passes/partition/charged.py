@@ -84,7 +84,7 @@ class ChargedChainSolver(PlacedChainSolver):
         at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
         rise_slow = _rising_from(at(slow), C.size, T, K)
         sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
-        one_fast = one_slow = rise_fast = None
+        one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
         if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
             one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
             rise_fast = _rising_from(at(fast), C.size, T, K)
@@ -93,8 +93,6 @@ class ChargedChainSolver(PlacedChainSolver):
             allowed = np.asarray(o.allowed_replicas(), dtype=np.int64)
             step = allowed[np.minimum(np.searchsorted(allowed, np.maximum(sure, self.G)), allowed.size - 1)]
             hi = np.where((self.G & (self.G - 1)) == 0, np.where(sure <= K, step, K), K)
-        if one_fast is None:
-            one_fast = one_slow = rise_fast = rise_slow = np.zeros(C.shape)  # not read (``_flat_fits``)
         return _Charged(C, params - tied, tied, far, q, near, in_far, out_far, first & (C <= 0), lo, hi,
                         one_fast, one_slow, rise_fast, rise_slow)
 
