@@ -188,6 +188,11 @@ class ChargedChainSolver(PlacedChainSolver):
         m = np.arange(G)[None, :]  # start offsets
         dev = rows[s]
         least = dev.min(axis=1)
+        settled = self._settled(rows, s, ch)
+        if settled is not None:  # those pairs' counts from ``first`` on are done: the loop tries those below
+            done, first, best[done] = settled
+            inside = inside.copy()
+            inside[done] &= cols[done] < first[:, None]
         for w in range(cols.shape[1]):
             if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
                 raise DeadlineExceeded()
@@ -200,6 +205,11 @@ class ChargedChainSolver(PlacedChainSolver):
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
             some = ch.take(live[:, None])
             fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
+            keep = np.nonzero(fits.any(axis=1))[0]  # a pair that fits at no offset adds nothing
+            if keep.size < live.size:
+                if not keep.size:
+                    continue
+                live, r, fits = live[keep], (r if same else r[keep]), fits[keep]
             after = dev[live] + r
             tot = np.where(fits & (after <= K), after, K + 1)
             pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
@@ -207,6 +217,37 @@ class ChargedChainSolver(PlacedChainSolver):
             got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
             best[live] = np.minimum(best[live], (got << _VAL) | pay)
         return best >> _VAL, best & _LOW, (best >> _REPS) & _LOW
+
+    def _settled(self, rows, s, ch: _Charged):
+        """Under PipeDream's charges and any count, the pairs whose stage fits at every offset from some
+        count ``first`` on, with their best over all counts from ``first`` on; None when no pair is.
+
+        From r = 2 on a stage meets T under the slower flat model for every r >= ``rise_slow``
+        (``_flat_fits``), and then at every offset (no placement charges more), and it clears its cuts
+        for every r >= their floors: from ``first``, the largest of those, it fits everywhere. A count
+        G past another one that fits everywhere reaches the same end offsets from the same start
+        offsets with G more devices, so counts ``first`` to ``first + G - 1`` decide (where all of them
+        are in the pair's exact window, as the column loop would try them). Their best at end offset m'
+        is, with k = (m' - first) mod G, ``first`` plus the least over j < G of
+        ``dev[(k - j) mod G] + j``, which depends on the source row only: one G x G table per row
+        instead of G columns per pair.
+        """
+        if self.opts.cost_model != "pipedream" or self.opts.replication != "any":
+            return None
+        G, K = self.G, self.opts.devices
+        first = np.maximum.reduce([np.full(ch.lo.shape, 2), ch.lo, ch.rise_slow, ch.in_far, ch.out_far, ch.near])
+        last = first + G - 1
+        done = np.nonzero(~ch.empty_first & (last <= ch.hi) & (last < ch.lo + WINDOW * G))[0]
+        if not done.size:
+            return None
+        first = first[done]
+        used, row_of = np.unique(s[done], return_inverse=True)
+        k, j = np.arange(G)[:, None], np.arange(G)[None, :]
+        start = (k - j) % G  # (k, j): the start offset of count first + j for end offset first + k
+        table = np.min(_packed(rows[used][:, start] + j, j, start), axis=2)  # (sources, k)
+        ends = (np.arange(G)[None, :] - first[:, None]) % G
+        got = table[row_of[:, None], ends] + _packed(first, first, 0)[:, None]
+        return done, first, np.where(got >> _VAL <= K, got, _packed(K + 1, 0, 0))
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every

@@ -66,3 +66,31 @@ def test_span_table_is_the_charge_per_byte():
 def test_more_devices_than_the_packed_field_holds_is_refused():
     with pytest.raises(FxpipeError, match="20 bits"):
         _solver(K=1 << 20, G=8, cost_model="pipedream")
+
+
+@pytest.mark.parametrize("K,G,tied", [(64, 8, True), (48, 4, False), (256, 8, True)])
+def test_settled_pairs_give_the_column_loops_answer(monkeypatch, K, G, tied):
+    """Under PipeDream's charges the pairs that fit at every offset from some count on skip the column
+    loop from there (``_settled``); the fewest devices and every back-pointer must be what the loop
+    alone finds, at T from the bound up, and the shortcut must really have taken pairs."""
+    opts = _opts(K, G, cost_model="pipedream")
+    units, _ = folded_units(transformer_graph(4, seed=5, tied=tied), opts)
+    segs = build_segments(units)
+    ideal = sum(units.compute) / K
+    taken = []
+    real = ChargedChainSolver._settled
+
+    def counting(self, rows, s, ch):
+        out = real(self, rows, s, ch)
+        taken.append(0 if out is None else out[0].size)
+        return out
+
+    answers = {}
+    for name, settle in (("settled", counting), ("loop", lambda *a: None)):
+        monkeypatch.setattr(ChargedChainSolver, "_settled", settle)
+        solver = ChargedChainSolver(units, segs, opts)
+        answers[name] = [solver.devices_needed(ideal * f) for f in (1.0, 1.01, 1.05, 1.2, 2.0)]
+    assert sum(taken) > 0
+    for (need, back), (want, want_back) in zip(answers["settled"], answers["loop"]):
+        assert need == want
+        assert np.array_equal(back, want_back)
