@@ -370,7 +370,7 @@ def group_times(comp, par, groups, reps, opts: CostOptions, which=None) -> np.nd
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
-          ceiling: float = math.inf) -> Optional[ChainSolution]:
+          ceiling: float = math.inf, settle_by: float = math.inf) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -388,13 +388,17 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     rung of the ladder, then that time, then bisects; further apart it bisects
     between the two at once, since a pass there either raises the bound or
     finds a faster plan, where one at the ceiling could only do the second;
-    that first pass sits at most ``PROVE_WITHIN`` below the ceiling, so that
-    one infeasible pass proves the caller's plan that close (a pass near the
-    bound instead would raise the bound by a rung only).
+    that first pass sits ``PROVE_WITHIN`` below the ceiling, so that one
+    infeasible pass proves the caller's plan that close (a pass near the
+    bound instead would raise the bound by a rung only, and one nearer the
+    ceiling, where the bound is within twice that, often finds a plan that
+    scores no better than the caller's, proving nothing).
     With a ceiling the answer may then hold a bound and no plan
     (``stage_of`` None) when no pass found one faster. The bound itself is
     never tried: no plan is faster than it, so that pass would only confirm
-    what is known.
+    what is known. ``settle_by``: past this time the bisection stops once it
+    holds a plan (a caller that wants a plan soon and has better uses for the
+    rest of the time; ``deadline`` still bounds the search for a first plan).
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -420,12 +424,14 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
         first_wide = wide
         while hi > lo * (1 + tolerance):
+            if best is not None and time.monotonic() > settle_by:
+                break
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
             if first_wide:  # one pass may prove the caller's plan within PROVE_WITHIN (or beat it by that)
-                T, first_wide = max(T, hi / (1 + PROVE_WITHIN)), False
+                T, first_wide = hi / (1 + PROVE_WITHIN), False
             found = _attempt(solver, units, opts, T, score, deadline)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within

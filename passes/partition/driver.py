@@ -34,6 +34,8 @@ from passes.partition import node_floor, placed, uniform
 
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
+SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
+UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
 
 
 def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
@@ -210,7 +212,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     on many nodes charges every link at B1 and lies far below. Under PipeDream's charges (any count)
     the bracket's bound comes from the flat model at B1 with each stage's all-reduce floored at the
     nodes it must touch (``node_floor.py``), far closer to the placed optimum where stages are
-    replicated across nodes."""
+    replicated across nodes. The bracket's plan, or the uniform layout where that is faster, is the
+    ceiling the charged DP's first pass tries to prove within 1 % (``_bracketed``)."""
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
@@ -222,7 +225,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True)
         floor = relaxed.bound_s if relaxed is not None else 0.0
-    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, before_charged=True)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
@@ -236,21 +239,36 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
 
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-               plain: bool = False, floor: float = 0.0) -> Optional[PartitionResult]:
+               plain: bool = False, floor: float = 0.0, before_charged: bool = False) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster; under PipeDream's charges with its all-reduces floored
     by node count, ``node_floor.py``, its plans then scored placed) and at the SLOWER one (its plans
     place well), the plan that scores best placed kept, with the fast model's bound; ``plain``: see
-    ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already."""
+    ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already.
+
+    ``before_charged``: the charged DP follows and takes this plan as its ceiling. The best uniform
+    PP x DP layout (``uniform.py``) is then a candidate: a lower ceiling lets one charged pass 1 %
+    under it prove the plan within 1 %. Where that layout lies within ``UNIFORM_NEAR`` of the bound
+    already, the slower model stops bisecting after ``SLOW_SHARE`` of the time left: on deep uniform
+    stacks its passes took a third of the limit converging on plans slower than that layout, time
+    the charged DP's one decisive pass needed; far from the bound (few blocks on many devices) its
+    converged plans are what the answer rests on, so it keeps the time."""
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
                       machine=opts if node_floor.applies(opts) else None) if floor <= 0 else None
     if fast is None and floor <= 0:
         return None
     bound = fast.bound_s if fast is not None else floor
-    slow = chain_plan(graph, flat_bound(opts, fast=False), start, deadline, floor=bound, plain=plain) \
-        if opts.gpus_per_node < opts.devices else None
+    hand = uniform.best_layout(graph, opts) if before_charged else None
+    near = hand is not None and hand[0].bottleneck_s <= bound * UNIFORM_NEAR
+    settle_by = time.monotonic() + (SLOW_SHARE if near else 1.0) * (deadline - time.monotonic())
+    slow = chain_plan(graph, flat_bound(opts, fast=False), start, deadline, floor=bound, plain=plain,
+                      settle_by=settle_by) if opts.gpus_per_node < opts.devices else None
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
+    if hand is not None:
+        ev, assignment, replicas = hand
+        scored.append((ev, PartitionResult(assignment, list(replicas), ev.stages, ev.bottleneck_s, opts, "FEASIBLE",
+                                           ev.bottleneck_s, 0.0, 0.0, len(graph.nodes), method="uniform layout")))
     if not scored:
         return None
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)

@@ -23,7 +23,7 @@ from passes.partition.segments import build_segments, fold_margin, folded_units
 
 def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
            ceiling: float = math.inf, plain: bool = False,
-           machine: Optional[CostOptions] = None) -> Optional[PartitionResult]:
+           machine: Optional[CostOptions] = None, settle_by: float = math.inf) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -41,12 +41,14 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     the charged DP, where time is short); ``machine``: with ``opts`` the flat model at B1 of that
     two-level machine, the DP floors each stage's all-reduce at the nodes it must touch
     (``node_floor.py``: a higher bound under PipeDream's charges), and plans are scored on that machine
-    (a plan's time under ``opts`` may lie below this bound, so it could not cap it).
+    (a plan's time under ``opts`` may lie below this bound, so it could not cap it); ``settle_by``: past
+    this time the bisection stops once it holds a plan (``chain.solve``).
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
-    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine)
+    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine,
+                     settle_by=settle_by)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -87,7 +89,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     bound = max(bound, ideal)
     if machine is None and opts.gpus_per_node is None and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
-                                 lambda heavier: (searched(heavier, opts, deadline, cones, True) or [None])[0],
+                                 lambda heavier: (searched(heavier, opts, deadline, cones, True, settle_by=settle_by) or [None])[0],
                                  bound * (1 + OPTIMAL_GAP), deadline)
         if better is not None:
             (assignment, replicas), ev = better
@@ -162,11 +164,12 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
 
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
-              machine: Optional[CostOptions] = None):
+              machine: Optional[CostOptions] = None, settle_by: float = math.inf):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
-    solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine)
+    solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
+                        settle_by=settle_by)
     if solved is None:
         return None
     units, found, margin = solved
@@ -178,7 +181,7 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None, floor: float = 0.0,
-                ceiling: float = math.inf, machine: Optional[CostOptions] = None):
+                ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
@@ -205,7 +208,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
                             floor=floor)  # no ladder: its first pass, at twice the bound, finds a plan
     else:
-        found = chain_solve(units, segs, opts, deadline, score, floor=floor)
+        found = chain_solve(units, segs, opts, deadline, score, floor=floor, settle_by=settle_by)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

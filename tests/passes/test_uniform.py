@@ -56,3 +56,23 @@ def test_partition_never_slower_than_the_best_uniform_layout():
         assert res.bound_s <= res.bottleneck_s
         assert res.bottleneck_s == pytest.approx(
             evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s, rel=1e-12)
+
+
+def test_bracket_before_the_charged_dp_holds_the_uniform_layout(monkeypatch):
+    """Before the charged DP the bracket's plan is its ceiling: the uniform layout is one of its
+    candidates, so even a bracket whose flat search found nothing in time (here: none at all) hands the
+    charged DP a plan to prove, with the bound it was given."""
+    import time
+
+    from passes.partition import driver
+
+    g = transformer_graph(8, seed=2)
+    opts = CostOptions(devices=32, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10, replication="pow2")
+    ev, assignment, replicas = best_layout(g, opts)
+    monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: None)
+    now = time.monotonic()
+    bracket = driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6, before_charged=True)
+    assert bracket is not None and bracket.method == "uniform layout"
+    assert bracket.assignment == assignment and bracket.replicas == list(replicas)
+    assert bracket.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and bracket.bound_s == 1e-6
+    assert driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6) is None  # not asked for: none
