@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Dict, Iterator, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.fx
@@ -129,8 +129,6 @@ class _RecvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, value: torch.Tensor, box: "MailboxTransport", tag: str) -> torch.Tensor:
         ctx.box, ctx.tag = box, tag
-        if box.owns_inbox:  # a private receive buffer: an alias is safe, a copy would only cost time
-            return value.detach()
         return value.detach().clone() if value.requires_grad else value.clone()
 
     @staticmethod
@@ -151,24 +149,37 @@ class MailboxTransport:
     may hold the sender's own tensor (in-process use): an in-place op in the
     receiving stage must not change what the sender's graph saved.
     ``owns_inbox=True`` says every inbox tensor is a buffer nobody else
-    holds (a runtime's receive buffer), so the stage gets it without a copy.
+    holds (a runtime's receive buffer): it becomes a leaf that needs a
+    gradient, the stage gets a clone of it (a C++ autograd node; in-place ops
+    on it stay legal), and after the backward ``collect_grads`` moves the
+    leaf's ``.grad`` into ``grad_out``. That costs less per microbatch than
+    the ``_RecvFn`` path's Python autograd Function (README, "Stage overhead
+    without communication"). ``sent_as_roots=True`` likewise replaces
+    ``_SendFn``: a differentiable sent value is kept in ``sent``, ``send``
+    returns no token, and the runtime starts the backward from those values
+    with their received gradients (``backward_roots``).
     ``received`` keeps, per tag, the autograd edge of each received tensor
     that needs a gradient, taken before the stage can modify it in place: a
     runtime that computes input gradients alone asks autograd for these.
     """
 
-    def __init__(self, owns_inbox: bool = False) -> None:
-        self.owns_inbox = owns_inbox
+    def __init__(self, owns_inbox: bool = False, sent_as_roots: bool = False) -> None:
+        self.owns_inbox, self.sent_as_roots = owns_inbox, sent_as_roots
         self.inbox: Dict[str, Any] = {}
         self.outbox: Dict[str, Any] = {}
         self.grad_in: Dict[str, torch.Tensor] = {}
         self.grad_out: Dict[str, torch.Tensor] = {}
         self.received: Dict[str, Any] = {}  # tag -> torch.autograd.graph.GradientEdge
+        self.leaves: Dict[str, torch.Tensor] = {}  # tag -> received buffer as a leaf (``owns_inbox``)
+        self.sent: Dict[str, torch.Tensor] = {}  # tag -> differentiable sent value (``sent_as_roots``)
 
     def send(self, tag: str, value: Any, dst: int) -> Optional[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             self.outbox[tag] = value.detach()
             if value.requires_grad and torch.is_grad_enabled():
+                if self.sent_as_roots:  # the caller's backward starts here (``backward_roots``): no token
+                    self.sent[tag] = value
+                    return None
                 return _SendFn.apply(value, self, tag)
             return None
         self.outbox[tag] = value
@@ -180,8 +191,32 @@ class MailboxTransport:
                             "must receive a microbatch's values before its forward")
         value = self.inbox.pop(tag)
         if isinstance(value, torch.Tensor) and requires_grad and torch.is_grad_enabled():
-            anchor = torch.zeros((), requires_grad=True)
-            out = _RecvFn.apply(anchor, value, self, tag)
+            if self.owns_inbox:  # the private buffer becomes a leaf whose ``.grad`` ``collect_grads`` ships
+                leaf = value.detach().requires_grad_()
+                self.leaves[tag] = leaf
+                out = leaf.clone()  # not the leaf itself: in-place ops in the stage stay legal
+            else:
+                anchor = torch.zeros((), requires_grad=True)
+                out = _RecvFn.apply(anchor, value, self, tag)
             self.received[tag] = torch.autograd.graph.get_gradient_edge(out)
             return out
         return value
+
+    def backward_roots(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """(the differentiable values sent, the gradients received for them): where a ``sent_as_roots``
+        stage's backward starts besides its loss, instead of at ``_SendFn`` tokens."""
+        grads = []
+        for tag in self.sent:
+            grad = self.grad_in.get(tag)
+            if grad is None:
+                raise CommError(f"backward of send('{tag}'): its gradient was not received")
+            grads.append(grad)
+        return list(self.sent.values()), grads
+
+    def collect_grads(self) -> None:
+        """After a backward through the stage: each received leaf's gradient into ``grad_out`` (one that
+        no gradient reached stays out, as with the copying path), and the leaves dropped."""
+        for tag, leaf in self.leaves.items():
+            if leaf.grad is not None:
+                self.grad_out[tag] = leaf.grad
+        self.leaves.clear()

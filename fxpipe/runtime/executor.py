@@ -13,8 +13,10 @@ One small handler per action kind (as a flat instruction interpreter):
   cast to the split's wire dtype (``fxpipe.runtime.precision``); with
   ``recompute`` the stage's activations are recomputed in ``B m``
   (``fxpipe.runtime.recompute``).
-- ``B m`` runs autograd from the loss (last stage) or from the stage's send
-  tokens, whose backward pulls in the received gradients. After it, ``m``'s
+- ``B m`` runs autograd from the loss (last stage) and from the values the
+  stage sent, with the gradients received for them (``MailboxTransport`` with
+  ``sent_as_roots``; received values are leaves whose ``.grad`` is then
+  collected for ``SEND_B``: no Python autograd Function per message). After it, ``m``'s
   graph, loss and outputs are dropped: activations live from ``F m`` to
   ``B m`` only; the mailbox stays until its gradients are sent.
 - In a list with ``W`` actions (``zb-h1``), ``B m`` computes only the
@@ -78,7 +80,7 @@ class _InFlight:
     @property
     def holds_graph(self) -> bool:
         """An autograd graph of this microbatch is still alive (its B or its W not run yet)."""
-        return self.loss is not None or bool(self.tokens) or self.wgrad is not None
+        return self.loss is not None or bool(self.tokens) or bool(self.box.sent) or self.wgrad is not None
 
 
 class _Program(NamedTuple):
@@ -173,7 +175,8 @@ class Executor:
 
     def _box(self, g: int) -> comm.MailboxTransport:
         if g not in self.inflight:
-            self.inflight[g] = _InFlight(comm.MailboxTransport(owns_inbox=True))  # inbox: fresh irecv buffers
+            # inbox: fresh irecv buffers; backward from the sent values themselves (no token Functions)
+            self.inflight[g] = _InFlight(comm.MailboxTransport(owns_inbox=True, sent_as_roots=True))
         return self.inflight[g].box
 
     def _peer_stage(self, a: Action) -> int:
@@ -205,7 +208,7 @@ class Executor:
                 check_loss(self.losses[-1][1])
             scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
             state.loss = loss * scale if scale != 1.0 else loss
-        if state.loss is None and not state.tokens:
+        if state.loss is None and not state.tokens and not box.sent:
             self.stash.forget(g)
 
     def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
@@ -224,13 +227,18 @@ class Executor:
         self.p2p.release_sends(g - self._lag)
         self.p2p.complete(g, "B")
         roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)
+        grads = [torch.ones_like(r) for r in roots]
+        sent, sent_grads = state.box.backward_roots()  # the values sent downstream, with their gradients
+        roots, grads = roots + sent, grads + sent_grads
         if self._split:
             self._input_done.add(g)
         if roots and self._split:
-            self._backward_input(state, roots)
+            self._backward_input(state, roots, grads)
         elif roots:
-            torch.autograd.backward(roots, [torch.ones_like(r) for r in roots])
+            torch.autograd.backward(roots, grads)
             self.stash.backward_done(g)
+        state.box.collect_grads()  # received values' gradients (a split backward put them there already)
+        state.box.sent.clear()
         state.loss, state.tokens = None, ()
         state.box.received.clear()  # its edges point back at the mailbox: a cycle only the collector would free
         if state.wgrad is None:  # the weight half may still need the gradients received for B
@@ -239,12 +247,11 @@ class Executor:
         if not state.box.grad_out and state.wgrad is None:  # nothing left to send or compute: drop it now
             self.inflight.pop(g, None)
 
-    def _backward_input(self, state: _InFlight, roots: List[torch.Tensor]) -> None:
+    def _backward_input(self, state: _InFlight, roots: List[torch.Tensor], root_grads: List[torch.Tensor]) -> None:
         """The input half of a split backward: received values' gradients into the mailbox, the rest kept."""
         box = state.box
         tags = list(box.received)
-        grads, state.wgrad = backward_input(roots, [torch.ones_like(r) for r in roots],
-                                            [box.received[t] for t in tags])
+        grads, state.wgrad = backward_input(roots, root_grads, [box.received[t] for t in tags])
         for tag, grad in zip(tags, grads):
             if grad is not None:
                 box.grad_out[tag] = grad
@@ -303,7 +310,7 @@ class Executor:
 
     def _send_b(self, a: Action, g: int) -> None:
         state = self.inflight.get(g)
-        if state is not None and (state.loss is not None or state.tokens):
+        if state is not None and (state.loss is not None or state.tokens or state.box.sent):
             raise ExecutorError(f"rank {self.rank}: {a} before B{a.mb}")
         # A missing state means B left no gradient to return: the peer gets zeros.
         box = state.box if state is not None else comm.MailboxTransport()

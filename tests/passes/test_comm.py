@@ -57,8 +57,10 @@ def test_missing_gradient_is_an_error_not_zero():
         torch.autograd.backward([token], [torch.ones(())])
 
 
-def test_received_tensor_copied_unless_the_inbox_owns_it():
-    """In-process, the inbox holds the sender's tensor: an in-place op after recv must not reach it."""
+def test_received_tensor_is_a_copy_that_in_place_ops_may_change():
+    """In-process, the inbox holds the sender's tensor: an in-place op after recv must not reach it. A
+    runtime's own buffer (``owns_inbox``) becomes a leaf and the stage gets a clone of it, so in-place
+    ops stay legal there too; its gradient reaches ``grad_out`` at ``collect_grads``."""
     w = torch.randn(3, requires_grad=True)
     for owns in (False, True):
         w.grad = None
@@ -71,9 +73,28 @@ def test_received_tensor_copied_unless_the_inbox_owns_it():
         b.inbox["h"] = inbox
         with comm.bind(b):
             r = comm.recv("h", 0, (3,), torch.float32, requires_grad=True)
-            assert (r.data_ptr() == inbox.data_ptr()) == owns  # no copy exactly when the inbox owns it
+            assert r.data_ptr() != inbox.data_ptr() and r.grad_fn is not None
             loss = r.mul_(2).sum()
         loss.backward()
+        assert ("h" in b.grad_out) != owns  # an owned buffer's gradient waits in the leaf's .grad
+        b.collect_grads()
+        assert not b.leaves
         a.grad_in["h"] = b.grad_out.pop("h")
         torch.autograd.backward([token], [torch.ones(())])  # fails if the receiver changed tanh's output
         assert torch.allclose(w.grad, 2 * (1 - torch.tanh(w.detach()) ** 2))
+
+
+def test_sent_as_roots_gives_no_token_and_backward_starts_at_the_sent_value():
+    """The runtime's mailbox: a differentiable sent value is kept, ``send`` returns no token, and the
+    backward from ``backward_roots`` gives the weights the gradient the token path would; a gradient
+    that never arrived is an error naming the tag."""
+    w = torch.randn(3, requires_grad=True)
+    box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)
+    with comm.bind(box):
+        assert comm.send(torch.tanh(w), "h", 1) is None
+    assert torch.equal(box.outbox["h"], torch.tanh(w.detach())) and not box.outbox["h"].requires_grad
+    with pytest.raises(comm.CommError, match="'h'.*not received"):
+        box.backward_roots()
+    box.grad_in["h"] = torch.full((3,), 2.0)
+    torch.autograd.backward(*box.backward_roots())
+    assert torch.allclose(w.grad, 2 * (1 - torch.tanh(w.detach()) ** 2))

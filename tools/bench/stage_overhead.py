@@ -1,0 +1,182 @@
+"""Benchmark: what fxpipe's runtime adds to a stage's own compute, with no communication at all.
+
+    python -m tools.bench.stage_overhead [--models mlp,gpt] [--repeats 400] [--rounds 5] [--steps 80]
+
+The runtime benchmark (``tools.bench.runtime``) measures whole pipelines, where
+fxpipe's forward and backward per microbatch ran ~10 % above torch's
+``PipelineStage`` on the same layers. This one takes the communication out to
+see where that comes from. One process, one thread, the runtime benchmark's
+models and split:
+
+- ``stage j``: stage j of the 2-stage split run forward and backward the way
+  the executor runs it (its ``GraphModule``; the executor's
+  ``passes.comm.MailboxTransport`` holding the received activation in its
+  inbox and the sent value's gradient in ``grad_in``; backward from the loss or
+  the sent value) against the same
+  layers as a bare ``nn.Sequential`` (backward from the loss or from the
+  output); median milliseconds per microbatch.
+- ``loop``: the whole model as one stage on one rank: ``fxpipe.runtime.loop.train``
+  (``1f1b-flush``, 8 microbatches, gloo group of one) against a plain loop with
+  the same optimizer (``make_optimizer``) and allocator setting; median
+  samples/s of the steps after the first 10.
+
+Rounds alternate the two sides and the best round of each is kept (load only
+ever slows a side down). A ratio near 1 says the stage graph and the training
+loop cost nothing measurable; what the pipeline loses then lies in the
+communication path. Not a test: the machine may be shared.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.nn as nn
+
+from tools.bench.procmem import free_port, load_note
+from tools.bench.runtime import MODELS, Stack, _fxpipe_split, bounds
+
+M = 8  # microbatches per step in the loop measurement
+
+
+def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
+    """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
+    from passes import comm
+
+    pieces, x, y, loss_fn = MODELS[model]()
+    cuts = bounds(len(pieces), stages)
+    split = _fxpipe_split(pieces, x, cuts)
+    acts = [x]
+    with torch.no_grad():  # the activation at each stage boundary, from the bare model
+        h = x
+        for j in range(stages):
+            for p in pieces[cuts[j]:cuts[j + 1]]:
+                h = p(h)
+            acts.append(h)
+    runs = []
+    for j in range(stages):
+        last = j == stages - 1
+        sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
+        gm = split.stages[j]
+        recv = [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is comm.recv]
+        sent = [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target is comm.send]
+        args = [x] if split.stage_inputs[j] else []
+
+        def bare(j=j, sub=sub, last=last) -> None:
+            inp = acts[j].clone().requires_grad_() if j > 0 else acts[0]
+            out = sub(inp)
+            if last:
+                loss_fn(out, y).backward()
+            else:
+                out.backward(torch.ones_like(out))
+
+        def fxpipe(j=j, gm=gm, last=last, recv=recv, sent=sent, args=args) -> None:
+            box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)  # the executor's mailbox
+            for tag in recv:
+                box.inbox[tag] = acts[j].clone()
+            for tag in sent:
+                box.grad_in[tag] = torch.ones_like(acts[j + 1])
+            with comm.bind(box), torch.enable_grad():
+                outputs, _ = gm(*args)
+            if last:
+                loss_fn(split.unflatten_outputs(outputs), y).backward()
+            else:
+                torch.autograd.backward(*box.backward_roots())  # from the sent value, as the executor does
+            box.collect_grads()  # the received value's gradient, as the executor collects it
+
+        runs.append({"fxpipe": fxpipe, "bare": bare})
+    return runs
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _loop_runs(model: str, steps: int) -> Dict[str, Callable[[], float]]:
+    """The whole model as one stage: fxpipe's train loop and a plain loop, each returning samples/s."""
+    from fxpipe.layout import Layout
+    from fxpipe.runtime.heap import keep_freed_memory
+    from fxpipe.runtime.loop import TrainConfig, make_optimizer, train
+
+    pieces, x, y, loss_fn = MODELS[model]()
+    split = _fxpipe_split(pieces, x, [0, len(pieces)])
+
+    def fxpipe() -> float:
+        cfg = TrainConfig(schedule="1f1b-flush", microbatches=M, steps=steps, lr=1e-3, log=False)
+        res = train(rank=0, layout=Layout.of([1]), split=copy.deepcopy(split), cfg=cfg,
+                    data=lambda g: ((x,), y), loss_fn=loss_fn)
+        return statistics.median(res.samples_per_s[10:])
+
+    def bare() -> float:
+        keep_freed_memory()
+        module = copy.deepcopy(Stack(pieces))
+        opt = make_optimizer(TrainConfig(lr=1e-3), module)
+        rates, t0 = [], time.perf_counter()
+        for _ in range(steps):
+            for _ in range(M):
+                (loss_fn(module(x), y) / M).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            rates.append(M * x.shape[0] / (t - t0))
+            t0 = t
+        return statistics.median(rates[10:])
+
+    return {"fxpipe": fxpipe, "bare": bare}
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,gpt")
+    p.add_argument("--repeats", type=int, default=400, help="microbatches timed per stage and round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=80, help="steps per loop run (the first 10 are warm-up)")
+    args = p.parse_args(list(argv) or None)
+    if args.steps <= 10:
+        p.error("--steps must exceed the 10 warm-up steps")
+    from tabulate import tabulate
+
+    import torch.distributed as dist
+    from fxpipe.runtime.worker import init
+
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()
+    init(0, 1, 120.0, init_method=f"tcp://127.0.0.1:{free_port()}")  # the train loop needs a group (of one)
+    rows = []
+    try:
+        for model in args.models.split(","):
+            measured = [(f"stage {j} (ms / microbatch)", fns, "ms") for j, fns in enumerate(_stage_runs(model))]
+            measured.append((f"loop, {M} microbatches (samples/s)", _loop_runs(model, args.steps), "rate"))
+            for what, fns, unit in measured:
+                best: Dict[str, float] = {}
+                for _ in range(args.rounds):
+                    for side, fn in fns.items():
+                        value = _median_ms(fn, args.repeats) if unit == "ms" else fn()
+                        keep = min if unit == "ms" else max
+                        best[side] = keep(best.get(side, value), value)
+                # fxpipe's cost over the bare side's: time ratio, or rate ratio inverted
+                cost = best["fxpipe"] / best["bare"] if unit == "ms" else best["bare"] / best["fxpipe"]
+                rows.append([model, what, f"{best['fxpipe']:.3f}" if unit == "ms" else f"{best['fxpipe']:.0f}",
+                             f"{best['bare']:.3f}" if unit == "ms" else f"{best['bare']:.0f}", f"{cost:.3f}"])
+                print(f"  {model} {what}: fxpipe costs {cost:.3f} x bare", file=sys.stderr, flush=True)
+    finally:
+        dist.destroy_process_group()
+    print(tabulate(rows, headers=["model", "measured", "fxpipe", "bare", "fxpipe's time / bare's"]))
+    print(f"1 thread, {os.cpu_count()} cores; {load_note(load0)}; best of {args.rounds} interleaved rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
