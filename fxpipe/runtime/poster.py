@@ -1,7 +1,7 @@
 """Posting point-to-point messages from a thread of their own, so the rank keeps computing.
 
 A gloo ``dist.isend`` / ``dist.irecv`` call can return milliseconds after it
-was made while using a fraction of that in CPU (README, Benchmarks): the
+was made while using a fraction of that in CPU (docs/benchmarks.md, runtime): the
 calling thread sleeps inside gloo (its I/O thread holds the pair's lock) and
 the rank's next forward or backward waits for nothing. One poster thread per
 process takes the posts instead, in the order the executor makes them (so
