@@ -267,8 +267,10 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
     if hand is not None:
         ev, assignment, replicas = hand
-        scored.append((ev, PartitionResult(assignment, list(replicas), ev.stages, ev.bottleneck_s, opts, "FEASIBLE",
-                                           ev.bottleneck_s, 0.0, 0.0, len(graph.nodes), method="uniform layout")))
+        scored.append((ev, PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                                           bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
+                                           objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0,
+                                           units=len(graph.nodes), method="uniform layout")))
     if not scored:
         return None
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)
