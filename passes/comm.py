@@ -19,7 +19,11 @@ Stage graph contract: every stage returns ``(outputs, tokens)``, where
 ``outputs`` is the original model's output structure on the last stage (``None``
 elsewhere) and ``tokens`` the tuple of what its ``send`` calls returned. Running
 backward from the loss and the tensor tokens (gradient: a zero-dim one) pulls
-each sent value's gradient in from ``grad_in``.
+each sent value's gradient in from ``grad_in``. The runtime's mailbox
+(``MailboxTransport(owns_inbox=True, sent_as_roots=True)``) skips those two
+autograd Functions: its sends return no token and its backward starts at the
+sent values (``backward_roots``); received values are leaves whose gradients
+``collect_grads`` moves to ``grad_out``.
 """
 from __future__ import annotations
 

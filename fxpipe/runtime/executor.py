@@ -72,7 +72,6 @@ class ExecutorError(FxpipeError):
 @dataclass
 class _InFlight:
     box: comm.MailboxTransport
-    tokens: Tuple[Any, ...] = ()
     loss: Optional[torch.Tensor] = None
     forwarded: bool = False
     wgrad: Optional[WeightGrad] = None  # between B m and W m of a split backward
@@ -80,7 +79,7 @@ class _InFlight:
     @property
     def holds_graph(self) -> bool:
         """An autograd graph of this microbatch is still alive (its B or its W not run yet)."""
-        return self.loss is not None or bool(self.tokens) or bool(self.box.sent) or self.wgrad is not None
+        return self.loss is not None or bool(self.box.sent) or self.wgrad is not None
 
 
 class _Program(NamedTuple):
@@ -192,14 +191,14 @@ class Executor:
         args = [flat[i] for i in self.input_indices]
         wrap = (lambda call, a: recomputed(call, a, box)) if self.recompute else None
         with comm.bind(box), torch.enable_grad(), self._autocast():
-            outputs, tokens = self.stash.forward(g, args, versioned=g in self._versioned, wrap=wrap)
+            # the runtime's mailbox keeps what the stage sent (``box.sent``): the graph returns no tokens
+            outputs, _ = self.stash.forward(g, args, versioned=g in self._versioned, wrap=wrap)
             loss = self._loss(self.unflatten(outputs), targets) if self.is_last else None
         for tag, dtype in self._wire_dtypes.items():  # autocast outputs cross in the split's dtype
             if tag in box.outbox:
                 box.outbox[tag] = wire_value(box.outbox[tag], dtype, tag)
         state = self.inflight[g]
         state.forwarded = True
-        state.tokens = tuple(t for t in (tokens or ()) if isinstance(t, torch.Tensor) and t.requires_grad)
         if loss is not None:
             if self.defer_loss:
                 self.losses.append((g, loss.detach()))
@@ -208,7 +207,7 @@ class Executor:
                 check_loss(self.losses[-1][1])
             scale = self.loss_scale * (self.scaler.scale if self.scaler is not None else 1.0)
             state.loss = loss * scale if scale != 1.0 else loss
-        if state.loss is None and not state.tokens and not box.sent:
+        if state.loss is None and not box.sent:
             self.stash.forget(g)
 
     def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
@@ -226,10 +225,9 @@ class Executor:
             raise ExecutorError(f"rank {self.rank}: {a} before its forward (global microbatch {g})")
         self.p2p.release_sends(g - self._lag)
         self.p2p.complete(g, "B")
-        roots = ([state.loss] if state.loss is not None else []) + list(state.tokens)
-        grads = [torch.ones_like(r) for r in roots]
         sent, sent_grads = state.box.backward_roots()  # the values sent downstream, with their gradients
-        roots, grads = roots + sent, grads + sent_grads
+        roots = ([state.loss] if state.loss is not None else []) + sent
+        grads = ([torch.ones_like(state.loss)] if state.loss is not None else []) + sent_grads
         if self._split:
             self._input_done.add(g)
         if roots and self._split:
@@ -239,7 +237,7 @@ class Executor:
             self.stash.backward_done(g)
         state.box.collect_grads()  # received values' gradients (a split backward put them there already)
         state.box.sent.clear()
-        state.loss, state.tokens = None, ()
+        state.loss = None
         state.box.received.clear()  # its edges point back at the mailbox: a cycle only the collector would free
         if state.wgrad is None:  # the weight half may still need the gradients received for B
             state.box.grad_in.clear()
@@ -310,7 +308,7 @@ class Executor:
 
     def _send_b(self, a: Action, g: int) -> None:
         state = self.inflight.get(g)
-        if state is not None and (state.loss is not None or state.tokens or state.box.sent):
+        if state is not None and (state.loss is not None or state.box.sent):
             raise ExecutorError(f"rank {self.rank}: {a} before B{a.mb}")
         # A missing state means B left no gradient to return: the peer gets zeros.
         box = state.box if state is not None else comm.MailboxTransport()
