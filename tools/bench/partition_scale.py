@@ -1,10 +1,15 @@
 """Benchmark: the planner at cluster scale (deep GPTs, K up to 1024) against the hand-made Megatron layout.
 
-Graphs: examples/gpt.py (dim 128, context 64, microbatch 8) is captured and
-profiled ONCE with 2 blocks (2 repeats, cached as fxpipe-out/gpt2-profile.json);
-deeper models are built by repeating the profiled second block's nodes and
-costs (renamed, rewired along the residual stream), because profiling 96
-blocks takes minutes here. Tied embedding/head stay tied.
+Graphs: examples/gpt.py (dim 128, context 64, microbatch 8) with 2 blocks,
+profiled once (2 repeats); deeper models are built by repeating the profiled
+second block's nodes and costs (renamed, rewired along the residual stream),
+because profiling 96 blocks takes minutes here. Tied embedding/head stay tied.
+
+The profiles the README's tables were measured on are bundled in
+``tools/bench/data/`` and read by default, so a table is reproducible on any
+machine: a fresh profile of the same model moved the repeated block's cost by
+up to 30 % run to run, and the planner's gaps move with it (``--reprofile``
+profiles the models on this machine instead, cached in ``fxpipe-out/``).
 
 Each row runs in its own subprocess (so RSS is the solve's own: ru_maxrss of
 that process, including Python and numpy) with a wall-clock limit, and prints
@@ -16,11 +21,12 @@ with the last), each of the PP stages replicated DP times, scored by
     python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
         [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
         [--cost-model fxpipe|pipedream] [--replication any|pow2|none]
-        [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (needs transformers; skipped without)
+        [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (bundled; --reprofile needs transformers)
+        [--reprofile]   # profile the models here (cached in fxpipe-out/) instead of the bundled profiles
 
 HF GPT-2 (``--hf-gpt2``): GPT2LMHeadModel from a tiny config (vocab 512,
 context 64, width 64, 12 layers, 2 heads; batch 4), captured through export
-and profiled once per head kind (cached in ``fxpipe-out/``). Its graph keeps
+and profiled once per head kind (bundled, as above). Its graph keeps
 what export makes of the attention mask: a few dozen small weightless nodes
 beside the embeddings.
 
@@ -43,7 +49,9 @@ from passes.partition import CostOptions, evaluate, partition
 from passes.partition.costmodel import COST_MODELS, REPLICATION
 
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / "fxpipe-out" / "gpt2-profile.json"
+BUNDLED = Path(__file__).resolve().parent / "data"  # the profiles the README's tables were measured on
+FRESH = ROOT / "fxpipe-out"  # ``--reprofile``: profiles made on this machine
+PROFILES = BUNDLED  # where ``profiled_gpt`` and ``hf_gpt2`` read (``main`` switches it)
 
 
 def _profiled(cache: Path, build) -> CostGraph:
@@ -67,7 +75,7 @@ def _profiled(cache: Path, build) -> CostGraph:
 
 
 def profiled_gpt() -> CostGraph:
-    """The 2-block GPT profile (made once, then read from ``fxpipe-out/``)."""
+    """The 2-block GPT profile (bundled; with ``--reprofile`` made once here, then read from ``fxpipe-out/``)."""
     def build():
         import torch
 
@@ -75,12 +83,12 @@ def profiled_gpt() -> CostGraph:
         import examples.gpt as gpt
         return gpt.GPT(dim=128, layers=2, context=64), torch.randint(0, gpt.VOCAB, (gpt.BATCH, 64))
 
-    return _profiled(CACHE, build)
+    return _profiled(PROFILES / "gpt-2block-profile.json", build)
 
 
 def hf_gpt2(tied: bool) -> Optional[CostGraph]:
     """The 12-layer HF GPT-2 profile (see the module docstring); None without transformers."""
-    cache = ROOT / "fxpipe-out" / f"hf-gpt2-{'tied' if tied else 'untied'}-profile.json"
+    cache = PROFILES / f"hf-gpt2-{'tied' if tied else 'untied'}-profile.json"
 
     def build():
         import torch
@@ -204,8 +212,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cost-model", choices=COST_MODELS, default="fxpipe")
     ap.add_argument("--replication", choices=REPLICATION, default="any")
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
+    ap.add_argument("--reprofile", action="store_true",
+                    help="profile the models on this machine (cached in fxpipe-out/), not the bundled profiles")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
+    global PROFILES
+    PROFILES = FRESH if args.reprofile else BUNDLED
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
                "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
                "replication": args.replication}
@@ -228,6 +240,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
                    "--time-limit", str(args.time_limit)]
             cmd += [f"--{name.replace('_', '-')}={value}" for name, value in machine.items() if value is not None]
+            cmd += ["--reprofile"] if args.reprofile else []
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr, file=sys.stderr)
@@ -240,7 +253,8 @@ def main(argv=None) -> int:
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
              if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
         + f"; {args.cost_model} cost model, replication {args.replication}"
-    print(f"machine: {where}; time limit {args.time_limit:g} s")
+    print(f"machine: {where}; time limit {args.time_limit:g} s; "
+          f"profiles: {'made on this machine (fxpipe-out/)' if args.reprofile else 'bundled (tools/bench/data/)'}")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
                                   "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
     return 0
