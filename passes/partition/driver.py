@@ -67,9 +67,31 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     deadline = start + time_limit - finish_reserve(time_limit)
     fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
     _check_devices(fine, opts)
-    found = _searched_plan(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
-                           downset_limit, progress)
+    try:
+        found = _searched_plan(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
+                               downset_limit, progress)
+    except InfeasibleError:
+        found = _uniform_only(graph, opts, start)
+        if found is None:
+            raise
+        return found
     return _uniform_kept(graph, opts, found, start)
+
+
+def _uniform_only(graph: CostGraph, opts: CostOptions, start: float) -> Optional[PartitionResult]:
+    """The best uniform PP x DP layout (``uniform.py``) where no search found a plan within the time (each
+    pass too slow for the limit on a deep graph and many devices): status HEURISTIC, bounded by
+    sum C / K only. None where no uniform layout fits (the search's error then stands)."""
+    best = uniform.best_layout(graph, opts)
+    if best is None:
+        return None
+    ev, assignment, replicas = best
+    ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
+    return PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                           bottleneck_s=ev.bottleneck_s, options=opts, status="HEURISTIC",
+                           objective_s=ev.bottleneck_s, bound_s=min(ideal, ev.bottleneck_s),
+                           wall_s=time.monotonic() - start, units=len(graph.nodes),
+                           method="uniform layout (no search finished a plan in the time)")
 
 
 def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,

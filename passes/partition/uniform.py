@@ -44,27 +44,90 @@ def layouts(graph: CostGraph, opts: CostOptions):
     order = graph.order()  # a CostGraph keeps its nodes in a topological order
     compute = np.array([graph.nodes[n].compute_s for n in order])
     before = np.concatenate([[0.0], np.cumsum(compute)])  # compute before each position
-    total = before[-1]
     live = _live_bytes(graph, order)
     allowed = set(opts.allowed_replicas())
     K = opts.devices
     for pp in range(1, K + 1):
         if K % pp or K // pp not in allowed or pp > max(1, int(np.count_nonzero(compute))):
             continue
+        seen = set()
+        near = _cuts(before, live, pp)
+        for cuts in (near, _balanced_cuts(before, live, pp, near)):
+            if cuts is None or tuple(cuts) in seen:
+                continue
+            seen.add(tuple(cuts))
+            stage = np.searchsorted(np.array(cuts), np.arange(len(order)), side="right") - 1
+            yield {n: int(stage[k]) for k, n in enumerate(order)}, [K // pp] * pp
+
+
+def _cuts(before: np.ndarray, live: np.ndarray, pp: int) -> Optional[List[int]]:
+    """Where the pp stages start: each cut near the point that splits what the earlier cuts left over
+    the stages left, at the fewest live bytes within ``WINDOW`` of a stage's share, then the nearest;
+    None where a stage finds no cut."""
+    total, cuts = before[-1], [0]
+    for s in range(1, pp):
+        share = (total - before[cuts[-1]]) / (pp - s + 1)  # what is left, spread over the stages left
+        target = before[cuts[-1]] + share
+        near = np.nonzero(np.abs(before[:-1] - target) <= WINDOW * share)[0]
+        near = near[near > cuts[-1]]
+        if not near.size:
+            return None
+        near = near[live[near] <= live[near].min() * 1.01]  # the fewest live bytes, then the nearest
+        cuts.append(int(near[np.argmin(np.abs(before[near] - target))]))
+    return cuts
+
+
+def _balanced_cuts(before: np.ndarray, live: np.ndarray, pp: int, near: Optional[List[int]]) -> Optional[List[int]]:
+    """Where the pp stages start when every cut crosses no more live bytes than the widest of ``near``
+    (``_cuts``; between transformer blocks: the residual stream alone), chosen so the heaviest stage
+    computes least.
+
+    ``_cuts`` places each cut near an equal-compute point, so a first stage that also holds the
+    embedding ends a fraction of a block early and pushes that fraction down the pipeline, until
+    one stage runs a block's worth over the rest. Here the cuts are the positions of least live
+    bytes, and the least heaviest stage over them is bisected: at a bound, cutting as late as it
+    allows makes the fewest stages. None without ``near`` or with fewer such positions than cuts."""
+    if near is None or pp == 1:
+        return None
+    total = before[-1]
+    inner = np.arange(1, len(live))
+    cand = inner[live[inner] <= max(live[c] for c in near[1:]) * (1 + 1e-9)]
+    if cand.size < pp - 1:
+        return None
+    at = before[cand]
+
+    def greedy(bound: float) -> Optional[List[int]]:
         cuts = [0]
-        for s in range(1, pp):
-            share = (total - before[cuts[-1]]) / (pp - s + 1)  # what is left, spread over the stages left
-            target = before[cuts[-1]] + share
-            near = np.nonzero(np.abs(before[:-1] - target) <= WINDOW * share)[0]
-            near = near[near > cuts[-1]]
-            if not near.size:
-                break
-            near = near[live[near] <= live[near].min() * 1.01]  # the fewest live bytes, then the nearest
-            cuts.append(int(near[np.argmin(np.abs(before[near] - target))]))
-        if len(cuts) < pp:
-            continue
-        stage = np.searchsorted(np.array(cuts), np.arange(len(order)), side="right") - 1
-        yield {n: int(stage[k]) for k, n in enumerate(order)}, [K // pp] * pp
+        while total - before[cuts[-1]] > bound:
+            k = int(np.searchsorted(at, before[cuts[-1]] + bound, side="right")) - 1
+            if k < 0 or cand[k] <= cuts[-1] or len(cuts) == pp:
+                return None
+            cuts.append(int(cand[k]))
+        return cuts
+
+    lo, hi = total / pp, total
+    best = greedy(hi)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        found = greedy(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    while best is not None and len(best) < pp:  # fewer stages than pp: halve the heaviest that has a cut inside
+        best = _halved(best, before, cand)
+    return best
+
+
+def _halved(cuts: List[int], before: np.ndarray, cand: np.ndarray) -> Optional[List[int]]:
+    """``cuts`` with the heaviest stage that holds a candidate cut split at the one nearest its middle."""
+    ends = cuts[1:] + [len(before) - 1]
+    for s in sorted(range(len(cuts)), key=lambda s: before[cuts[s]] - before[ends[s]]):
+        inside = cand[(cand > cuts[s]) & (cand < ends[s])]
+        if inside.size:
+            mid = (before[cuts[s]] + before[ends[s]]) / 2
+            return sorted(cuts + [int(inside[np.argmin(np.abs(before[inside] - mid))])])
+    return None
 
 
 def best_layout(graph: CostGraph, opts: CostOptions) -> Optional[Tuple[Evaluation, Dict[str, int], List[int]]]:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from passes.costgraph import CostGraph
 from passes.partition import CostOptions, evaluate, partition
 from passes.partition.uniform import best_layout, layouts
 from tests.passes.test_partition import random_dag
-from tests.passes.test_partition_scale import transformer_graph
+from tests.passes.test_partition_scale import _node, transformer_graph
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -38,10 +39,34 @@ def test_cuts_fall_between_blocks():
     where only the residual stream crosses, as a person splitting blocks evenly would cut."""
     g = transformer_graph(8, seed=3)
     opts = CostOptions(devices=4, replication="none")
-    (assignment, replicas), = list(layouts(g, opts))
-    ev = evaluate(g, assignment, replicas, opts)
-    residual = min(b for b in ev.cut_bytes)
-    assert len(replicas) == 4 and all(b == residual for b in ev.cut_bytes)
+    found = list(layouts(g, opts))
+    assert found
+    for assignment, replicas in found:
+        ev = evaluate(g, assignment, replicas, opts)
+        residual = min(b for b in ev.cut_bytes)
+        assert len(replicas) == 4 and all(b == residual for b in ev.cut_bytes)
+
+
+def test_a_heavy_first_layer_does_not_push_a_block_onto_a_later_stage():
+    """16 equal blocks (a wide value inside each, the narrow residual between them) after an embedding
+    worth 0.7 of a block, on 4 stages: the cut nearest the first equal-compute point (4.175 blocks'
+    worth) leaves the first stage 3 blocks and the embedding, and the rest then spread 13 blocks
+    over 3 stages, one of them 5. Cutting at block boundaries with the least heaviest stage gives 4
+    blocks to each (the embedding with the first), as a person would by hand; the best layout is
+    that one."""
+    nodes = [_node("x", op="placeholder", cost=0, out=8, is_input=True), _node("emb", cost=0.7e-3, out=100)]
+    edges, prev = [("x", "emb")], "emb"
+    for b in range(16):
+        nodes += [_node(f"b{b}_in", cost=0.5e-3, out=10_000), _node(f"b{b}_out", cost=0.5e-3, out=100)]
+        edges += [(prev, f"b{b}_in"), (f"b{b}_in", f"b{b}_out")]
+        prev = f"b{b}_out"
+    g = CostGraph(nodes={n.name: n for n in nodes}, edges=edges)
+    opts = CostOptions(devices=4, replication="none", bandwidth=1e15)
+    ev, assignment, _ = best_layout(g, opts)
+    per_stage = [sum(1 for b in range(16) if assignment[f"b{b}_out"] == s) for s in range(4)]
+    assert per_stage == [4, 4, 4, 4] and ev.bottleneck_s == pytest.approx(4.7e-3)
+    heaviest = [evaluate(g, a, r, opts).bottleneck_s for a, r in layouts(g, opts)]
+    assert heaviest == pytest.approx([5e-3, 4.7e-3])  # the equal-compute cuts alone miss it
 
 
 def test_partition_never_slower_than_the_best_uniform_layout():
@@ -76,3 +101,25 @@ def test_bracket_before_the_charged_dp_holds_the_uniform_layout(monkeypatch):
     assert bracket.assignment == assignment and bracket.replicas == list(replicas)
     assert bracket.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and bracket.bound_s == 1e-6
     assert driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6) is None  # not asked for: none
+
+
+def test_no_plan_in_the_time_falls_back_to_the_uniform_layout(monkeypatch):
+    """Where no search finishes a plan within the limit (on the bench's 32-block GPT, K=1024 under
+    PipeDream's charges, one pass of the floor DP took longer than the 10 s), the answer is the best
+    uniform layout, HEURISTIC, bounded by sum C / K, not an error; where no uniform layout fits the
+    memory limit either, the search's error stands."""
+    from passes.partition import driver
+    from passes.partition.result import InfeasibleError
+
+    def no_plan(*args, **kwargs):
+        raise InfeasibleError("partition: no plan found in 10s; raise --time-limit")
+
+    monkeypatch.setattr(driver, "_searched_plan", no_plan)
+    g = transformer_graph(8, seed=4)
+    res = partition(g, 16, time_limit=1, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
+    ev, assignment, replicas = best_layout(g, res.options)
+    assert res.status == "HEURISTIC" and res.assignment == assignment and res.replicas == replicas
+    assert res.bottleneck_s == ev.bottleneck_s
+    assert res.bound_s == pytest.approx(sum(n.compute_s for n in g.nodes.values()) / 16)
+    with pytest.raises(InfeasibleError, match="no plan found"):
+        partition(g, 16, time_limit=1, memory=1)
