@@ -245,7 +245,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # every pow2 plan is an ``any`` plan charged the same, so the interval DP's bound holds here too,
         # at a fraction of the charged DP's cost per pass and far above the flat bracket's on many nodes
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
-        relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True)
+        relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True,
+                             bound_only=True)
         floor = relaxed.bound_s if relaxed is not None else 0.0
     bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, before_charged=True)
     if bracket is not None and bracket.status == "OPTIMAL":

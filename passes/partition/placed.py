@@ -412,8 +412,9 @@ class PlacedChainSolver(ChainSolver):
         key = id(seg)
         if key not in self._near_stages:
             j, i = seg.sub_j, seg.sub_i
-            stages = self._stages(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
-                                  seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i],
+            compute, params = self._own_sums(seg)  # equal in repeated blocks (``ChainSolver._own_sums``)
+            stages = self._stages(compute[j], params[j], seg.shared[j], seg.cut[j],
+                                  compute[i], params[i], seg.shared[i], seg.cut[i],
                                   (j == 0) & (off == 0), (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
             self._near_stages[key] = self._canon.get(stages)
         return self._near_stages[key]

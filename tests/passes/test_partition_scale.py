@@ -453,3 +453,71 @@ def test_settle_by_stops_the_bisection_once_a_plan_is_in_hand():
     assert len(asked) == 1 and found.stage_of is not None
     assert found.bound <= full.bound <= full.objective <= found.objective
     assert not found.complete and full.complete
+
+
+def test_bound_only_answers_the_bound_when_cut_before_any_plan():
+    """Cut off before its first plan, the search answers None, or with ``bound_only`` the bound it
+    proved (no plan): what a caller that wants the bound alone keeps (the relaxed ``any`` DP before a
+    pow2 plan, whose plans it never uses)."""
+    from passes.partition.chain import DeadlineExceeded, solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    full = solve(units, segs, opts, float("inf"), score)
+
+    class CutAfterFirst(type(recording)):
+        def devices_needed(self, T, deadline=float("inf")):
+            if asked:
+                raise DeadlineExceeded()
+            return super().devices_needed(T, deadline)
+
+    ideal = sum(units.compute) / opts.devices
+    for bound_only in (False, True):
+        asked.clear()
+        # the ladder's first rung (just above sum C / K) is infeasible here; the cut comes at the second pass
+        found = solve(units, segs, opts, float("inf"), score, CutAfterFirst(units, segs, opts), ladder=(1.0001, 1.5),
+                      bound_only=bound_only)
+        assert len(asked) == 1
+        if not bound_only:
+            assert found is None
+        else:
+            assert found.stage_of is None and found.bound == pytest.approx(asked[0])
+            assert ideal < found.bound <= full.bound
+
+
+def _uniform_blocks(blocks: int):
+    """``transformer_graph`` with every block costing what block 0 costs, node for node (deep_gpt's
+    repeated profile): its segments of repeated blocks hold equal pairs."""
+    g = transformer_graph(blocks, seed=6, tied=False)
+    for name, node in list(g.nodes.items()):
+        if name.startswith("b") and "_" in name and not name.startswith("b0_"):
+            ref = g.nodes["b0_" + name.split("_", 1)[1]]
+            g.nodes[name] = dataclasses.replace(node, fwd_s=ref.fwd_s, bwd_s=ref.bwd_s)
+    return g
+
+
+def test_segments_built_once_for_equal_units_and_repeated_blocks_worked_out_once():
+    """A two-level plan runs the segment DP on up to four cost models of one graph: equal units get
+    the segments built before (the same object), other units their own. Segments of repeated blocks
+    share their pair arrays, and the flat DP works out one set of pairs per distinct block, with the
+    answers it gives each segment on its own arrays."""
+    from passes.partition.chain import ChainSolver
+
+    g = _uniform_blocks(8)
+    opts = CostOptions(devices=64)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    assert build_segments(folded_units(g, opts)[0]) is segs
+    other = build_segments(folded_units(transformer_graph(8, seed=6, tied=False), opts)[0])
+    assert other is not segs and build_segments(units) is not other
+    sizes = [s.sub_j.size for s in segs]
+    repeated = [k for k in range(1, len(segs) - 1) if sizes[k] == sizes[1]]
+    assert len(repeated) >= 4 and all(segs[k].sub_j is segs[repeated[0]].sub_j for k in repeated)
+    solver = ChainSolver(units, segs, opts)
+    T = 1.7 * sum(units.compute) / opts.devices
+    near = solver._near(T)
+    assert len(solver._pairs[0]) < len(segs) / 2  # distinct pair sets
+    for seg, got in zip(segs, near):
+        j, i = seg.sub_j, seg.sub_i
+        own = solver._r(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
+                        seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i], T)
+        assert np.array_equal(got, own)
