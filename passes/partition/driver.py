@@ -151,7 +151,10 @@ def _better(chained: Optional[PartitionResult], other: PartitionResult) -> Parti
         return other
     best = chained if chained.bottleneck_s <= other.bottleneck_s else other
     best.bound_s = min(max(chained.bound_s, other.bound_s), best.bottleneck_s)
-    best.status = "OPTIMAL" if best.gap <= OPTIMAL_GAP else ("FEASIBLE" if best.status != "HEURISTIC" else best.status)
+    # HEURISTIC only where neither search proved anything: a CP-SAT run without an answer beside a segment
+    # DP plan with its bound is FEASIBLE (the bound is the DP's)
+    searched = chained.status != "HEURISTIC" or other.status != "HEURISTIC"
+    best.status = "OPTIMAL" if best.gap <= OPTIMAL_GAP else ("FEASIBLE" if searched else "HEURISTIC")
     best.wall_s = max(chained.wall_s, other.wall_s)
     return best
 

@@ -521,3 +521,20 @@ def test_segments_built_once_for_equal_units_and_repeated_blocks_worked_out_once
         own = solver._r(seg.compute[j], seg.params[j], seg.shared[j], seg.cut[j],
                         seg.compute[i], seg.params[i], seg.shared[i], seg.cut[i], T)
         assert np.array_equal(got, own)
+
+
+def test_a_heuristic_plan_beside_a_bounded_one_is_feasible_not_heuristic():
+    """The segment DP's plan with its bound, and a slightly faster plan from a CP-SAT run that answered
+    nothing (HEURISTIC, bound 0): the faster plan is kept with the DP's bound, so its status is
+    FEASIBLE (HF GPT-2 untied, K=64, read HEURISTIC with a 2.3 % proven gap); two HEURISTIC answers
+    stay HEURISTIC."""
+    from passes.partition.driver import _better
+    from passes.partition.result import PartitionResult
+
+    def result(status, plan, bound):
+        return PartitionResult(assignment={}, replicas=[1], stages=[], bottleneck_s=plan, options=CostOptions(devices=1),
+                               status=status, objective_s=plan, bound_s=bound, wall_s=0.0, units=1)
+
+    best = _better(result("FEASIBLE", 0.5243, 0.5122), result("HEURISTIC", 0.5242, 0.0))
+    assert best.bottleneck_s == 0.5242 and best.bound_s == 0.5122 and best.status == "FEASIBLE"
+    assert _better(result("HEURISTIC", 1.0, 0.5), result("HEURISTIC", 0.9, 0.0)).status == "HEURISTIC"
