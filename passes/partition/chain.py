@@ -392,7 +392,8 @@ def group_times(comp, par, groups, reps, opts: CostOptions, which=None) -> np.nd
 def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: float,
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
-          ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False) -> Optional[ChainSolution]:
+          ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
+          plan_by: float = math.inf) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -423,7 +424,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     rest of the time; ``deadline`` still bounds the search for a first plan).
     ``bound_only``: cut off before any plan, answer the bound proven so far
     (``stage_of`` None) rather than None, for a caller that wants the bound
-    alone (a relaxation whose plans it does not use).
+    alone (a relaxation whose plans it does not use). ``plan_by``: past this
+    time without a plan the search stops, mid-pass, as if cut by the deadline
+    (a caller with a faster way to a plan for the rest of the time).
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -435,7 +438,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     T = steps.pop(0) if steps else T * 2  # never the bound (lo) itself: no plan is faster
     try:
         for _ in range(0 if wide else 64):  # find a plan: up the ladder, then double T, from sum C / K
-            found = _attempt(solver, units, opts, T, score, deadline)
+            found = _attempt(solver, units, opts, T, score, min(deadline, plan_by))
             if found is _INFEASIBLE:
                 lo = T
             elif found is not _UNPADDED:

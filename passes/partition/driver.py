@@ -36,6 +36,7 @@ RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds 
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
+PLAN_SHARE = 0.5  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
 def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
@@ -242,7 +243,14 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
-        return chain_plan(graph, opts, start, deadline)
+        # no plan by PLAN_SHARE of the time (passes of seconds each climbing from sum C / K: 32 blocks on
+        # 1024 devices): the flat bracket finds one in the rest, above the bound proven so far
+        found = chain_plan(graph, opts, start, deadline, bound_only=True,
+                           plan_by=start + PLAN_SHARE * (deadline - start))
+        if found is None or found.replicas:
+            return found
+        bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
+        return found if bracket is None else _better(found, bracket)
     floor = 0.0
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
         # every pow2 plan is an ``any`` plan charged the same, so the interval DP's bound holds here too,

@@ -6,7 +6,10 @@ DP = K / PP times. A contiguous run of a
 topological order is convex (a path between two of its nodes runs through
 nodes ordered between them), so every such layout is a valid plan. Each cut is
 moved, within a small window around its equal-compute point, to where the
-fewest bytes are live (between transformer blocks, the residual stream alone).
+fewest bytes are live (between transformer blocks, the residual stream alone);
+a second layout per PP takes the cuts, among positions no wider than those,
+that make the heaviest stage lightest (a stack of equal blocks after a heavier
+embedding: equal blocks per stage, as by hand).
 
 The partitioner scores every PP under the same cost model and keeps the best
 one when it beats what its search found (``driver.partition``): a search cut
@@ -84,9 +87,9 @@ def _balanced_cuts(before: np.ndarray, live: np.ndarray, pp: int, near: Optional
 
     ``_cuts`` places each cut near an equal-compute point, so a first stage that also holds the
     embedding ends a fraction of a block early and pushes that fraction down the pipeline, until
-    one stage runs a block's worth over the rest. Here the cuts are the positions of least live
-    bytes, and the least heaviest stage over them is bisected: at a bound, cutting as late as it
-    allows makes the fewest stages. None without ``near`` or with fewer such positions than cuts."""
+    one stage runs a block's worth over the rest. Here the cuts may sit at any position no wider
+    than those, and the least heaviest stage over them is bisected: at a bound, cutting as late as
+    it allows makes the fewest stages (a split short of pp stages halves its heaviest ones). None without ``near`` or with fewer such positions than cuts."""
     if near is None or pp == 1:
         return None
     total = before[-1]

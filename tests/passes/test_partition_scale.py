@@ -538,3 +538,38 @@ def test_a_heuristic_plan_beside_a_bounded_one_is_feasible_not_heuristic():
     best = _better(result("FEASIBLE", 0.5243, 0.5122), result("HEURISTIC", 0.5242, 0.0))
     assert best.bottleneck_s == 0.5242 and best.bound_s == 0.5122 and best.status == "FEASIBLE"
     assert _better(result("HEURISTIC", 1.0, 0.5), result("HEURISTIC", 0.9, 0.0)).status == "HEURISTIC"
+
+
+def test_plan_by_stops_a_search_without_a_plan_and_the_bracket_answers(monkeypatch):
+    """``plan_by`` already past: the search stops in its first pass (the bound stays the floor it
+    started from; None without ``bound_only``). On a two-level machine under fxpipe's charges the
+    interval DP gets ``PLAN_SHARE`` of the time to find a first plan; where it finds none (here:
+    none of the time), the flat bracket answers with a plan in the rest, above the DP's bound."""
+    from passes.partition import driver
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    full = solve(units, segs, opts, float("inf"), score)
+    assert solve(units, segs, opts, float("inf"), score, recording, plan_by=0.0) is None
+    cut = solve(units, segs, opts, float("inf"), score, recording, plan_by=0.0, bound_only=True)
+    assert cut.stage_of is None and cut.bound <= full.bound
+    again = solve(units, segs, opts, float("inf"), score, recording, plan_by=float("inf"))
+    assert (again.stage_of, again.replicas, again.bound) == (full.stage_of, full.replicas, full.bound)
+
+    g = transformer_graph(8, seed=2)
+    machine = dict(gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
+    exact = partition(g, 32, time_limit=3, **machine)
+    monkeypatch.setattr(driver, "PLAN_SHARE", 0.0)
+    brackets, bracketed = [], driver._bracketed
+
+    def recorded(*args, **kwargs):
+        brackets.append((kwargs.get("floor"), bracketed(*args, **kwargs)))
+        return brackets[-1][1]
+
+    monkeypatch.setattr(driver, "_bracketed", recorded)
+    res = partition(g, 32, time_limit=3, **machine)
+    (floor, bracket), = brackets
+    assert floor > 0 and bracket.replicas and bracket.bound_s >= floor  # the DP's bound, the bracket's plan
+    assert res.replicas and res.bottleneck_s <= bracket.bottleneck_s * (1 + 1e-9)
+    assert res.bound_s <= exact.bottleneck_s * (1 + 1e-9) and exact.bound_s <= res.bottleneck_s * (1 + 1e-9)
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s)
