@@ -36,7 +36,7 @@ RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds 
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
-PLAN_SHARE = 0.5  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
+PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
 def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
