@@ -206,20 +206,17 @@ class ChainSolver:
         costs one block's pairs per pass and its temporaries stay bounded (all pairs at once took
         2.9 GB on 32 blocks at K = 1024)."""
         if self._pairs is None:
-            canon, distinct, which = Canon(), [], []
+            canon, distinct, which = Canon(), {}, []  # distinct pair sets by identity, in first-seen order
             for seg in self.segs:
-                j, i = seg.sub_j, seg.sub_i
-                pairs = canon.get(tuple(x[end] for x in (*self._own_sums(seg), seg.shared, seg.cut) for end in (j, i)))
-                if not any(pairs is d for d in distinct):
-                    distinct.append(pairs)
-                which.append(next(k for k, d in enumerate(distinct) if d is pairs))
-            self._pairs = (distinct, which)
+                (c, p), ends = self._own_sums(seg), (seg.sub_j, seg.sub_i)
+                pairs = canon.get(tuple(x[e] for e in ends for x in (c, p, seg.shared, seg.cut)))  # ``_r``'s order
+                which.append(distinct.setdefault(id(pairs), (len(distinct), pairs))[0])
+            self._pairs = ([pairs for _, pairs in distinct.values()], which)
         distinct, which = self._pairs
         out = []
-        for cj, ci, pj, pi, sj, si, tj, ti in distinct:
-            parts = [self._r(cj[a:a + NEAR_SLICE], pj[a:a + NEAR_SLICE], sj[a:a + NEAR_SLICE], tj[a:a + NEAR_SLICE],
-                             ci[a:a + NEAR_SLICE], pi[a:a + NEAR_SLICE], si[a:a + NEAR_SLICE], ti[a:a + NEAR_SLICE], T)
-                     for a in range(0, cj.shape[0], NEAR_SLICE)]
+        for pairs in distinct:
+            n = pairs[0].shape[0]
+            parts = [self._r(*(x[a:a + NEAR_SLICE] for x in pairs), T) for a in range(0, n, NEAR_SLICE)]
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
         return [out[k] for k in which]
 

@@ -70,6 +70,11 @@ def model_nodes(graph: CostGraph, opts: CostOptions) -> List[str]:
     return [n for n, node in graph.nodes.items() if not node.is_input]
 
 
+def ideal_s(graph: CostGraph, opts: CostOptions) -> float:
+    """Sum of the placed nodes' compute over K: no plan's bottleneck is below it, whatever its layout."""
+    return sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
+
+
 def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) -> Units:
     """Aggregate costs of ``groups`` (each a list of node names, topologically ordered)."""
     unit = {n: i for i, names in enumerate(groups) for n in names}

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional
 
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
-from passes.partition.coarsen import Units, build_units, coarsen, model_nodes, to_nodes
+from passes.partition.coarsen import Units, build_units, coarsen, ideal_s, model_nodes, to_nodes
 from passes.partition.downsets import downset_dp
 from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
@@ -86,13 +86,18 @@ def _uniform_only(graph: CostGraph, opts: CostOptions, start: float) -> Optional
     best = uniform.best_layout(graph, opts)
     if best is None:
         return None
+    return _uniform_result(graph, opts, best, "HEURISTIC", ideal_s(graph, opts), time.monotonic() - start,
+                           "uniform layout (no search finished a plan in the time)")
+
+
+def _uniform_result(graph: CostGraph, opts: CostOptions, best, status: str, bound_s: float, wall_s: float,
+                    method: str) -> PartitionResult:
+    """``uniform.best_layout``'s (evaluation, assignment, replicas) as a ``PartitionResult``."""
     ev, assignment, replicas = best
-    ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
     return PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
-                           bottleneck_s=ev.bottleneck_s, options=opts, status="HEURISTIC",
-                           objective_s=ev.bottleneck_s, bound_s=min(ideal, ev.bottleneck_s),
-                           wall_s=time.monotonic() - start, units=len(graph.nodes),
-                           method="uniform layout (no search finished a plan in the time)")
+                           bottleneck_s=ev.bottleneck_s, options=opts, status=status, objective_s=ev.bottleneck_s,
+                           bound_s=min(bound_s, ev.bottleneck_s), wall_s=wall_s, units=len(graph.nodes),
+                           method=method)
 
 
 def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
@@ -300,11 +305,7 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                       settle_by=settle_by) if opts.gpus_per_node < opts.devices else None
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
     if hand is not None:
-        ev, assignment, replicas = hand
-        scored.append((ev, PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
-                                           bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
-                                           objective_s=ev.bottleneck_s, bound_s=0.0, wall_s=0.0,
-                                           units=len(graph.nodes), method="uniform layout")))
+        scored.append((hand[0], _uniform_result(graph, opts, hand, "FEASIBLE", 0.0, 0.0, "uniform layout")))
     if not scored:
         return None
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)

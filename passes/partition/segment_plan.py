@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from passes.costgraph import CostGraph
 from passes.partition import branches, charged, node_floor, placed, retie, stage_count
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
-from passes.partition.coarsen import Units, model_nodes, to_nodes
+from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import build_segments, fold_margin, folded_units
@@ -71,7 +71,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             plain = searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
             plans += [plain[0]] if plain else []
             bound = lower[1]
-    ideal = sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
+    ideal = ideal_s(graph, opts)
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
     if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
