@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from passes import meta
 from passes.capture_check import restore_buffers, save_buffers
 from passes.costgraph import CostGraph, CostNode
+from passes.device_move import home_device, to_device
 from passes.errors import FxpipeError
 from passes.profile_timing import Clock, grad_call_overhead, measure, time_node
 from passes.values import COMPUTE_OPS, ValueRecorder, node_failed, value_bytes
@@ -73,7 +74,8 @@ def profile(
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"profile: repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     home = _placement(gm)
-    gm.to(dev)
+    was = home_device(gm)
+    to_device(gm, dev, was)  # export graphs name their capture device in constants: those move too
     try:
         inputs = tuple(pytree.tree_map(lambda x: x.to(dev) if isinstance(x, torch.Tensor) else x,
                                        tuple(example_inputs)))
@@ -87,6 +89,8 @@ def profile(
             restore_buffers(saved)
     finally:
         _move_back(home)
+        if was is not None:
+            to_device(gm, was, home=dev)
     _write_param_costs(gm, env)
     meta.put(gm, meta.ProfileInfo(
         device=str(dev), repeats=repeats, batch_size=_batch_size(inputs),

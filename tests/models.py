@@ -10,6 +10,8 @@ the others are here:
   needs that submodule declared a leaf.
 - ``TiedLM``: one embedding table under three module names (two lookups and
   the tied output head); ``Reused``: one module called three times.
+- ``PosNet``: makes a tensor on its input's device, which ``torch.export``
+  writes into the graph as a constant (the capture device).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.nn as nn
 from tools.bench import models as bench
 from tools.bench.models import MLP, SkipCNN, TinyGPT
 
-__all__ = ["ALL", "ControlFlow", "EncoderLM", "Gate", "MLP", "MultiIO", "Reused", "Seq2Seq", "SkipCNN",
+__all__ = ["ALL", "ControlFlow", "EncoderLM", "Gate", "MLP", "MultiIO", "PosNet", "Reused", "Seq2Seq", "SkipCNN",
            "TiedLM", "TinyGPT", "example"]
 
 
@@ -120,6 +122,19 @@ class Reused(nn.Module):
         h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
         h = torch.tanh(self.mid(torch.tanh(self.shared(h))))
         return self.out(torch.tanh(self.shared(h)))
+
+
+class PosNet(nn.Module):
+    """Adds a position ramp made on the input's device, 6 features in, 3 out (``torch.export`` records
+    ``device=`` of the ramp as a constant of the graph, the device it was captured on)."""
+
+    def __init__(self, hidden: int = 12) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, hidden), nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ramp = torch.arange(x.shape[-1], device=x.device, dtype=x.dtype)
+        return self.b(torch.tanh(self.a(x + 0.1 * ramp)))
 
 
 class EncoderLM(nn.Module):

@@ -47,6 +47,7 @@ from fxpipe.runtime.optim import copy_free_optimizer, is_out_of_place
 from fxpipe.runtime.precision import LossScaler, check_precision
 from fxpipe.runtime.recompute import check_recompute, recomputes
 from passes.errors import FxpipeError
+from passes.device_move import home_device, to_device
 from passes.partition.costmodel import DEFAULT_SCHEDULE
 from fxpipe.runtime.report import Reporter, StepStats
 from fxpipe.runtime.stash import WeightStash
@@ -199,7 +200,8 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
     stage = layout.stage_of(rank)
     if device.type != "cpu":  # guarded GPU path: data is loaded on the CPU, stages run on the device
         data = _on_device(data, device)
-    module = split.stages[stage].to(device)
+    # stages are loaded on the CPU; an export graph's device constants move with the parameters
+    module = to_device(split.stages[stage], device, home_device(split.stages[stage]) or torch.device("cpu"))
     module.train()
     update_per_mb = cfg.schedule == "1f1b-stash"  # an update per minibatch (2bw: per batch, as flush)
     optimizer = make_optimizer(cfg, module, copy_free=cfg.schedule in STASHING and cfg.weight_stash == "copy-free")

@@ -25,7 +25,7 @@ import fxpipe
 from fxpipe.runtime.devices import DeviceError
 from tests.fxpipe.runtime import cases
 from tests.fxpipe.runtime.test_train_api import assert_close_to_reference, data_list, make_net, mse
-from tests.models import TinyGPT
+from tests.models import PosNet, TinyGPT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -100,6 +100,28 @@ def test_one_rank_trains_on_cuda_like_one_process() -> None:
     out = fxpipe.train(model, data_list(steps * M), loss_fn=mse, devices=1, device="cuda", microbatches=M,
                        steps=steps, lr=lr, optimizer="adamw", time_limit=3, timeout=120)
     want = cases.accumulate_model(make_net(), data_list(steps * M).__getitem__, mse, steps, M, "adamw", lr)
+    assert_close_to_reference(out.state_dict, want, start)
+
+
+def _posnet() -> PosNet:
+    torch.manual_seed(3)
+    return PosNet().double()
+
+
+def test_export_graph_profiles_and_trains_on_cuda() -> None:
+    """An export graph names its capture device (CPU) in constants: profiling on CUDA and one-rank
+    training there move them with the parameters (they failed at the first kernel: HF GPT-2 did)."""
+    model = _posnet()
+    (x,), _ = data_list(1)[0]
+    sm = fxpipe.split(model, (x,), 2, progress=False, device="cuda", capture_method="export", time_limit=5,
+                      replication="none")
+    assert sm.profile.info["device"].startswith("cuda") and sm.num_stages == 2
+    torch.testing.assert_close(fxpipe.run_local(sm, x), model(x), rtol=0, atol=0)  # back on the CPU
+    steps, M, lr = 3, 2, 0.01
+    start = {k: v.detach().clone() for k, v in _posnet().state_dict().items()}
+    out = fxpipe.train(_posnet(), data_list(steps * M), loss_fn=mse, devices=1, device="cuda", microbatches=M,
+                       steps=steps, lr=lr, optimizer="adamw", capture_method="export", time_limit=3, timeout=120)
+    want = cases.accumulate_model(_posnet(), data_list(steps * M).__getitem__, mse, steps, M, "adamw", lr)
     assert_close_to_reference(out.state_dict, want, start)
 
 
