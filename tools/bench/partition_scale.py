@@ -22,7 +22,8 @@ with the last), each of the PP stages replicated DP times, scored by
         [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
         [--cost-model fxpipe|pipedream] [--replication any|pow2|none]
         [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (bundled; --reprofile needs transformers)
-        [--reprofile]   # profile the models here (cached in fxpipe-out/) instead of the bundled profiles
+        [--reprofile [--device cpu|cuda]]   # profile the models here (cached in fxpipe-out/) instead
+        [--profiles DIR]   # read (with --reprofile: make) the profiles in DIR, e.g. tools/bench/data/h100
 
 HF GPT-2 (``--hf-gpt2``): GPT2LMHeadModel from a tiny config (vocab 512,
 context 64, width 64, 12 layers, 2 heads; batch 4), captured through export
@@ -52,11 +53,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = Path(__file__).resolve().parent / "data"  # the profiles the README's tables were measured on
 FRESH = ROOT / "fxpipe-out"  # ``--reprofile``: profiles made on this machine
 PROFILES = BUNDLED  # where ``profiled_gpt`` and ``hf_gpt2`` read (``main`` switches it)
+DEVICE = "cpu"  # where ``--reprofile`` measures (``--device``)
 
 
 def _profiled(cache: Path, build) -> CostGraph:
     """The profile cached at ``cache``, else ``build()``'s (model, example input) captured, profiled
-    (2 repeats) and cached."""
+    (2 repeats) on ``DEVICE`` and cached."""
     if cache.exists():
         return CostGraph.load(cache)
     import torch
@@ -67,9 +69,9 @@ def _profiled(cache: Path, build) -> CostGraph:
     torch.manual_seed(0)
     model, x = build()
     gm = capture(model, (x,))
-    profile(gm, (x,), repeats=2, warmup=1)
+    profile(gm, (x,), device=DEVICE, repeats=2, warmup=1)
     graph = to_cost_graph(gm)
-    cache.parent.mkdir(exist_ok=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
     graph.save(cache)
     return graph
 
@@ -201,6 +203,14 @@ def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _shown(folder: Path) -> str:
+    """``folder`` relative to the repository where it is inside it (the table names no path of this machine)."""
+    try:
+        return str(folder.resolve().relative_to(ROOT)) + "/"
+    except ValueError:
+        return str(folder)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="8,32,96")
@@ -214,10 +224,16 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile the models on this machine (cached in fxpipe-out/), not the bundled profiles")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where --reprofile measures")
+    ap.add_argument("--profiles", default=None,
+                    help="read the profiles in this folder (with --reprofile: made there when missing)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
-    global PROFILES
-    PROFILES = FRESH if args.reprofile else BUNDLED
+    global PROFILES, DEVICE
+    PROFILES = Path(args.profiles).resolve() if args.profiles else FRESH if args.reprofile else BUNDLED
+    DEVICE = args.device
+    if args.device == "cuda" and not args.reprofile:
+        ap.error("--device cuda measures new profiles: add --reprofile")
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
                "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
                "replication": args.replication}
@@ -240,7 +256,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "tools.bench.partition_scale", "--row", f"{depth},{k}",
                    "--time-limit", str(args.time_limit)]
             cmd += [f"--{name.replace('_', '-')}={value}" for name, value in machine.items() if value is not None]
-            cmd += ["--reprofile"] if args.reprofile else []
+            cmd += ["--reprofile", f"--device={args.device}"] if args.reprofile else []
+            cmd += [f"--profiles={PROFILES}"]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if out.returncode:
                 print(out.stderr, file=sys.stderr)
@@ -253,8 +270,8 @@ def main(argv=None) -> int:
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
              if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
         + f"; {args.cost_model} cost model, replication {args.replication}"
-    print(f"machine: {where}; time limit {args.time_limit:g} s; "
-          f"profiles: {'made on this machine (fxpipe-out/)' if args.reprofile else 'bundled (tools/bench/data/)'}")
+    made = f"made on this machine ({args.device})" if args.reprofile else "read"
+    print(f"machine: {where}; time limit {args.time_limit:g} s; profiles: {made}, {_shown(PROFILES)}")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
                                   "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
     return 0
