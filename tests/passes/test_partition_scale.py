@@ -512,6 +512,7 @@ def test_segments_built_once_for_equal_units_and_repeated_blocks_worked_out_once
     sizes = [s.sub_j.size for s in segs]
     repeated = [k for k in range(1, len(segs) - 1) if sizes[k] == sizes[1]]
     assert len(repeated) >= 4 and all(segs[k].sub_j is segs[repeated[0]].sub_j for k in repeated)
+    assert all(segs[k].member is segs[repeated[0]].member for k in repeated)  # one lattice per block shape
     solver = ChainSolver(units, segs, opts)
     T = 1.7 * sum(units.compute) / opts.devices
     near = solver._near(T)
