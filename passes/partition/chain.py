@@ -459,11 +459,14 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 T = max(hi / (1 + tolerance), lo)
             else:
                 T = math.sqrt(lo * hi) if hi > lo * 1.01 else (lo + hi) / 2
+            proving = first_wide
             if first_wide:  # one pass may prove the caller's plan within PROVE_WITHIN (or beat it by that)
                 T, first_wide = hi / (1 + PROVE_WITHIN), False
             found = _attempt(solver, units, opts, T, score, deadline)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within
+            # proven within PROVE_WITHIN: the caller's plan is often the optimum, which one pass just under it proves
+            probe = probe or (proving and found is _INFEASIBLE)
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:

@@ -13,7 +13,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition import branches, charged, node_floor, placed, retie, stage_count
+from passes.partition import branches, charged, node_floor, placed, retie, stage_count, wide_blocks
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
@@ -193,9 +193,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
-    units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=1e-3 * ideal,
-                                 tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0,
-                                 keep_dead=keep_dead)
+    fold = dict(tiny=1e-5 * ideal, tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+    units, folded = folded_units(graph, opts, tiny_silent=1e-3 * ideal, keep_dead=keep_dead, **fold)
     if hidden is not None:
         units.hidden = hidden(units)
     segs = build_segments(units, deadline=deadline)
@@ -215,6 +214,13 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
                             floor=floor, bound_only=bound_only)  # no ladder: its first pass, at twice the bound, finds a plan
     else:
+        first = None
+        if wide_blocks.wide(segs) and not bound_only and ceiling == math.inf:
+            first = wide_blocks.first_plan(graph, opts, deadline, floor, fold, hidden)
+        if first is not None:  # a plan from the narrow lattice, which the exact one proves or beats
+            found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
+                                ceiling=first.real_s, settle_by=settle_by)
+            return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
         found = chain_solve(units, segs, opts, deadline, score, floor=floor, settle_by=settle_by, bound_only=bound_only)
     if found is None:
         return None
