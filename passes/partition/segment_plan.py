@@ -86,6 +86,14 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         if lower is not None:
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
+        best = min(e.bottleneck_s for e, _, _ in scored)
+        if machine is None and opts.gpus_per_node is None and best > max(bound, ideal) * (1 + OPTIMAL_GAP):
+            exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best,
+                                           0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+            if exact is not None:  # nothing dropped: the bound is the optimum's own
+                assignment, reps, proven = exact
+                scored += [(evaluate(graph, assignment, reps, judge), assignment, reps)] if reps else []
+                bound = max(bound, proven)
     loose = loose_groups(graph, opts)
     scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
