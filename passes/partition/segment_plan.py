@@ -78,7 +78,14 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
         masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
-        for again in (searched(graph, opts, deadline, c, keep_dead=True) for c in [[]] + ([masks] if masks else [])):
+        flat = machine is None and opts.gpus_per_node is None
+        exact = _exact(graph, opts, deadline, scored, bound, ideal, judge) if flat else None
+        if exact is not None:  # its plans include those of the search that charges dead nodes
+            bound = max(bound, exact)
+        proven = min(e.bottleneck_s for e, _, _ in scored) <= max(bound, ideal) * (1 + OPTIMAL_GAP)
+        masks = [] if proven else masks
+        for again in (searched(graph, opts, deadline, c, keep_dead=True)
+                      for c in ([] if exact is not None else [[]]) + ([masks] if masks else [])):
             scored += [(evaluate(graph, *again[0], judge), *again[0])] if again else []
         # the folding above placed those branches like model inputs, so the bound forgot their compute:
         # the relaxation that counts it in every prefix that must run it bounds the same plans higher
@@ -86,14 +93,6 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         if lower is not None:
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
-        best = min(e.bottleneck_s for e, _, _ in scored)
-        if machine is None and opts.gpus_per_node is None and best > max(bound, ideal) * (1 + OPTIMAL_GAP):
-            exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best,
-                                           0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
-            if exact is not None:  # nothing dropped: the bound is the optimum's own
-                assignment, reps, proven = exact
-                scored += [(evaluate(graph, assignment, reps, judge), assignment, reps)] if reps else []
-                bound = max(bound, proven)
     loose = loose_groups(graph, opts)
     scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
@@ -110,6 +109,22 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, bound: float, ideal: float,
+           judge: CostOptions) -> Optional[float]:
+    """Where the plans in ``scored`` are not proven: ``wide_blocks.exact_plan`` (nothing dropped), its
+    plan added to ``scored``; the bound it proves, or None (in time, proven, or cut off)."""
+    best = min(e.bottleneck_s for e, _, _ in scored)
+    if best <= max(bound, ideal) * (1 + OPTIMAL_GAP):
+        return None
+    exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best,
+                                   0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+    if exact is None:
+        return None
+    assignment, reps, proven = exact
+    scored += [(evaluate(graph, assignment, reps, judge), assignment, reps)] if reps else []
+    return proven
 
 
 def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]):
