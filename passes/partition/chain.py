@@ -394,7 +394,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
-          plan_by: float = math.inf) -> Optional[ChainSolution]:
+          plan_by: float = math.inf, trust_ceiling: bool = False) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -427,7 +427,10 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     (``stage_of`` None) rather than None, for a caller that wants the bound
     alone (a relaxation whose plans it does not use). ``plan_by``: past this
     time without a plan the search stops, mid-pass, as if cut by the deadline
-    (a caller with a faster way to a plan for the rest of the time).
+    (a caller with a faster way to a plan for the rest of the time). ``trust_ceiling``: the caller's
+    plan is likely the optimum (``wide_blocks``: the coarse lattice's), so once a pass proves it within
+    ``PROVE_WITHIN`` the next checks just under it, where one infeasible pass closes the search; the
+    placed DPs' bracket plans are not, and a pass there mostly found a plan a hair faster.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -465,8 +468,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             found = _attempt(solver, units, opts, T, score, deadline)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within
-            # proven within PROVE_WITHIN: the caller's plan is often the optimum, which one pass just under it proves
-            probe = probe or (proving and found is _INFEASIBLE)
+            # proven within PROVE_WITHIN: where the caller's plan is likely the optimum, one pass just under it proves it
+            probe = probe or (trust_ceiling and proving and found is _INFEASIBLE)
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:

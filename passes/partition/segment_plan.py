@@ -242,7 +242,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             first = wide_blocks.first_plan(graph, opts, deadline, floor, fold, hidden)
         if first is not None:  # a plan from the narrow lattice, which the exact one proves or beats
             found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
-                                ceiling=first.real_s, settle_by=settle_by)
+                                ceiling=first.real_s, settle_by=settle_by, trust_ceiling=True)
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
         found = chain_solve(units, segs, opts, deadline, score, floor=floor, settle_by=settle_by, bound_only=bound_only)
     if found is None:

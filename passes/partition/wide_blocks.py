@@ -112,7 +112,7 @@ def exact_plan(graph: CostGraph, opts: CostOptions, deadline: float, floor: floa
             ceiling = first.real_s
         floor = max(floor, first.bound_s) if first is not None else floor
     found = chain_solve(units, segs, opts, deadline, lambda so, r: unit_bottleneck(units, so, r, opts),
-                        floor=floor, ceiling=ceiling)
+                        floor=floor, ceiling=ceiling, trust_ceiling=first is not None)
     if found is None:
         return None
     if found.stage_of is not None:
