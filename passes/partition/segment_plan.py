@@ -118,13 +118,18 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
     best = min(e.bottleneck_s for e, _, _ in scored)
     if best <= max(bound, ideal) * (1 + OPTIMAL_GAP):
         return None
-    exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best,
-                                   0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+    exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best, _tiny_input(opts, ideal))
     if exact is None:
         return None
     assignment, reps, proven = exact
     scored += [(evaluate(graph, assignment, reps, judge), assignment, reps)] if reps else []
     return proven
+
+
+def _tiny_input(opts: CostOptions, ideal: float) -> float:
+    """Compute up to which a weightless node of the inputs alone is left out like an input (fxpipe's
+    model, where every rank loads the inputs; PipeDream's puts them in stage 0)."""
+    return 0.02 * ideal if opts.cost_model == "fxpipe" else -1.0
 
 
 def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]):
@@ -216,7 +221,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
-    fold = dict(tiny=1e-5 * ideal, tiny_input=0.02 * ideal if opts.cost_model == "fxpipe" else -1.0)
+    fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     units, folded = folded_units(graph, opts, tiny_silent=1e-3 * ideal, keep_dead=keep_dead, **fold)
     if hidden is not None:
         units.hidden = hidden(units)

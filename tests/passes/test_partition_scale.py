@@ -582,9 +582,8 @@ def test_plan_by_stops_a_search_without_a_plan_and_the_bracket_answers(monkeypat
 def test_bound_under_the_exact_optimum_on_a_gpu_profile(depth, K):
     """On a GPU profile shape reads cost about a kernel launch and fold with their compute dropped (a
     relaxation): the bound stays under the exact optimum, the chain DP on the graph with only free
-    nodes folded and every node's compute charged. (Charging the folded compute to the producers
-    and taking ``fold_margin`` off, which gave a higher number here, was tried: it lay above a real
-    plan, so it is not a bound.)"""
+    nodes folded and every node's compute charged. Before CP-SAT's bound on coarsened units was
+    dropped (``driver._restricted``), ``partition`` answered a bound above that optimum here."""
     from passes.partition.chain import solve as chain_solve, unit_bottleneck
     from tools.bench.partition_scale import deep_gpt
 
