@@ -112,10 +112,12 @@ def expand(assignment: Dict[str, int], cones: List[Cone]) -> Dict[str, int]:
 
 
 def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tuple[float, List[int]]]:
-    """``Units.hidden`` for ``units`` of ``relaxed(graph, cones)``: per cone node upstream of its exit, the
-    compute the units do not count of it (all of it, but the exit's where a unit holds the exit), with
-    the units that force it into a prefix: its own, or, where folding left it in none (placed like a
-    model input), those holding its nearest placed descendants (see the module docstring)."""
+    """``Units.hidden`` for ``units`` of ``relaxed(graph, cones)``: the compute the relaxation took off
+    each cone (its nodes upstream of the exit, the exit but not its compute excluded: it keeps that,
+    see ``segments.dropped_compute``), with the units that force it into a prefix: the exit's, or,
+    where folding left the exit in none (placed like a model input), those holding its nearest placed
+    descendants (see the module docstring). Not the members' own units: a member that sends nothing
+    may fold into a unit (an input's, PipeDream's model) yet sit in a later stage."""
     unit_of = units.unit_of()
     succ = graph.successors()
     preds: Dict[str, List[str]] = {n: [] for n in graph.nodes}
@@ -123,14 +125,10 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
         preds[v].append(u)
     out = []
     for x, members in cones:
-        upstream = _ancestors(x, set(members), preds)
-        for n in members:
-            if n not in upstream:
-                continue
-            counted = graph.nodes[n].compute_s if n == x and n in unit_of else 0.0
-            seconds = graph.nodes[n].compute_s - counted
-            if seconds > 0:
-                out.append((seconds, _placed_below(n, unit_of, succ)))
+        upstream = _ancestors(x, set(members), preds) - {x}
+        seconds = sum(graph.nodes[n].compute_s for n in members if n in upstream)
+        if seconds > 0:
+            out.append((seconds, _placed_below(x, unit_of, succ)))
     return out
 
 

@@ -162,7 +162,11 @@ class ChainSolver:
                 # one extra column: the segment's last point with no cut after it, to prune the pool
                 cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
                 cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
-                R = self._r(pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None],
+                pcj = pc[:, None]
+                if self.units.hidden and gid[0] == 0:  # the first stage runs the compute its units force in
+                    pcj = np.repeat(pcj, d + 1, axis=1)
+                    pcj[0, :d] -= seg.hidden  # (pool rows are in point order: the empty set leads)
+                R = self._r(pcj, pp[:, None], ps[:, None, :], pcut[:, None],
                             cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :], T)
                 reach = pdev + R[:, d] <= K
                 tot = pdev[:, None] + R[:, :d]
@@ -173,6 +177,8 @@ class ChainSolver:
             dev = np.maximum(dev, least)
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
+                if a == 0 and self.units.hidden:
+                    R2 = np.where(j == 0, self._first_stage(seg, T)[seg.sub_i], R2)
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
                 for x in range(d):
                     lo, hi = bounds[x], bounds[x + 1]
@@ -189,6 +195,15 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _first_stage(self, seg: Segment, T: float) -> np.ndarray:
+        """Replicas of the first stage ending at each point of ``seg`` (the first segment), with the
+        compute of ``Units.hidden`` it forces in: the prefix is that stage alone, so all of it runs
+        there (in a later stage, forced-in compute may sit in any stage of the prefix, and only
+        ``_least_devices`` counts it). The pool's rows for later segments do the same through the
+        empty set's row (``devices_needed``)."""
+        return self._r(seg.compute[0], seg.params[0], seg.shared[0], seg.cut[0], seg.compute + seg.hidden,
+                       seg.params, seg.shared, seg.cut, T) * np.ones(len(seg.compute), dtype=np.int64)
 
     def _least_devices(self, seg: Segment, T: float):
         """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
@@ -355,9 +370,16 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
 
 
 def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:
-    """Compute and weight bytes per stage (a shared weight once per stage that uses it)."""
+    """Compute and weight bytes per stage (a shared weight once per stage that uses it). Compute the
+    units do not hold (``Units.hidden``) counts in the first stage that forces it in, where the graph's
+    plan puts it (a node left out like an input goes with its first reader): so a plan's score is never
+    below the T at which the DP, which counts that compute too (``ChainSolver._first_stage``), accepts
+    it, and the bisection's upper end stays a T it can reach."""
     comp, par = np.zeros(S), np.zeros(S)
     np.add.at(comp, stage_of, units.compute)
+    for seconds, forcing in units.hidden:
+        if forcing:
+            comp[min(stage_of[u] for u in forcing)] += seconds
     np.add.at(par, stage_of, units.param_bytes)
     for _, (nb, users) in units.shared.items():
         for s in {stage_of[u] for u in users}:
@@ -508,6 +530,8 @@ def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray,
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
+    for nbytes, readers in units.hidden_sends:  # sent on from its first reader's stage, as the plan places it
+        cut[min(stage_of[c] for c in readers) + 1: max(stage_of[c] for c in readers) + 1] += nbytes
     return comp, par, cut
 
 

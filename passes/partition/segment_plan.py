@@ -224,7 +224,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     units, folded = folded_units(graph, opts, tiny_silent=1e-3 * ideal, keep_dead=keep_dead, **fold)
     if hidden is not None:
-        units.hidden = hidden(units)
+        units.hidden += hidden(units)
     segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None

@@ -54,8 +54,10 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     that compute over each stage's replicas (the benchmark GPTs read shapes for
     ~2 us a block: as a margin, 0.45 % of the bound at 32 blocks on 512
     devices). Plans are scored on the graph, which charges it. A node that
-    sends nothing and has no placed producer is left out (its compute too: that
-    only lowers a bound). ``keep_dead``: charge dead and dropped nodes' compute
+    sends nothing and has no placed producer is left out, as is a cheap one
+    computed from the inputs alone (``tiny_input``). The compute dropped and
+    left out still counts where every plan must run it (``dropped_compute``),
+    and the values left out where every plan must send them (``Units.hidden_sends``). ``keep_dead``: charge dead and dropped nodes' compute
     to the group they join, for a search whose plans are scored as they are
     (their bound is then lowered by it through ``fold_margin``).
     """
@@ -107,7 +109,36 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
         if not keep_dead:  # dropped: a relaxation
             units.compute[i] -= sum(graph.nodes[m].compute_s for m in members if m in dead or m in quiet)
         folded.append(units.compute[i] - graph.nodes[members[0]].compute_s)
+    loose = set(names) - set(head) | (set() if keep_dead else dead | quiet)
+    unit_of = units.unit_of()
+    units.hidden = dropped_compute(graph, names, consumers, loose, unit_of)
+    units.hidden_sends = [(graph.nodes[n].out_bytes, readers) for n in names if n not in head
+                          for readers in [sorted({unit_of[c] for c in consumers[n] if c in unit_of})]
+                          if graph.nodes[n].out_bytes > 0 and readers]
     return units, folded
+
+
+def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set], loose: set,
+                    unit_of: Dict[str, int]) -> List[Tuple[float, List[int]]]:
+    """``Units.hidden`` for the compute folding drops (nodes left out like inputs, dead and quiet
+    nodes): a node may sit in any stage up to its readers', but a prefix of stages that holds one
+    of the placed nodes it feeds holds it too, so its compute still counts in the devices that
+    prefix needs (``chain.ChainSolver._least_devices``). Without this a bound forgot it: HF
+    GPT-2's position and mask nodes, left out like inputs, are 5 % of a stage at 16 devices.
+    Nodes whose results reach no placed node (dead ones) force nothing. One entry per set of
+    forcing units."""
+    below: Dict[str, frozenset] = {}
+    by_forcing: Dict[frozenset, float] = {}
+    for n in reversed(names):
+        if n not in loose:
+            continue
+        forced = frozenset()
+        for c in consumers[n]:
+            forced |= below.get(c, frozenset()) if c in loose else frozenset([unit_of[c]])
+        below[n] = forced
+        if forced and graph.nodes[n].compute_s > 0:
+            by_forcing[forced] = by_forcing.get(forced, 0.0) + graph.nodes[n].compute_s
+    return [(seconds, sorted(forcing)) for forcing, seconds in by_forcing.items()]
 
 
 def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], consumers, head, anc,
@@ -231,6 +262,9 @@ def _build_segments(units: Units, limit: int, deadline: float) -> Optional[List[
         first = 0 if units.is_input[unit] else int(seg_of[unit])
         for a in range(first, int(seg_of[max(consumers)]) + 1):
             live[a].append((unit, nbytes, consumers))
+    for nbytes, readers in units.hidden_sends:  # no unit: inside wherever a reader is
+        for a in range(int(seg_of[readers[0]]), int(seg_of[readers[-1]]) + 1):
+            live[a].append((None, nbytes, readers))
     segments, base_c, base_p, pairs_of = [], 0.0, 0.0, {}
     base_s = np.zeros(len(shared))
     for a in range(len(bounds) - 1):
@@ -285,7 +319,10 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
     params = base_p + member @ np.asarray([units.param_bytes[u] for u in local], dtype=float)
     cut = np.zeros(len(masks))
     for unit, nbytes, consumers in live:
-        inside = member[:, pos[unit]] if unit in pos else np.ones(len(masks), dtype=bool)
+        if unit is None:  # a value left out like an input (``Units.hidden_sends``): with its first reader
+            inside = any(c < local[0] for c in consumers) | member[:, [pos[c] for c in consumers if c in pos]].any(axis=1)
+        else:
+            inside = member[:, pos[unit]] if unit in pos else np.ones(len(masks), dtype=bool)
         if max(consumers) > local[-1]:  # read after this segment
             escapes = np.ones(len(masks), dtype=bool)
         else:  # consumers before the segment are inside every point
@@ -303,10 +340,13 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
         inside[:, k] = member[:, pos[u]] if u in pos else float(u < local[0])
     counts = np.hstack([counts, inside])
     hidden = np.zeros(len(masks))
-    for seconds, forcing in units.hidden:
-        mine = [pos[u] for u in forcing if u in pos]
-        before = any(u < local[0] for u in forcing)
-        hidden += seconds * (before | member[:, mine].any(axis=1))
+    for seconds, forcing in units.hidden:  # forcing: sorted
+        if not forcing:  # forces nothing
+            continue
+        if forcing[0] < local[0]:  # forced into every point
+            hidden += seconds
+        elif forcing[0] <= local[-1]:
+            hidden += seconds * member[:, [pos[u] for u in forcing if u in pos]].any(axis=1)
     key = (member.shape, member.tobytes())
     if key not in pairs_of:
         packed = np.packbits(member, axis=1) if L else np.zeros((len(masks), 0), dtype=np.uint8)

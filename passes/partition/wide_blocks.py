@@ -66,7 +66,7 @@ def first_plan(graph: CostGraph, opts: CostOptions, deadline: float, floor: floa
     ideal = graph.total_compute_s() / opts.devices
     units, folded = folded_units(graph, opts, tiny_silent=SILENT * ideal, keep_dead=True, **fold)
     if hidden is not None:
-        units.hidden = hidden(units)
+        units.hidden += hidden(units)
     segs = build_segments(units, deadline=by)
     if segs is None or wide(segs):
         return None
