@@ -19,6 +19,7 @@ from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import build_segments, fold_margin, folded_units
+from passes.partition.tie_floor import tie_floor
 
 
 def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
@@ -72,17 +73,20 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             plans += [plain[0]] if plain else []
             bound = lower[1]
     ideal = ideal_s(graph, opts)
+    # sum C / K, and where a weight is tied between two nodes the least their stages can take (on the
+    # flat model the plans are scored on: with ``machine`` they are not)
+    floor_s = max(ideal, tie_floor(graph, opts)) if machine is None else ideal
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
-    if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, ideal) * (1 + OPTIMAL_GAP):
+    if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, floor_s) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
         masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
         flat = machine is None and opts.gpus_per_node is None
-        exact = _exact(graph, opts, deadline, scored, bound, ideal, judge) if flat else None
+        exact = _exact(graph, opts, deadline, scored, max(bound, floor_s), ideal, judge) if flat else None
         if exact is not None:  # its plans include those of the search that charges dead nodes
             bound = max(bound, exact)
-        proven = min(e.bottleneck_s for e, _, _ in scored) <= max(bound, ideal) * (1 + OPTIMAL_GAP)
+        proven = min(e.bottleneck_s for e, _, _ in scored) <= max(bound, floor_s) * (1 + OPTIMAL_GAP)
         masks = [] if proven else masks
         for again in (searched(graph, opts, deadline, c, keep_dead=True)
                       for c in ([] if exact is not None else [[]]) + ([masks] if masks else [])):
@@ -96,7 +100,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     loose = loose_groups(graph, opts)
     scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
-    bound = max(bound, ideal)
+    bound = max(bound, floor_s)
     if machine is None and opts.gpus_per_node is None and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
                                  lambda heavier: (searched(heavier, opts, deadline, cones, True, settle_by=settle_by) or [None])[0],

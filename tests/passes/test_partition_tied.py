@@ -17,6 +17,7 @@ import pytest
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition
 from passes.partition.segment_plan import chain_plan
+from passes.partition.tie_floor import tie_floor
 
 GPT2 = Path(__file__).parent / "data" / "hf_gpt2_12_layers.json"
 
@@ -114,3 +115,40 @@ def test_hf_gpt2_with_tied_head_proven_within_one_percent(K):
     assert res.gap <= 0.01
     assert sum(res.replicas) == K and is_convex(g, res.assignment)
     assert evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s == pytest.approx(res.bottleneck_s)
+
+
+# (model, replication, tied bytes, the embedding's most compute, seed, K): heavy and light ties
+FLOORED = [(m, rep, tb, emb, seed, K) for m in ("fxpipe", "pipedream") for rep in ("any", "pow2")
+           for tb, emb in ((1e6, 3e-3), (2e7, 3e-2), (8e7, 3e-2), (3e8, 2e-2)) for seed, K in ((0, 8), (2, 6))
+           if rep == "any" or K == 8]
+
+
+@pytest.mark.parametrize("model,replication,tied_bytes,emb,seed,K", FLOORED)
+def test_tie_floor_below_every_plan(model, replication, tied_bytes, emb, seed, K):
+    opts = CostOptions(devices=K, cost_model=model, replication=replication, bandwidth=1e9, allreduce_bandwidth=2e9)
+    g = tied_chain(seed, tied_bytes=tied_bytes, emb=emb)
+    assert 0 < tie_floor(g, opts) <= every_plan(g, opts) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed,K", [(0, 6), (0, 8), (2, 8)])
+def test_tie_floor_closes_where_the_sync_dominates(seed, K):
+    """The embedding and the head each pay the sync of 80 MB over their ranks: the DP, which prices
+    each holder against the other's fewest replicas, stopped 3-6 % under the optimum; the pair's own
+    floor is the optimum (the plan puts each alone in a stage of one replica)."""
+    opts = CostOptions(devices=K, bandwidth=1e9, allreduce_bandwidth=2e9)
+    g = tied_chain(seed, tied_bytes=8e7, emb=3e-2)
+    best = every_plan(g, opts)
+    assert tie_floor(g, opts) == pytest.approx(best, rel=1e-9)
+    res = chain_plan(g, opts, time.monotonic(), math.inf)
+    assert res.bound_s == pytest.approx(best, rel=1e-9) and res.bottleneck_s <= best * 1.01
+
+
+def test_tie_floor_on_hf_gpt2_profiled_on_an_h100():
+    """The bundled H100 profile at K = 256: the embedding (0.104 ms) and the head (0.104 ms) each alone
+    with one replica, their 128 KiB sync 0.105 ms: 4.1 % apart from the DP's bound before the floor."""
+    g = CostGraph.load(Path(__file__).parents[2] / "tools" / "bench" / "data" / "h100" / "hf-gpt2-tied-profile.json")
+    start = time.monotonic()
+    res = partition(g, 256, time_limit=10)
+    assert time.monotonic() - start < 10.5
+    assert res.status == "OPTIMAL" and res.bound_s <= res.bottleneck_s
+    assert res.bound_s == pytest.approx(tie_floor(g, res.options), rel=1e-9)
