@@ -158,6 +158,17 @@ _NODE_RE = re.compile(
 _EDGE_RE = re.compile(r"^\s+(?P<u>\S+) -- (?P<v>\S+)\s*$")
 
 
+def closure(start, step) -> set:
+    """``start`` and everything reachable from it through ``step`` (a mapping or list of next items)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for v in step[todo.pop()]:
+            if v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return seen
+
+
 def from_pipedream_text(text: str, source: str = "<graph.txt>") -> CostGraph:
     """Parse PipeDream's profiler output (``graph.txt``).
 

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from passes.costgraph import closure
 from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, unit_bottleneck
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
@@ -129,15 +130,6 @@ class PlacedChainSolver(ChainSolver):
         for a, b in units.edges:
             succ[a].append(b)
             pred[b].append(a)
-
-        def closure(start: int, nxt) -> set:
-            seen, todo = {start}, [start]
-            while todo:
-                for v in nxt[todo.pop()]:
-                    if v not in seen:
-                        seen.add(v)
-                        todo.append(v)
-            return seen
 
         first, last = work[0], work[-1]
         first_ok = set(work) <= closure(first, succ)

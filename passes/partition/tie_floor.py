@@ -20,7 +20,7 @@ from typing import Dict, FrozenSet, List
 
 import numpy as np
 
-from passes.costgraph import CostGraph
+from passes.costgraph import CostGraph, closure
 from passes.partition.coarsen import model_nodes
 from passes.partition.costmodel import CostOptions, stage_time_s
 
@@ -65,15 +65,5 @@ def _between(graph: CostGraph, first: str, last: str) -> set:
     pred: Dict[str, List[str]] = {n: [] for n in graph.nodes}
     for u, v in graph.edges:
         pred[v].append(u)
-    below, above = _reach(first, succ), _reach(last, pred)
+    below, above = closure(first, succ), closure(last, pred)
     return (below & above) | {first, last}
-
-
-def _reach(start: str, step: Dict[str, List[str]]) -> set:
-    seen, todo = {start}, [start]
-    while todo:
-        for v in step[todo.pop()]:
-            if v not in seen:
-                seen.add(v)
-                todo.append(v)
-    return seen
