@@ -350,11 +350,13 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
     Two thirds of the time go to the flat model at the SLOWER bandwidth (its
     plans are good once placed), one third to the FASTER one, whose bound is
-    the reported lower bound. Of both answers and both warm starts, the plan
-    ``evaluate`` scores best under ``opts`` is kept; it is OPTIMAL only if it
-    meets that bound.
+    the reported lower bound, unless the units are coarsened: then it holds only for plans that
+    keep each group in one stage (``_restricted``), and the bound is Σ C / K. Of both answers and
+    both warm starts, the plan ``evaluate`` scores best under ``opts`` is kept; it is OPTIMAL only
+    if it meets that bound.
     """
     units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
+    coarse = len(units) < len(model_nodes(graph, opts))
     plans, wall, trace, heuristic = [], 0.0, [], None
     bound = sum(units.compute) / opts.devices  # every plan is at least this slow, whatever its placement
     for fast, share in ((False, 2 / 3), (True, 1.0)):
@@ -375,7 +377,7 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         wall, trace = wall + solved.wall_s, trace + solved.progress
         if solved.stage_of is not None:
             plans.append(Solution(solved.stage_of, solved.replicas, solved.objective))
-        if fast and solved.stage_of is not None:
+        if fast and solved.stage_of is not None and not coarse:
             bound = max(bound, solved.bound)
         elif not fast and solved.stage_of is None and not plans:
             _raise_infeasible(units, opts, solved, None, deadline, workers)
