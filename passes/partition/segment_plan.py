@@ -227,6 +227,10 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     units, folded = folded_units(graph, opts, tiny_silent=1e-3 * ideal, keep_dead=keep_dead, **fold)
+    if opts.gpus_per_node is not None or machine is not None or opts.replication == "none":
+        # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
+        # units (``ChainSolver._first_stage``), so their plans must not be scored with it either
+        units.hidden, units.hidden_sends = [], []
     if hidden is not None:
         units.hidden += hidden(units)
     segs = build_segments(units, deadline=deadline)
