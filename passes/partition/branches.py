@@ -111,7 +111,7 @@ def expand(assignment: Dict[str, int], cones: List[Cone]) -> Dict[str, int]:
     return out
 
 
-def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tuple[float, List[int]]]:
+def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tuple[float, List[int], int]]:
     """``Units.hidden`` for ``units`` of ``relaxed(graph, cones)``: the compute the relaxation took off
     each cone (its nodes upstream of the exit, the exit but not its compute excluded: it keeps that,
     see ``segments.dropped_compute``), with the units that force it into a prefix: the exit's, or,
@@ -128,7 +128,7 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
         upstream = _ancestors(x, set(members), preds) - {x}
         seconds = sum(graph.nodes[n].compute_s for n in members if n in upstream)
         if seconds > 0:
-            out.append((seconds, _placed_below(x, unit_of, succ)))
+            out.append((seconds, _placed_below(x, unit_of, succ), -1))
     return out
 
 

@@ -371,14 +371,17 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
 
 def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:
     """Compute and weight bytes per stage (a shared weight once per stage that uses it). Compute the
-    units do not hold (``Units.hidden``) counts in the first stage that forces it in, where the graph's
-    plan puts it (a node left out like an input goes with its first reader): so a plan's score is never
-    below the T at which the DP, which counts that compute too (``ChainSolver._first_stage``), accepts
-    it, and the bisection's upper end stays a T it can reach."""
+    units do not hold (``Units.hidden``) counts where the graph's plan puts it (``to_nodes``: a node
+    folded into a unit with that unit, one left out like an input with its first reader), never after
+    the first stage that forces it in: so a plan's score is never below the T at which the DP, which
+    counts that compute too (``ChainSolver._first_stage``), accepts it, and the bisection's upper end
+    stays a T it can reach."""
     comp, par = np.zeros(S), np.zeros(S)
     np.add.at(comp, stage_of, units.compute)
-    for seconds, forcing in units.hidden:
-        if forcing:
+    for seconds, forcing, home in units.hidden:
+        if home >= 0:
+            comp[stage_of[home]] += seconds
+        elif forcing:
             comp[min(stage_of[u] for u in forcing)] += seconds
     np.add.at(par, stage_of, units.param_bytes)
     for _, (nb, users) in units.shared.items():

@@ -53,8 +53,9 @@ class Units:
     producers: List[Tuple[int, int, List[int]]]  # (unit, bytes, consumer units outside it)
     shared: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)  # param -> (bytes, units)
     # compute the units do not hold (``branches.hidden_compute``, ``segments.dropped_compute``): (seconds,
-    # sorted units of which any one in a prefix of the plan puts it in that prefix too)
-    hidden: List[Tuple[float, List[int]]] = field(default_factory=list)
+    # sorted units of which any one in a prefix of the plan puts it in that prefix too, the unit whose
+    # stage the plan puts it in, or -1: the first of those units')
+    hidden: List[Tuple[float, List[int], int]] = field(default_factory=list)
     # values of nodes left out like inputs (``segments.dropped_compute``): (bytes, sorted units reading them);
     # a prefix holding some of those units and not all sends the value on
     hidden_sends: List[Tuple[int, List[int]]] = field(default_factory=list)

@@ -216,7 +216,7 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 
 
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
-                hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None, floor: float = 0.0,
+                hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);

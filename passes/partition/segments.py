@@ -119,7 +119,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
 
 
 def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set], loose: set,
-                    unit_of: Dict[str, int]) -> List[Tuple[float, List[int]]]:
+                    unit_of: Dict[str, int]) -> List[Tuple[float, List[int], int]]:
     """``Units.hidden`` for the compute folding drops (nodes left out like inputs, dead and quiet
     nodes): a node may sit in any stage up to its readers', but a prefix of stages that holds one
     of the placed nodes it feeds holds it too, so its compute still counts in the devices that
@@ -128,7 +128,7 @@ def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set
     Nodes whose results reach no placed node (dead ones) force nothing. One entry per set of
     forcing units."""
     below: Dict[str, frozenset] = {}
-    by_forcing: Dict[frozenset, float] = {}
+    by_forcing: Dict[Tuple[frozenset, int], float] = {}
     for n in reversed(names):
         if n not in loose:
             continue
@@ -136,9 +136,10 @@ def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set
         for c in consumers[n]:
             forced |= below.get(c, frozenset()) if c in loose else frozenset([unit_of[c]])
         below[n] = forced
-        if forced and graph.nodes[n].compute_s > 0:
-            by_forcing[forced] = by_forcing.get(forced, 0.0) + graph.nodes[n].compute_s
-    return [(seconds, sorted(forcing)) for forcing, seconds in by_forcing.items()]
+        if forced and graph.nodes[n].compute_s > 0:  # a folded node runs with its group (``to_nodes``)
+            key = (forced, unit_of.get(n, -1))
+            by_forcing[key] = by_forcing.get(key, 0.0) + graph.nodes[n].compute_s
+    return [(seconds, sorted(forcing), home) for (forcing, home), seconds in by_forcing.items()]
 
 
 def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], consumers, head, anc,
@@ -340,7 +341,7 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
         inside[:, k] = member[:, pos[u]] if u in pos else float(u < local[0])
     counts = np.hstack([counts, inside])
     hidden = np.zeros(len(masks))
-    for seconds, forcing in units.hidden:  # forcing: sorted
+    for seconds, forcing, _ in units.hidden:  # forcing: sorted
         if not forcing:  # forces nothing
             continue
         if forcing[0] < local[0]:  # forced into every point

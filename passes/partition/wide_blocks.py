@@ -58,7 +58,7 @@ def wide(segments: List[Segment]) -> bool:
 
 
 def first_plan(graph: CostGraph, opts: CostOptions, deadline: float, floor: float, fold: Dict[str, float],
-               hidden: Optional[Callable[[Units], List[Tuple[float, List[int]]]]] = None) -> Optional[FirstPlan]:
+               hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None) -> Optional[FirstPlan]:
     """The chain DP on the coarse lattice within ``SHARE`` of the time left; None if that lattice is
     still wide or no plan comes in time. ``fold``: ``folded_units``' other thresholds, as the exact
     search uses them; ``floor``: a bound known already."""
