@@ -57,9 +57,10 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     sends nothing and has no placed producer is left out, as is a cheap one
     computed from the inputs alone (``tiny_input``). The compute dropped and
     left out still counts where every plan must run it (``dropped_compute``),
-    and the values left out where every plan must send them (``Units.hidden_sends``). ``keep_dead``: charge dead and dropped nodes' compute
-    to the group they join, for a search whose plans are scored as they are
-    (their bound is then lowered by it through ``fold_margin``).
+    and the values left out where every plan must send them
+    (``Units.hidden_sends``). ``keep_dead``: charge dead and dropped nodes'
+    compute to the group they join, for a search whose plans are scored as
+    they are (their bound is then lowered by it through ``fold_margin``).
     """
     names = model_nodes(graph, opts)
     index = {n: i for i, n in enumerate(names)}
@@ -126,7 +127,8 @@ def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set
     prefix needs (``chain.ChainSolver._least_devices``). Without this a bound forgot it: HF
     GPT-2's position and mask nodes, left out like inputs, are 5 % of a stage at 16 devices.
     Nodes whose results reach no placed node (dead ones) force nothing. One entry per set of
-    forcing units."""
+    forcing units and home: the unit a folded node joined (``to_nodes`` runs it there), -1 for
+    one left out."""
     below: Dict[str, frozenset] = {}
     by_forcing: Dict[Tuple[frozenset, int], float] = {}
     for n in reversed(names):
