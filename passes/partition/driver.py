@@ -351,7 +351,7 @@ def _placed_cpsat(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     Two thirds of the time go to the flat model at the SLOWER bandwidth (its
     plans are good once placed), one third to the FASTER one, whose bound is
     the reported lower bound, unless the units are coarsened: then it holds only for plans that
-    keep each group in one stage (``_restricted``), and the bound is Σ C / K. Of both answers and
+    keep each group in one stage (``_restricted``), and the bound is sum C / K. Of both answers and
     both warm starts, the plan ``evaluate`` scores best under ``opts`` is kept; it is OPTIMAL only
     if it meets that bound.
     """

@@ -125,7 +125,7 @@ def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set
     nodes): a node may sit in any stage up to its readers', but a prefix of stages that holds one
     of the placed nodes it feeds holds it too, so its compute still counts in the devices that
     prefix needs (``chain.ChainSolver._least_devices``). Without this a bound forgot it: HF
-    GPT-2's position and mask nodes, left out like inputs, are 5 % of a stage at 16 devices.
+    GPT-2's position and mask nodes, left out like inputs, are 22 % of sum C / K at 16 devices.
     Nodes whose results reach no placed node (dead ones) force nothing. One entry per set of
     forcing units and home: the unit a folded node joined (``to_nodes`` runs it there), -1 for
     one left out."""

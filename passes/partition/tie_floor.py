@@ -41,7 +41,7 @@ def tie_floor(graph: CostGraph, opts: CostOptions) -> float:
         if len(set(who)) == 2:
             key = frozenset(who)
             tied[key] = tied.get(key, 0.0) + float(graph.param_sizes.get(p, 0))
-    return max((_pair_floor(graph, sorted(pair, key=list(graph.nodes).index), nbytes, opts)
+    return max((_pair_floor(graph, [n for n in graph.nodes if n in pair], nbytes, opts)
                 for pair, nbytes in tied.items() if nbytes > 0), default=0.0)
 
 
