@@ -83,7 +83,7 @@ def _entry(rank: int, port: int, folder: str, mode: str, batch: int, M: int, ste
     from fxpipe.split_model import SplitModel
 
     torch.set_num_threads(1)
-    init(rank, 2, 300.0, init_method=f"tcp://127.0.0.1:{port}")
+    init(rank, 2, 300.0, init_method=f"tcp://127.0.0.1:{port}", device="cpu")
     lin = nn.Linear(2, 2)  # the first optimizer step imports torch._dynamo: keep that out of the growth
     lin(torch.ones(1, 2)).sum().backward()
     torch.optim.SGD(lin.parameters(), lr=0.1).step()

@@ -230,7 +230,7 @@ def _entry(rank: int, world: int, port: int, args: tuple, out: str) -> None:
     from fxpipe.runtime.worker import init
 
     torch.set_num_threads(1)
-    init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}")
+    init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}", device="cpu")
     lin = nn.Linear(2, 2)  # the first optimizer step imports torch._dynamo: keep that out of the memory growth
     lin(torch.ones(1, 2)).sum().backward()
     torch.optim.SGD(lin.parameters(), lr=0.1).step()

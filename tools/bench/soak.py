@@ -52,7 +52,7 @@ def _entry(rank: int, world: int, port: int, args: Tuple[str, str, int, int, str
 
     model, schedule, M, steps, split_dir = args
     torch.set_num_threads(1)
-    init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}")
+    init(rank, world, 300.0, init_method=f"tcp://127.0.0.1:{port}", device="cpu")
     try:
         torch.manual_seed(0)
         spec = load_model(model, check=False)

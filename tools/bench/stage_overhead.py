@@ -153,7 +153,7 @@ def main(argv: Sequence[str] = ()) -> int:
 
     torch.set_num_threads(1)
     load0 = os.getloadavg()
-    init(0, 1, 120.0, init_method=f"tcp://127.0.0.1:{free_port()}")  # the train loop needs a group (of one)
+    init(0, 1, 120.0, init_method=f"tcp://127.0.0.1:{free_port()}", device="cpu")  # the train loop needs a group (of one)
     rows = []
     try:
         for model in args.models.split(","):
