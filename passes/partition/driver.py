@@ -32,6 +32,7 @@ from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResul
 from passes.partition.segment_plan import chain_plan
 from passes.partition import node_floor, placed, uniform
 
+FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
@@ -249,9 +250,12 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
     rest); the better plan and the higher bound are kept (both are bounds of the placed model; the
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
-    ``pow2`` with fxpipe's charges the interval DP for ``any`` runs first (``RELAXED_SHARE`` of the
-    time): its bound holds (every pow2 plan is one of its plans) and replaces the flat bracket's, which
-    on many nodes charges every link at B1 and lies far below. Under PipeDream's charges (any count)
+    ``pow2`` with fxpipe's charges two bounds come first, and the higher is kept: the flat DP with
+    each all-reduce floored at the nodes it must cross (``node_floor.py``, ``FLOOR_SHARE`` of the
+    time; it sees the power-of-two counts, and its plan, scored placed, is a candidate), then the
+    interval DP for ``any`` (``RELAXED_SHARE`` of what is left: its bound holds, every pow2 plan being
+    one of its plans, and it sees placement); both replace the flat bracket's, which on many nodes
+    charges every link at B1 and lies far below. Under PipeDream's charges (any count)
     the bracket's bound comes from the flat model at B1 with each stage's all-reduce floored at the
     nodes it must touch (``node_floor.py``), far closer to the placed optimum where stages are
     replicated across nodes. The bracket's plan, or the uniform layout where that is faster, is the
@@ -267,15 +271,26 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
             return found
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
         return found if bracket is None else _better(found, bracket)
-    floor = 0.0
+    floor, floored = 0.0, None
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
+        # the flat DP with every all-reduce past G ranks at B2 (``node_floor.py``): sees that counts are
+        # powers of two, where the interval DP below does not (1,024 devices: its bound 18 % lower)
+        floored = chain_plan(graph, flat_bound(opts, fast=True), start,
+                             time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
+                             machine=opts, bound_only=True)
+        if floored is not None:  # searched on the flat model, scored and bounded on this machine
+            floored = dataclasses.replace(floored, options=opts)
+        if floored is not None and floored.replicas and floored.status == "OPTIMAL":
+            return floored
         # every pow2 plan is an ``any`` plan charged the same, so the interval DP's bound holds here too,
         # at a fraction of the charged DP's cost per pass and far above the flat bracket's on many nodes
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True,
                              bound_only=True)
-        floor = relaxed.bound_s if relaxed is not None else 0.0
+        floor = max(relaxed.bound_s if relaxed is not None else 0.0, floored.bound_s if floored else 0.0)
     bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, before_charged=True)
+    if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too
+        bracket = floored if bracket is None else _better(bracket, floored)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),

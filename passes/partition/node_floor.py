@@ -21,6 +21,18 @@ cuts as the B1 model does. Every term falls with r inside a band (PipeDream's ri
 top count does, and its fewest is found by bisection; the bands are tried in
 order. No placement charges a stage less, so T infeasible here is infeasible
 placed: a bound, at the cost of a flat pass.
+
+fxpipe's charges with power-of-two counts get the same floor, simpler: its
+all-reduce is one ring at its slowest link, so r > G ranks, which span two
+nodes or more wherever they sit, pay the ring at B2 (``2(r-1)/r · P / B2``),
+and so does a weight tied to them (its group holds those r ranks); r <= G as
+the B1 model counts. The counts past G are few (log2 K), so each is tried in
+order. The other bound of that path, the "any" placed DP (``placed.py``), cannot
+see that a stage's count rounds up to the next power of two, which on many
+devices costs more than the placement it does see (the bundled 8-block GPT on
+1,024 devices, 10 s: its bound 18 % under the plan, the floor's 0.07 %); on
+fewer devices it is often the higher of the two, and the driver keeps the
+higher.
 """
 from __future__ import annotations
 
@@ -40,9 +52,11 @@ MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor 
 
 
 def applies(opts: CostOptions) -> bool:
-    """PipeDream's charges, any count, a machine of several nodes (where the floor says more than B1)."""
-    return (opts.cost_model == "pipedream" and opts.replication == "any" and opts.gpus_per_node is not None
-            and opts.gpus_per_node < opts.devices and opts.memory is None)
+    """A machine of several nodes (where the floor says more than B1) under PipeDream's charges with any
+    count, or fxpipe's with power-of-two counts (module docstring)."""
+    charges = (opts.cost_model, opts.replication) in (("pipedream", "any"), ("fxpipe", "pow2"))
+    return (charges and opts.gpus_per_node is not None and opts.gpus_per_node < opts.devices
+            and opts.memory is None)
 
 
 class NodeFloorSolver(ChainSolver):
@@ -51,15 +65,23 @@ class NodeFloorSolver(ChainSolver):
 
     def __init__(self, units: Units, segments: List[Segment], machine: CostOptions) -> None:
         if not applies(machine):
-            raise ValueError("NodeFloorSolver: PipeDream's charges with any count on several nodes only")
+            raise ValueError("NodeFloorSolver: PipeDream's charges with any count, or fxpipe's with pow2 "
+                             "counts, on several nodes only")
         super().__init__(units, segments, flat_bound(machine, fast=True))
         self.machine, self.G = machine, machine.gpus_per_node
+        self.ring = machine.cost_model == "fxpipe"  # one ring at its slowest link (module docstring)
         r = np.arange(machine.devices + 1)
         ring = allreduce_nodes(1.0, r, 1, r, self.opts)  # the B1 ring, per weight byte
-        wide = np.maximum(ring, self._band(np.maximum((r + self.G - 1) // self.G, 1)) / np.maximum(r, 1))
+        if self.ring:  # past G ranks the ring crosses nodes: B2
+            wide = allreduce_nodes(1.0, r, 2, self.G, machine)
+        else:
+            wide = np.maximum(ring, self._band(np.maximum((r + self.G - 1) // self.G, 1)) / np.maximum(r, 1))
         # per count, the floor's charge per own weight byte: it depends on r alone (its band is ceil(r/G)),
         # so one table serves every stage and T (a pass evaluates it for millions of stage-count pairs)
         self._own = np.where(r > self.G, wide, ring)
+        self._slow = flat_bound(machine, fast=False)  # fxpipe: a tied weight's ring past G ranks
+        allowed = np.asarray(self.opts.allowed_replicas(), dtype=np.int64)
+        self._wide_counts = allowed[allowed > self.G]
 
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
@@ -75,7 +97,8 @@ class NodeFloorSolver(ChainSolver):
         C, own, tied, q, cut = (np.broadcast_to(x, shape).ravel()[wide] for x in
                                 (C, params - tied, tied, q, np.maximum(cutj, cuti)))
         out = R.ravel().copy()
-        out[wide] = self._fewest_across(C, own, tied, q, cut, out[wide], T)
+        fewest = self._fewest_counted if self.ring else self._fewest_across
+        out[wide] = fewest(C, own, tied, q, cut, out[wide], T)
         return out.reshape(shape)
 
     def _band(self, n):
@@ -94,9 +117,21 @@ class NodeFloorSolver(ChainSolver):
         charges them."""
         fast = self.opts
         sync = own * self._own[r]
-        if np.any(tied):
-            sync = sync + tied_floor_s(tied, r, fast, q)
+        if np.any(tied):  # fxpipe's ring over a group holding r > G ranks runs at B2
+            sync = sync + tied_floor_s(tied, r, self._slow if self.ring and np.all(r > self.G) else fast, q)
         return combine_stage_time(C, r, sync, 2.0 * cut / (fast.bandwidth * r))
+
+    def _fewest_counted(self, C, own, tied, q, cut, start, T):
+        """fxpipe's charges, power-of-two counts: the fewest count from ``start`` (> G, where the B1
+        model's fewest lies) meeting T under the floor, every allowed count past G tried in order (at
+        most log2 K of them); ``devices + 1`` where none does."""
+        got = np.full(C.shape, self.opts.devices + 1, dtype=np.int64)
+        for r in self._wide_counts:
+            open_ = np.nonzero((got > self.opts.devices) & (r >= start))[0]
+            if open_.size:
+                fits = self._time(C[open_], own[open_], tied[open_], q[open_], cut[open_], r) <= T * (1 + EPS)
+                got[open_[fits]] = r
+        return got
 
     def _fewest_across(self, C, own, tied, q, cut, start, T):
         """Fewest counts from ``start`` (> G, where the B1 model's fewest lies) meeting T under the floor,
