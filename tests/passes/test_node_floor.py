@@ -27,6 +27,14 @@ def _solver(K: int = 256, G: int = 8) -> NodeFloorSolver:
     return NodeFloorSolver(units, build_segments(units), opts)
 
 
+def _random_stages(rng, m: int, weights: float):
+    """Stages wider than a node: compute, own and tied weight bytes, partners, cut bytes, and the B1
+    model's fewest count (past G = 8) to start from."""
+    tied = np.where(rng.random(m) < 0.3, rng.uniform(0, weights / 4, m), 0.0)
+    return (rng.uniform(1e-4, 1e-2, m), rng.uniform(0, weights, m), tied, rng.integers(1, 4, m).astype(float),
+            rng.uniform(0, 1e6, m), rng.integers(9, 200, m))
+
+
 @pytest.mark.parametrize("K,G", [(256, 8), (96, 4), (64, 16)])
 def test_floor_never_above_the_charge_at_any_offset(K, G):
     """The premise: for every count and every rank the stage may start at, PipeDream's placed all-reduce
@@ -46,15 +54,8 @@ def test_fewest_count_is_the_least_that_meets_t_band_by_band():
     """``_fewest_across`` against trying every count: the band's time falls with r, so bisecting each band
     from its top finds the same fewest count (or ``devices + 1`` where none meets T)."""
     solver = _solver(256, 8)
-    rng = np.random.default_rng(0)
-    m = 400
-    C = rng.uniform(1e-4, 1e-2, m)
-    own = rng.uniform(0, 4e8, m)
-    tied = np.where(rng.random(m) < 0.3, rng.uniform(0, 1e8, m), 0.0)
-    q = rng.integers(1, 4, m).astype(float)
-    cut = rng.uniform(0, 1e6, m)
-    T = 2e-4
-    start = rng.integers(9, 200, m)
+    m, T = 400, 2e-4
+    C, own, tied, q, cut, start = _random_stages(np.random.default_rng(0), m, 4e8)
     got = solver._fewest_across(C, own, tied, q, cut, start, T)
     for k in range(m):
         want = solver.opts.devices + 1
@@ -156,15 +157,8 @@ def test_ring_floor_never_above_the_charge_at_any_offset(K, G):
 def test_ring_fewest_count_is_the_least_allowed_that_meets_t():
     """``_fewest_counted`` against trying every power of two from ``start`` on under ``_time``."""
     solver = _ring_solver(256, 8)
-    rng = np.random.default_rng(2)
-    m = 300
-    C = rng.uniform(1e-4, 1e-2, m)
-    own = rng.uniform(0, 4e7, m)
-    tied = np.where(rng.random(m) < 0.3, rng.uniform(0, 1e7, m), 0.0)
-    q = rng.integers(1, 4, m).astype(float)
-    cut = rng.uniform(0, 1e6, m)
-    T = 2e-4
-    start = rng.integers(9, 200, m)
+    m, T = 300, 2e-4
+    C, own, tied, q, cut, start = _random_stages(np.random.default_rng(2), m, 4e7)
     got = solver._fewest_counted(C, own, tied, q, cut, start, T)
     for k in range(m):
         want = next((r for r in (16, 32, 64, 128, 256) if r >= start[k] and
