@@ -60,10 +60,17 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def worker_device(device: str, local_rank: int) -> Tuple["torch.device", str]:
-    """This worker's device and process-group backend for a resolved (or ``auto``) ``device``."""
+def worker_device(device: str, local_rank: int, local_world: Optional[int] = None) -> Tuple["torch.device", str]:
+    """This worker's device and process-group backend for a resolved (or ``auto``) ``device``.
+
+    ``auto`` counts the workers on this node from ``LOCAL_WORLD_SIZE`` (torchrun sets it), else
+    ``local_world``, else ``local_rank + 1``. Every worker of a node must count the same: with one
+    GPU, rank 0 counting itself alone would take NCCL while rank 1 took gloo, and the group fails
+    ("No backend type associated with device type cpu"), which is how the CPU benchmarks broke on a
+    GPU machine before they passed the world size here."""
     if device == "auto":
-        device = resolve_device("auto", int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+        fallback = local_world if local_world is not None else local_rank + 1
+        device = resolve_device("auto", int(os.environ.get("LOCAL_WORLD_SIZE", fallback)))
     check_device(device)
     import torch
 

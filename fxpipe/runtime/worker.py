@@ -52,7 +52,9 @@ SPLIT_DIR = "split"
 def init(rank: int, world: int, timeout_s: float, init_method: str = "env://", device: str = "auto") -> torch.device:
     """Join the default process group on ``device`` (``fxpipe.runtime.devices``): NCCL with one GPU per
     local rank, or gloo on CPU."""
-    dev, backend = worker_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+    # without torchrun's LOCAL_* variables every rank runs on this machine: all of them count the world
+    dev, backend = worker_device(device, int(os.environ.get("LOCAL_RANK", rank)),
+                                 None if "LOCAL_RANK" in os.environ else world)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     return dev

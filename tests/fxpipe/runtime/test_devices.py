@@ -48,6 +48,14 @@ def test_a_worker_resolves_auto_from_its_own_node(monkeypatch) -> None:
     assert worker_device("auto", 1) == (torch.device("cpu"), "gloo")
 
 
+def test_ranks_started_without_torchrun_agree_on_auto(monkeypatch) -> None:
+    """No ``LOCAL_WORLD_SIZE`` (ranks spawned by hand, as the benchmarks do): every rank counts the
+    whole world, so on a one-GPU machine rank 0 no longer takes NCCL while rank 1 takes gloo."""
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert worker_device("auto", 0, 2) == worker_device("auto", 1, 2) == (torch.device("cpu"), "gloo")
+
+
 def test_unknown_device_is_refused_in_the_config() -> None:
     with pytest.raises(DeviceError, match="--device 'tpu' is not one of auto, cpu, cuda"):
         TrainConfig(device="tpu")
