@@ -46,6 +46,7 @@ from ortools.sat.python import cp_model
 
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
+from passes.partition.memory_guard import MemoryGuard
 from passes.partition.result import SolveResult
 
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
@@ -296,10 +297,14 @@ class PartitionModel:
         timer.daemon = True
         timer.start()
         try:
-            code = solver.Solve(self.m, callback)
+            with MemoryGuard(solver.stop_search) as guard:  # its learned clauses grow with the time it has
+                code = solver.Solve(self.m, callback)
         finally:
             timer.cancel()
         wall = time.monotonic() - start
+        if guard.tripped and report:
+            report(f"partition: CP-SAT stopped at {guard.peak_mb:.0f} MB of memory after {wall:.1f}s "
+                   f"(limit {guard.limit_mb:.0f} MB); answering with what it found")
         status = STATUS.get(code, str(code))
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return SolveResult(status, None, None, math.inf, 0.0, wall, callback.trace)

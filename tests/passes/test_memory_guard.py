@@ -1,0 +1,44 @@
+"""The memory guard that stops a CP-SAT search at the planner's memory limit (``memory_guard.py``)."""
+from __future__ import annotations
+
+import time
+
+from passes.partition import memory_guard
+from passes.partition.memory_guard import MemoryGuard, resident_mb
+from tests.passes.test_partition import random_dag
+
+
+def test_resident_size_is_read():
+    """A Python process with torch-free imports holds tens of MB, far from zero and from a TB."""
+    assert 5 < resident_mb() < 1e6
+
+
+def test_guard_stops_once_past_the_limit():
+    calls = []
+    with MemoryGuard(lambda: calls.append(time.monotonic()), limit_mb=1.0, poll_s=0.01) as guard:
+        time.sleep(0.2)
+    assert guard.tripped and len(calls) == 1 and guard.peak_mb > 1.0
+
+
+def test_guard_stays_quiet_under_the_limit_and_ends_with_the_block():
+    calls = []
+    with MemoryGuard(lambda: calls.append(1), limit_mb=1e9, poll_s=0.01) as guard:
+        time.sleep(0.05)
+    assert not guard.tripped and not calls and guard.peak_mb > 0
+    assert not guard._thread.is_alive()
+
+
+def test_cp_sat_search_is_stopped_and_says_so(monkeypatch):
+    """Past the limit the search is stopped (a plan found before it stands) and the progress says why."""
+    from passes.partition import CostOptions
+    from passes.partition.coarsen import build_units, model_nodes
+    from passes.partition.model import PartitionModel
+
+    monkeypatch.setattr(memory_guard, "LIMIT_MB", 1.0)
+    g = random_dag(12, 3)
+    opts = CostOptions(devices=4, bandwidth=1e9)
+    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+    said = []
+    solved = PartitionModel(units, opts).solve(30.0, report=said.append)
+    assert solved.wall_s < 30.0
+    assert any("CP-SAT stopped at" in line and "limit 1 MB" in line for line in said), said
