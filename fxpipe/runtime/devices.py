@@ -66,8 +66,8 @@ def worker_device(device: str, local_rank: int, local_world: Optional[int] = Non
     ``auto`` counts the workers on this node from ``LOCAL_WORLD_SIZE`` (torchrun sets it), else
     ``local_world``, else ``local_rank + 1``. Every worker of a node must count the same: with one
     GPU, rank 0 counting itself alone would take NCCL while rank 1 took gloo, and the group fails
-    ("No backend type associated with device type cpu"), which is how the CPU benchmarks broke on a
-    GPU machine before they passed the world size here."""
+    ("No backend type associated with device type cpu"): the CPU benchmarks, whose ranks are spawned
+    without torchrun, broke so on a GPU machine before ``init`` passed the world size here."""
     if device == "auto":
         fallback = local_world if local_world is not None else local_rank + 1
         device = resolve_device("auto", int(os.environ.get("LOCAL_WORLD_SIZE", fallback)))

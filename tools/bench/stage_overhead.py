@@ -153,7 +153,8 @@ def main(argv: Sequence[str] = ()) -> int:
 
     torch.set_num_threads(1)
     load0 = os.getloadavg()
-    init(0, 1, 120.0, init_method=f"tcp://127.0.0.1:{free_port()}", device="cpu")  # the train loop needs a group (of one)
+    # the train loop needs a group (of one); gloo on the CPU, as the runtime benchmark measures
+    init(0, 1, 120.0, init_method=f"tcp://127.0.0.1:{free_port()}", device="cpu")
     rows = []
     try:
         for model in args.models.split(","):
