@@ -174,11 +174,14 @@ class ChargedChainSolver(PlacedChainSolver):
             & (exact[None, :] | (ch.hi - ch.lo >= span)[:, None])
         return cols, inside & (ch.lo[:, None] <= self.opts.devices), exact
 
-    def _charged_targets(self, rows, s, ch: _Charged, T: float):
+    def _charged_targets(self, rows, s, ch: _Charged, T: float, room=None):
         """For pairs (source row s of ``rows``, their ``_Charged``): per end offset (last axis) the
-        fewest devices after the stage (> K: none), the source offset and the replicas."""
+        fewest devices after the stage (> K: none), the source offset and the replicas. ``room``: per
+        pair, the most devices its end point may hold (K less what the compute after it needs at T:
+        the pass drops more at once, ``PlacedChainSolver._needed``); counts past it are not tried."""
         K, G = self.opts.devices, self.G
         n = s.size
+        room = np.full(n, K, dtype=np.int64) if room is None else room
         # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
         # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
         # tried, as the columns rise), whose source offset follows from it
@@ -190,7 +193,8 @@ class ChargedChainSolver(PlacedChainSolver):
         least = dev.min(axis=1)
         settled = self._settled(rows, s, ch)
         if settled is not None:  # those pairs' counts from ``first`` on are done: the loop tries those below
-            done, first, best[done] = settled
+            done, first, got = settled
+            best[done] = np.where(got >> _VAL <= room[done, None], got, best[done])
             inside = inside.copy()
             inside[done] &= cols[done] < first[:, None]
         for w in range(cols.shape[1]):
@@ -199,7 +203,7 @@ class ChargedChainSolver(PlacedChainSolver):
             live = np.nonzero(inside[:, w])[0]
             if not live.size:
                 continue
-            live = live[least[live] + cols[live, w] <= K]
+            live = live[least[live] + cols[live, w] <= room[live]]
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
@@ -211,7 +215,7 @@ class ChargedChainSolver(PlacedChainSolver):
                     continue
                 live, r, fits = live[keep], (r if same else r[keep]), fits[keep]
             after = dev[live] + r
-            tot = np.where(fits & (after <= K), after, K + 1)
+            tot = np.where(fits & (after <= room[live, None]), after, K + 1)
             pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
             src = pay & _LOW
             got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
@@ -249,7 +253,7 @@ class ChargedChainSolver(PlacedChainSolver):
         got = table[row_of[:, None], ends] + _packed(first, first, 0)[:, None]
         return done, first, np.where(got >> _VAL <= K, got, _packed(K + 1, 0, 0))
 
-    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
+    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
         pair through ``_charged_targets``; returns which pool points still reach past the segment."""
         K = self.opts.devices
@@ -257,8 +261,9 @@ class ChargedChainSolver(PlacedChainSolver):
         d, n = len(seg.compute), ids.size
         ch = self._pool_stages(pool, seg, T)
         rows = dev_all[ids]
+        room = None if rest is None else np.broadcast_to(K - np.append(rest, 0)[None, :], (n, d + 1)).ravel()
         val, from_m, reps = (x.reshape(n, d + 1, -1) for x in
-                             self._charged_targets(rows, np.repeat(np.arange(n), d + 1), ch, T))
+                             self._charged_targets(rows, np.repeat(np.arange(n), d + 1), ch, T, room))
         reach = (val[:, d, :] <= K).any(axis=1)
         row = val[:, :d].argmin(axis=0)  # (d, G)
         xs, ms = np.nonzero(np.take_along_axis(val[:, :d], row[None], axis=0)[0] < dev)
@@ -268,13 +273,14 @@ class ChargedChainSolver(PlacedChainSolver):
             src_b[xs, ms] = np.stack([ids[k], from_m[k, xs, ms], reps[k, xs, ms]], axis=1)
         return reach
 
-    def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
+    def _inside(self, seg: Segment, off: int, T: float, dev, src_b, rest=None) -> None:
         """Stages with both ends in this segment (``PlacedChainSolver._inside``), through
         ``_charged_targets``."""
         j = seg.sub_j
         ch = self._near_intervals(seg, off, T)
         for pairs, starts, targets in self._levels(seg):
-            val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T)
+            room = None if rest is None else self.opts.devices - rest[seg.sub_i[pairs]]
+            val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T, room)
             keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(keyed, starts, axis=0)
             best_val, idx = mins >> 32, mins & ((1 << 32) - 1)

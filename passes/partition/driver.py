@@ -34,6 +34,7 @@ from passes.partition import node_floor, placed, uniform
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
+RELAXED_TOLERANCE = 5e-3  # ... which stops bisecting there: the charged DP's one pass 1 % under a plan needs the time
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
@@ -254,8 +255,9 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     each all-reduce floored at the nodes it must cross (``node_floor.py``, ``FLOOR_SHARE`` of the
     time; it sees the power-of-two counts, and its plan, scored placed, is a candidate), then the
     interval DP for ``any`` (``RELAXED_SHARE`` of what is left: its bound holds, every pow2 plan being
-    one of its plans, and it sees placement); both replace the flat bracket's, which on many nodes
-    charges every link at B1 and lies far below. Under PipeDream's charges (any count)
+    one of its plans, and it sees placement; it starts from the floor's bound, below which its passes
+    prove nothing new, and stops within ``RELAXED_TOLERANCE``); both replace the flat bracket's,
+    which on many nodes charges every link at B1 and lies far below. Under PipeDream's charges (any count)
     the bracket's bound comes from the flat model at B1 with each stage's all-reduce floored at the
     nodes it must touch (``node_floor.py``), far closer to the placed optimum where stages are
     replicated across nodes. The bracket's plan, or the uniform layout where that is faster, is the
@@ -286,7 +288,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # at a fraction of the charged DP's cost per pass and far above the flat bracket's on many nodes
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True,
-                             bound_only=True)
+                             bound_only=True, floor=floored.bound_s if floored is not None else 0.0,
+                             tolerance=RELAXED_TOLERANCE)
         floor = max(relaxed.bound_s if relaxed is not None else 0.0, floored.bound_s if floored else 0.0)
     bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, before_charged=True)
     if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too

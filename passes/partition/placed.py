@@ -283,10 +283,10 @@ class PlacedChainSolver(ChainSolver):
             rest[seg.compute >= self.segs[-1].compute[-1]] = 0
             reach = None
             if pool is not None and pool[0].size:
-                reach = self._from_pool(pool, seg, T, dev, src_b, dev_all)
+                reach = self._from_pool(pool, seg, T, dev, src_b, dev_all, rest)
                 dev[dev + rest[:, None] > K] = K + 1
             if seg.sub_j.size:
-                self._inside(seg, off, T, dev, src_b)
+                self._inside(seg, off, T, dev, src_b, rest)
                 dev[dev + rest[:, None] > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src_b
@@ -300,7 +300,7 @@ class PlacedChainSolver(ChainSolver):
             self.end_offset = 0
         return int(last[self.end_offset]), back
 
-    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all):
+    def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):
         """Stages from pool points to this segment's points; returns which pool points still reach.
 
         ``pool``: (global ids, compute, params, shared counts, cut) of the earlier points. A stage
@@ -308,6 +308,8 @@ class PlacedChainSolver(ChainSolver):
         the least such number over all sources gives the same for a target
         (``offsets.every_offset`` is monotone), so those pairs reduce before the offsets are spread; only
         stages that fit in a node or are bounded above go through ``offsets.targets`` pair by pair.
+        ``rest``: per point of ``seg``, the devices the compute after it needs at T (``_needed``); the
+        interval look-ups here do not use it, the charged DP skips counts with it (``charged.py``).
         """
         K, G = self.opts.devices, self.G
         ids = pool[0]
@@ -367,8 +369,9 @@ class PlacedChainSolver(ChainSolver):
                                                   cc[None], cp[None], cs[None], ccut[None],
                                                   (ids == 0)[:, None], ends[None, :]), T)
 
-    def _inside(self, seg: Segment, off: int, T: float, dev, src_b) -> None:
-        """Stages with both ends in this segment, level by level (``_levels``): every pair once."""
+    def _inside(self, seg: Segment, off: int, T: float, dev, src_b, rest=None) -> None:
+        """Stages with both ends in this segment, level by level (``_levels``): every pair once
+        (``rest``: see ``_from_pool``)."""
         K, G = self.opts.devices, self.G
         j = seg.sub_j
         st = self._near_intervals(seg, off, T)

@@ -25,7 +25,8 @@ from passes.partition.tie_floor import tie_floor
 def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
            ceiling: float = math.inf, plain: bool = False,
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
-           bound_only: bool = False, plan_by: float = math.inf) -> Optional[PartitionResult]:
+           bound_only: bool = False, plan_by: float = math.inf,
+           tolerance: float = placed.TOLERANCE) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -46,13 +47,14 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     (a plan's time under ``opts`` may lie below this bound, so it could not cap it); ``settle_by``: past
     this time the bisection stops once it holds a plan (``chain.solve``); ``bound_only``: cut off
     before any plan, answer the bound proven so far with no plan (status ``BOUND``) rather than None;
-    ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``).
+    ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``); ``tolerance``: where
+    the placed DP's bisection stops (a relaxation wanted for its bound near ``floor`` stops sooner).
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
     found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine,
-                     settle_by=settle_by, bound_only=bound_only, plan_by=plan_by)
+                     settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -200,12 +202,12 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
-              plan_by: float = math.inf):
+              plan_by: float = math.inf, tolerance: float = placed.TOLERANCE):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
-                        settle_by=settle_by, bound_only=bound_only, plan_by=plan_by)
+                        settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance)
     if solved is None:
         return None
     units, found, margin = solved
@@ -218,9 +220,10 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
-                bound_only: bool = False, plan_by: float = math.inf):
+                bound_only: bool = False, plan_by: float = math.inf, tolerance: float = placed.TOLERANCE):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
-    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``). None at
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
+    where the placed DP's bisection stops. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
     if time.monotonic() > deadline:
         return None
@@ -244,7 +247,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                             bound_only=bound_only)
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
-                            placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling, bound_only=bound_only,
+                            tolerance, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling, bound_only=bound_only,
                             plan_by=plan_by)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),

@@ -94,3 +94,36 @@ def test_settled_pairs_give_the_column_loops_answer(monkeypatch, K, G, tied):
     for (need, back), (want, want_back) in zip(answers["settled"], answers["loop"]):
         assert need == want
         assert np.array_equal(back, want_back)
+
+
+@pytest.mark.parametrize("model,replication", [("pipedream", "any"), ("fxpipe", "pow2")])
+def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, replication):
+    """A pass tries no count that leaves its end point more devices than the compute after it can
+    spare (``room``): such an end is dropped anyway. The fewest devices and the plan must be what the
+    pass finds without that cut, at T from the bound up, and counts must really have been skipped."""
+    opts = _opts(64, 8, cost_model=model, replication=replication)
+    units, _ = folded_units(transformer_graph(4, seed=5, tied=True), opts)
+    segs = build_segments(units)
+    ideal = sum(units.compute) / opts.devices
+    real, skipped = ChargedChainSolver._charged_targets, []
+
+    def counting(self, rows, s, ch, T, room=None):
+        cols, inside, _ = self._candidates(ch)
+        after = rows[s].min(axis=1)[:, None] + cols  # the fewest devices each tried count can end on
+        tried = inside & (after <= self.opts.devices)
+        skipped.append(0 if room is None else int((tried & (after > room[:, None])).sum()))
+        return real(self, rows, s, ch, T, room)
+
+    def every_count(self, rows, s, ch, T, room=None):
+        return real(self, rows, s, ch, T)
+
+    answers = {}
+    for name, targets in (("room", counting), ("all", every_count)):
+        monkeypatch.setattr(ChargedChainSolver, "_charged_targets", targets)
+        solver = ChargedChainSolver(units, segs, opts)
+        answers[name] = []
+        for f in (1.0, 1.01, 1.05, 1.2, 2.0):
+            need, back = solver.devices_needed(ideal * f)
+            answers[name].append((need, solver.plan(back) if need <= opts.devices else None))
+    assert sum(skipped) > 0
+    assert answers["room"] == answers["all"]

@@ -197,3 +197,34 @@ def test_pow2_on_many_nodes_proven_by_the_floor():
     assert relaxed.bound_s * 1.05 < res.bound_s <= res.bottleneck_s
     assert all(r & (r - 1) == 0 for r in res.replicas)
     assert res.options == _opts(1024, 8, replication="pow2")
+
+
+def test_pow2_any_dp_starts_from_the_floor(monkeypatch):
+    """Under pow2 the ``any`` DP runs after the floor for its bound alone (``driver._placed_chain``), so
+    a pass of it below the floor's bound proves nothing new: none may run there, and it stops
+    bisecting within ``RELAXED_TOLERANCE`` (its passes below the floor took 3 of 10 s on the bundled
+    GPT, 8 blocks on 512 devices, before the charged DP's one decisive pass)."""
+    from passes.partition import driver, placed
+
+    g = transformer_graph(16, seed=2, tied=True)
+    opts = _opts(64, 8, replication="pow2")
+    floors, tried = [], []
+    real_plan, real_pass = driver.chain_plan, placed.PlacedChainSolver.devices_needed
+
+    def plan(graph, o, *a, **k):
+        out = real_plan(graph, o, *a, **k)
+        if k.get("machine") is not None and out is not None:
+            floors.append(out.bound_s)
+        return out
+
+    def needed(self, T, *a, **k):
+        if type(self) is placed.PlacedChainSolver:
+            tried.append(T)
+        return real_pass(self, T, *a, **k)
+
+    monkeypatch.setattr(driver, "chain_plan", plan)
+    monkeypatch.setattr(placed.PlacedChainSolver, "devices_needed", needed)
+    monkeypatch.setattr(driver, "CHARGED_SHARE", 0.0)
+    driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
+    assert floors and tried
+    assert min(tried) > floors[0]

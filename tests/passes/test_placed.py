@@ -314,8 +314,10 @@ def test_charged_dp_started_from_the_bracket_keeps_its_answer(model, replication
 def test_pow2_floored_by_the_any_dp_when_the_charged_dp_is_cut_off(monkeypatch):
     """Under pow2 the driver starts from the ``any`` placed DP's bound (every pow2 plan is an ``any`` plan
     charged the same, ``driver._placed_chain``). With no time left for the charged DP, the answer keeps
-    that bound, 1 % above the flat bracket's on this graph, and still below the pow2 optimum the
-    charged DP proves when it has the time; the plan uses power-of-two counts on all 64 devices."""
+    that bound (to the ``RELAXED_TOLERANCE`` the ``any`` DP stops bisecting at: 1 % above the flat
+    bracket's on this graph in a full bisection, 0.5 % in this one), and still below the pow2
+    optimum the charged DP proves when it has the time; the plan uses power-of-two counts on all 64
+    devices."""
     from passes.partition import driver
 
     g = transformer_graph(16, seed=2, tied=True)
@@ -326,7 +328,7 @@ def test_pow2_floored_by_the_any_dp_when_the_charged_dp_is_cut_off(monkeypatch):
     res = driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
     relaxed = chain_plan(g, dataclasses.replace(opts, replication="any"), time.monotonic(), math.inf)
     bracket = driver._bracketed(g, opts, time.monotonic(), math.inf, plain=True)
-    assert res.bound_s >= relaxed.bound_s * (1 - 1e-3) and res.bound_s > bracket.bound_s * 1.005
+    assert res.bound_s >= relaxed.bound_s * (1 - driver.RELAXED_TOLERANCE) and res.bound_s > bracket.bound_s * 1.004
     assert res.bound_s <= proven.bottleneck_s * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
     assert all(r & (r - 1) == 0 for r in res.replicas) and sum(res.replicas) == 64
 
