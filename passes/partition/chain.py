@@ -43,6 +43,7 @@ from passes.partition.heuristic import Solution
 from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_bound, min_replicas,
                                         partner_replicas, stage_time_s, tied_floor_s, tied_sync_s)
 from passes.partition.canon import Canon
+from passes.partition.offsets import count
 from passes.partition.segments import Segment, user_pairs
 
 
@@ -144,6 +145,7 @@ class ChainSolver:
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
         K = self.opts.devices
         self.deadline = deadline
+        total = self.segs[-1].compute[-1]
         near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
@@ -175,6 +177,11 @@ class ChainSolver:
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
             least = self._least_devices(seg, T)
             dev = np.maximum(dev, least)
+            # a prefix that leaves more compute than its spare devices can run within T is dropped (every
+            # later stage needs at least compute / T replicas): near the optimum few prefixes survive
+            rest = count((total - seg.compute) / T, K)
+            rest[seg.compute >= total] = 0
+            dev[dev + rest > K] = K + 1
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
                 if a == 0 and self.units.hidden:
@@ -189,6 +196,7 @@ class ChainSolver:
                     if cand[k] < dev[x]:
                         dev[x] = max(cand[k], least[x])
                         src[x] = (off + j[lo + k], R2[lo + k])
+            dev[dev + rest > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src
             pool = self._next_pool(pool, reach, seg, off, dev)
