@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition import branches, charged, node_floor, placed, retie, stage_count, wide_blocks
-from passes.partition.chain import solve as chain_solve, unit_bottleneck
+from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
@@ -26,7 +26,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            ceiling: float = math.inf, plain: bool = False,
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
-           tolerance: float = placed.TOLERANCE) -> Optional[PartitionResult]:
+           tolerance: Optional[float] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -48,7 +48,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     this time the bisection stops once it holds a plan (``chain.solve``); ``bound_only``: cut off
     before any plan, answer the bound proven so far with no plan (status ``BOUND``) rather than None;
     ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``); ``tolerance``: where
-    the placed DP's bisection stops (a relaxation wanted for its bound near ``floor`` stops sooner).
+    the bisection stops, if not each DP's own (a bound wanted before the charged DP stops sooner).
     """
     if opts.memory is not None:
         return None
@@ -202,7 +202,7 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
-              plan_by: float = math.inf, tolerance: float = placed.TOLERANCE):
+              plan_by: float = math.inf, tolerance: Optional[float] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
@@ -220,10 +220,10 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
-                bound_only: bool = False, plan_by: float = math.inf, tolerance: float = placed.TOLERANCE):
+                bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
-    where the placed DP's bisection stops. None at
+    where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph."""
     if time.monotonic() > deadline:
         return None
@@ -247,11 +247,12 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                             bound_only=bound_only)
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
-                            tolerance, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling, bound_only=bound_only,
-                            plan_by=plan_by)
+                            tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
+                            bound_only=bound_only, plan_by=plan_by)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
+        # no ladder: its first pass, at twice the bound, finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
-                            floor=floor, bound_only=bound_only)  # no ladder: its first pass, at twice the bound, finds a plan
+                            tolerance or TOLERANCE, floor=floor, bound_only=bound_only)
     else:
         first = None
         if wide_blocks.wide(segs) and not bound_only and ceiling == math.inf:

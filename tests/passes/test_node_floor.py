@@ -228,3 +228,25 @@ def test_pow2_any_dp_starts_from_the_floor(monkeypatch):
     driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
     assert floors and tried
     assert min(tried) > floors[0]
+
+
+def test_floor_bisection_stops_at_the_tolerance_it_is_given(monkeypatch):
+    """``chain_plan(tolerance=...)`` reaches the node-floor DP (under pow2 the driver stops it at
+    ``FLOOR_TOLERANCE``, leaving the time to the passes after it): a looser tolerance takes fewer
+    passes, and its bound lies within that tolerance of the full bisection's."""
+    g = transformer_graph(16, seed=2, tied=True)
+    opts = _opts(64, 8, replication="pow2")
+    passes, real = [], NodeFloorSolver.devices_needed
+
+    def counted(self, T, *a, **k):
+        passes[-1] += 1
+        return real(self, T, *a, **k)
+
+    monkeypatch.setattr(NodeFloorSolver, "devices_needed", counted)
+    found = {}
+    for tol in (None, 0.01):
+        passes.append(0)
+        found[tol] = chain_plan(g, flat_bound(opts, fast=True), time.monotonic(), math.inf, plain=True,
+                                machine=opts, bound_only=True, tolerance=tol)
+    assert passes[1] < passes[0]
+    assert found[None].bound_s * (1 - 0.01) <= found[0.01].bound_s <= found[None].bound_s * (1 + 1e-9)
