@@ -41,6 +41,25 @@ class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHA
         return _Charged(*(x[idx] for x in self))
 
 
+class _Rows:
+    """Rows ``idx`` of a ``_Charged`` as columns (``_Charged.take(idx[:, None])``), each field gathered
+    when first read: a column of the DP reads a few of the fields for most pairs, the rest for few."""
+
+    __slots__ = ("_of", "_idx", "_got")
+
+    def __init__(self, of: _Charged, idx: np.ndarray) -> None:
+        self._of, self._idx, self._got = of, idx, {}
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        got = self._got.get(name)
+        if got is None:
+            got = self._got[name] = getattr(self._of, name)[self._idx][:, None]
+        return got
+
+    def take(self, idx) -> "_Rows":
+        return _Rows(self._of, self._idx[idx])
+
+
 class ChargedChainSolver(PlacedChainSolver):
     """The placed DP for charges that are not one interval per bandwidth: PipeDream's all-reduce (a
     ring inside the fullest node plus one across the n nodes, so it depends on where in its node a
@@ -207,19 +226,19 @@ class ChargedChainSolver(PlacedChainSolver):
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
-            some = ch.take(live[:, None])
+            some = _Rows(ch, live)
             fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
             keep = np.nonzero(fits.any(axis=1))[0]  # a pair that fits at no offset adds nothing
             if keep.size < live.size:
                 if not keep.size:
                     continue
                 live, r, fits = live[keep], (r if same else r[keep]), fits[keep]
-            after = dev[live] + r
+            after = np.take(dev, live, axis=0) + r
             tot = np.where(fits & (after <= room[live, None]), after, K + 1)
             pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
             src = pay & _LOW
             got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
-            best[live] = np.minimum(best[live], (got << _VAL) | pay)
+            best[live] = np.minimum(np.take(best, live, axis=0), (got << _VAL) | pay)
         return best >> _VAL, best & _LOW, (best >> _REPS) & _LOW
 
     def _settled(self, rows, s, ch: _Charged):
