@@ -33,7 +33,6 @@ from passes.partition.segment_plan import chain_plan
 from passes.partition import node_floor, placed, uniform
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
-FLOOR_TOLERANCE = 3e-3  # ... where it stops bisecting (the passes after it need the time more)
 RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
 RELAXED_TOLERANCE = 5e-3  # ... where it stops: the charged DP's one pass 1 % under a plan needs the time
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
@@ -254,8 +253,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges two bounds come first, and the higher is kept: the flat DP with
     each all-reduce floored at the nodes it must cross (``node_floor.py``, ``FLOOR_SHARE`` of the
-    time, bisecting to ``FLOOR_TOLERANCE``; it sees the power-of-two counts, and its plan, scored
-    placed, is a candidate), then the interval DP for ``any`` (``RELAXED_SHARE`` of what is left:
+    time; it sees the power-of-two counts, and its plan, scored placed, is a candidate), then the interval DP for ``any`` (``RELAXED_SHARE`` of what is left:
     its bound holds, every pow2 plan being one of its plans, and it sees placement; it starts from
     the floor's bound, below which its passes prove nothing new, and stops within
     ``RELAXED_TOLERANCE``); both replace the flat bracket's, which on many nodes charges every link
@@ -281,7 +279,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # powers of two, where the interval DP below does not (1,024 devices: its bound 18 % lower)
         floored = chain_plan(graph, flat_bound(opts, fast=True), start,
                              time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
-                             machine=opts, bound_only=True, tolerance=FLOOR_TOLERANCE)
+                             machine=opts, bound_only=True)
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
