@@ -11,7 +11,7 @@ between the two.
 from __future__ import annotations
 
 import time
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 
@@ -101,15 +101,15 @@ class ChargedChainSolver(PlacedChainSolver):
         lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
         at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
-        rise_slow = _rising_from(at(slow), C.size, T, K)
+        allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
+        rise_slow = _rising_from(at(slow), C.size, T, K, allowed)
         sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
         one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
         if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
             one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
-            rise_fast = _rising_from(at(fast), C.size, T, K)
+            rise_fast = _rising_from(at(fast), C.size, T, K, allowed)
         hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
-        if o.replication == "pow2":  # counts of at least G are multiples of G: the first past ``sure`` ends it
-            allowed = np.asarray(o.allowed_replicas(), dtype=np.int64)
+        if allowed is not None:  # counts of at least G are multiples of G: the first past ``sure`` ends it
             step = allowed[np.minimum(np.searchsorted(allowed, np.maximum(sure, self.G)), allowed.size - 1)]
             hi = np.where((self.G & (self.G - 1)) == 0, np.where(sure <= K, step, K), K)
         return _Charged(C, params - tied, tied, far, q, near, in_far, out_far, first & (C <= 0), lo, hi,
@@ -322,23 +322,32 @@ def _packed(devices, replicas, offset):
         | np.asarray(offset, dtype=np.int64)
 
 
-def _rising_from(time_at, n: int, T: float, K: int) -> np.ndarray:
+def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray] = None) -> np.ndarray:
     """Per stage, the least count r >= 2 from which ``time_at(counts, which)`` meets T for every larger
     count up to K, for times that fall, or fall and then rise, from r = 2 on (both models, tied or not;
     see ``costmodel.min_replicas``); K + 1 where even K does not. Bisection: where K and r meet T, so
-    does every count between them."""
-    lo, hi = np.full(n, 2, dtype=np.int64), np.full(n, K, dtype=np.int64)
+    does every count between them. ``allowed`` (sorted; ``pow2``): only those counts are asked, the
+    answer is the least allowed one from which every larger allowed one meets T (log2 of their number
+    steps instead of log2 K: all the DP reads, as it tries no other count)."""
+    if allowed is None:
+        at, lo, top = (lambda i: i), 2, K  # bisect over the counts themselves
+    else:
+        grid = allowed[allowed >= 2]
+        if not grid.size:
+            return np.full(n, K + 1, dtype=np.int64)
+        at, lo, top = (lambda i: grid[i]), 0, grid.size - 1  # over indices into the allowed counts
+    lo, hi = np.full(n, lo, dtype=np.int64), np.full(n, top, dtype=np.int64)
     every = np.arange(n)
-    fits = time_at(np.maximum(hi, 1), every) <= T * (1 + EPS)
+    fits = time_at(np.maximum(at(hi), 1), every) <= T * (1 + EPS)
     while True:
         k = np.nonzero(fits & (lo < hi))[0]
         if not k.size:
             break
         mid = (lo[k] + hi[k]) // 2
-        good = time_at(mid, k) <= T * (1 + EPS)
+        good = time_at(at(mid), k) <= T * (1 + EPS)
         hi[k] = np.where(good, mid, hi[k])
         lo[k] = np.where(good, lo[k], mid + 1)
-    return np.where(fits, np.maximum(lo, 1), K + 1)
+    return np.where(fits, np.maximum(at(np.minimum(lo, top)) if allowed is not None else lo, 1), K + 1)
 
 
 def solver_for(units: Units, segments: List[Segment], opts: CostOptions) -> PlacedChainSolver:

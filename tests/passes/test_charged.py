@@ -127,3 +127,35 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
             answers[name].append((need, solver.plan(back) if need <= opts.devices else None))
     assert sum(skipped) > 0
     assert answers["room"] == answers["all"]
+
+
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+def test_rising_over_allowed_counts_is_the_least_allowed_from_which_all_fit(model):
+    """Under pow2 the bisection asks only the allowed counts (``_rising_from(allowed=...)``): per stage
+    the least allowed count >= 2 from which every larger allowed count meets T (K + 1 if the largest
+    does not), by brute force over random stages, tied weights included (fxpipe's tied ring rises
+    again)."""
+    from passes.partition.charged import _rising_from
+
+    solver = _solver(K=512, G=8, cost_model=model, replication="pow2")
+    rng = np.random.default_rng(7)
+    n, K = 400, solver.opts.devices
+    C = rng.uniform(1e-5, 3e-3, n)
+    params = rng.uniform(0, 3e8, n)
+    tied = np.where(rng.random(n) < 0.4, rng.uniform(0, 5e7, n), 0.0)
+    q = rng.integers(1, 64, n).astype(float)
+    allowed = np.asarray(solver.opts.allowed_replicas(), dtype=np.int64)
+    for T in (2e-5, 1e-4, 5e-4):
+        for flat in solver.flat:
+            def time_at(r, k):
+                return stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])
+            got = _rising_from(time_at, n, T, K, allowed)
+            counts = allowed[allowed >= 2]
+            fits = np.stack([time_at(np.full(n, r), slice(None)) <= T * (1 + EPS) for r in counts], axis=1)
+            want = np.full(n, K + 1)
+            for i in range(n):
+                for j in range(counts.size - 1, -1, -1):  # walk down while every larger allowed count fits
+                    if not fits[i, j]:
+                        break
+                    want[i] = counts[j]
+            assert np.array_equal(got, want), (T, np.nonzero(got != want))
