@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from passes.partition import memory_guard
 from passes.partition.memory_guard import MemoryGuard, resident_mb
 from tests.passes.test_partition import random_dag
@@ -13,11 +15,23 @@ def test_resident_size_is_read():
     assert 5 < resident_mb() < 1e6
 
 
-def test_guard_stops_once_past_the_limit():
+def test_guard_stops_once_the_block_has_grown_past_the_limit():
     calls = []
-    with MemoryGuard(lambda: calls.append(time.monotonic()), limit_mb=1.0, poll_s=0.01) as guard:
+    with MemoryGuard(lambda: calls.append(time.monotonic()), limit_mb=20.0, poll_s=0.01) as guard:
+        held = np.ones(64 * 2**20 // 8)  # 64 MB, every page written
         time.sleep(0.2)
-    assert guard.tripped and len(calls) == 1 and guard.peak_mb > 1.0
+    assert guard.tripped and len(calls) == 1 and guard.peak_mb > guard.start_mb + 20.0
+    del held
+
+
+def test_guard_limits_growth_not_the_size_the_process_began_with():
+    """A process already far above the limit (a caller holding a large model, pytest after many tests)
+    must still search: only what the block adds counts."""
+    calls = []
+    before = resident_mb()
+    with MemoryGuard(lambda: calls.append(1), limit_mb=before / 4, poll_s=0.01) as guard:
+        time.sleep(0.1)
+    assert not guard.tripped and not calls and guard.start_mb > guard.limit_mb
 
 
 def test_guard_stays_quiet_under_the_limit_and_ends_with_the_block():
@@ -35,10 +49,13 @@ def test_cp_sat_search_is_stopped_and_says_so(monkeypatch):
     from passes.partition.model import PartitionModel
 
     monkeypatch.setattr(memory_guard, "LIMIT_MB", 1.0)
+    readings = iter([100.0])  # the process at the search's start, then 4.9 GB more at every poll
+    monkeypatch.setattr(memory_guard, "resident_mb", lambda: next(readings, 5000.0))
     g = random_dag(12, 3)
     opts = CostOptions(devices=4, bandwidth=1e9)
     units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
     said = []
     solved = PartitionModel(units, opts).solve(30.0, report=said.append)
     assert solved.wall_s < 30.0
-    assert any("CP-SAT stopped at" in line and "limit 1 MB" in line for line in said), said
+    assert any("CP-SAT stopped at 5000 MB" in line and "4900 MB more" in line and "limit 1 MB more" in line
+               for line in said), said
