@@ -178,7 +178,7 @@ class ChainSolver:
             least = self._least_devices(seg, T)
             dev = np.maximum(dev, least)
             # a prefix that leaves more compute than its spare devices can run within T is dropped (every
-            # later stage needs at least compute / T replicas): near the optimum few prefixes survive
+            # later stage needs at least compute / T replicas): a T under the optimum fails sooner
             rest = count((total - seg.compute) / T, K)
             rest[seg.compute >= total] = 0
             dev[dev + rest > K] = K + 1

@@ -253,15 +253,16 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges two bounds come first, and the higher is kept: the flat DP with
     each all-reduce floored at the nodes it must cross (``node_floor.py``, ``FLOOR_SHARE`` of the
-    time; it sees the power-of-two counts, and its plan, scored placed, is a candidate), then the interval DP for ``any`` (``RELAXED_SHARE`` of what is left:
-    its bound holds, every pow2 plan being one of its plans, and it sees placement; it starts from
-    the floor's bound, below which its passes prove nothing new, and stops within
-    ``RELAXED_TOLERANCE``); both replace the flat bracket's, which on many nodes charges every link
-    at B1 and lies far below. Under PipeDream's charges (any count) the bracket's bound comes from
-    the flat model at B1 with each stage's all-reduce floored at the nodes it must touch
-    (``node_floor.py``), far closer to the placed optimum where stages are replicated across nodes.
-    The bracket's plan, or the uniform layout where that is faster, is the ceiling the charged DP's
-    first pass tries to prove within 1 % (``_bracketed``)."""
+    time; it sees the power-of-two counts, and its plan, scored placed, is a candidate), then the
+    interval DP for ``any`` (``RELAXED_SHARE`` of what is left: its bound holds, every pow2 plan
+    being one of its plans, and it sees placement; it starts from the floor's bound, below which its
+    passes prove nothing new, and stops within ``RELAXED_TOLERANCE``); both replace the flat
+    bracket's, which on many nodes charges every link at B1 and lies far below. Under PipeDream's
+    charges (any count) the bracket's bound comes from the flat model at B1 with each stage's
+    all-reduce floored at the nodes it must touch (``node_floor.py``), far closer to the placed
+    optimum where stages are replicated across nodes. The bracket's plan, or the uniform layout
+    where that is faster, is the ceiling the charged DP's first pass tries to prove within 1 %
+    (``_bracketed``)."""
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
