@@ -102,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.loader import load_model
     from fxpipe.runtime.devices import resolve_device
 
+    from fxpipe.runtime.heap import keep_freed_memory
+
     outdir = Path(args.output) if args.output else default_outdir(args.model)
     check_outdir(outdir)  # before the minutes of profiling and planning, not after
+    keep_freed_memory()  # as training does; the planner's passes reuse what they freed (fxpipe.runtime.heap)
     spec = load_model(args.model)
     kwargs = partition_kwargs(args)
     result = split(spec.model, spec.example_inputs, args.devices, capture_method=args.method,

@@ -238,6 +238,9 @@ def main(argv=None) -> int:
                "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
                "replication": args.replication}
     if args.row:
+        from fxpipe.runtime.heap import keep_freed_memory
+
+        keep_freed_memory()  # as `fxpipe plan` and `fxpipe split` do before planning
         depth, k = args.row.split(",")
         print(json.dumps(run_row(depth, int(k), args.time_limit, machine)))
         return 0
