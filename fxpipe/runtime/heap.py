@@ -9,7 +9,12 @@ so the next allocation of that size pays page faults and the kernel's
 zeroing again. glibc raises the mmap threshold by itself after freeing a
 mapped block (unless something called ``mallopt``); fixing both thresholds
 high makes the process keep its memory whatever it allocated before. What
-this gains over glibc's own dynamic threshold has not been measured.
+this gains over glibc's own dynamic threshold has not been measured for
+training; for the planner, whose DP passes allocate and free the same large
+numpy arrays again (``fxpipe plan`` and ``fxpipe split`` call it first), a
+pass of the charged two-level DP on 32 blocks and 512 devices took 0.82–1.14 s
+instead of 1.45 s (2-core machine; 0.85 s with ``MALLOC_TRIM_THRESHOLD_`` set
+in the environment instead).
 
 ``keep_freed_memory`` raises both thresholds (``mallopt``), so blocks up to
 ``mmap_threshold`` come from the heap and the heap is not trimmed below

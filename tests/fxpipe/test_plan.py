@@ -94,3 +94,17 @@ def test_cli_refuses_a_zero_before_loading_anything(option, value, says, capsys)
         main(args)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_cli_plan_keeps_freed_memory_before_planning(monkeypatch, capsys):
+    """`fxpipe plan` raises glibc's malloc thresholds before the partitioner runs (its DP passes allocate
+    and free the same large arrays: a charged pass 1.45 -> 0.82-1.14 s), as training does."""
+    from fxpipe.runtime import heap
+    import passes.partition as partition_pkg
+
+    order = []
+    monkeypatch.setattr(heap, "keep_freed_memory", lambda *a, **k: order.append("heap") or True)
+    real = partition_pkg.partition
+    monkeypatch.setattr(partition_pkg, "partition", lambda *a, **k: order.append("partition") or real(*a, **k))
+    assert main(["plan", str(VGG), "--devices", "4"]) == 0
+    assert order == ["heap", "partition"]
