@@ -145,7 +145,6 @@ class ChainSolver:
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
         K = self.opts.devices
         self.deadline = deadline
-        total = self.segs[-1].compute[-1]
         near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
@@ -177,10 +176,7 @@ class ChainSolver:
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
             least = self._least_devices(seg, T)
             dev = np.maximum(dev, least)
-            # a prefix that leaves more compute than its spare devices can run within T is dropped (every
-            # later stage needs at least compute / T replicas): a T under the optimum fails sooner
-            rest = count((total - seg.compute) / T, K)
-            rest[seg.compute >= total] = 0
+            rest = self._rest(seg, T)  # a T under the optimum fails sooner
             dev[dev + rest > K] = K + 1
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
@@ -203,6 +199,15 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _rest(self, seg: Segment, T: float) -> np.ndarray:
+        """Per point of ``seg``, the fewest devices the compute after it needs at T: every later stage
+        needs at least its compute / T replicas, so a prefix whose devices plus these exceed K cannot
+        finish and is dropped (the flat and the placed passes)."""
+        total = self.segs[-1].compute[-1]
+        rest = count((total - seg.compute) / T, self.opts.devices)
+        rest[seg.compute >= total] = 0
+        return rest
 
     def _first_stage(self, seg: Segment, T: float) -> np.ndarray:
         """Replicas of the first stage ending at each point of ``seg`` (the first segment), with the

@@ -329,14 +329,12 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
     does every count between them. ``allowed`` (sorted; ``pow2``): only those counts are asked, the
     answer is the least allowed one from which every larger allowed one meets T (log2 of their number
     steps instead of log2 K: all the DP reads, as it tries no other count)."""
-    if allowed is None:
-        at, lo, top = (lambda i: i), 2, K  # bisect over the counts themselves
-    else:
-        grid = allowed[allowed >= 2]
-        if not grid.size:
-            return np.full(n, K + 1, dtype=np.int64)
-        at, lo, top = (lambda i: grid[i]), 0, grid.size - 1  # over indices into the allowed counts
-    lo, hi = np.full(n, lo, dtype=np.int64), np.full(n, top, dtype=np.int64)
+    grid = None if allowed is None else allowed[allowed >= 2]  # bisect over indices into it, else the counts
+    if grid is not None and not grid.size:
+        return np.full(n, K + 1, dtype=np.int64)
+    at = (lambda i: i) if grid is None else (lambda i: grid[i])  # noqa: E731
+    top = K if grid is None else grid.size - 1
+    lo, hi = np.full(n, 2 if grid is None else 0, dtype=np.int64), np.full(n, top, dtype=np.int64)
     every = np.arange(n)
     fits = time_at(np.maximum(at(hi), 1), every) <= T * (1 + EPS)
     while True:
@@ -347,7 +345,7 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
         good = time_at(at(mid), k) <= T * (1 + EPS)
         hi[k] = np.where(good, mid, hi[k])
         lo[k] = np.where(good, lo[k], mid + 1)
-    return np.where(fits, np.maximum(at(np.minimum(lo, top)) if allowed is not None else lo, 1), K + 1)
+    return np.where(fits, np.maximum(lo if grid is None else grid[np.minimum(lo, top)], 1), K + 1)
 
 
 def solver_for(units: Units, segments: List[Segment], opts: CostOptions) -> PlacedChainSolver:

@@ -50,7 +50,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
 from passes.partition.segments import Segment
 from passes.partition.canon import Canon
-from passes.partition.offsets import (EPS, Sources, Stages, count, crossing_start, cut_floors, every_offset,
+from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_floors, every_offset,
                                       intervals, targets, tied_intervals)
 
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
@@ -277,10 +277,7 @@ class PlacedChainSolver(ChainSolver):
             src_b = np.zeros((d, G, 3), dtype=np.int64)
             if a == 0:
                 dev[0, 0] = 0
-            # a prefix that leaves more compute than its spare devices can run within T is dropped:
-            # every later stage needs at least compute / T replicas
-            rest = count((self.segs[-1].compute[-1] - seg.compute) / T, K)
-            rest[seg.compute >= self.segs[-1].compute[-1]] = 0
+            rest = self._rest(seg, T)  # prefixes that cannot finish are dropped (``ChainSolver._rest``)
             reach = None
             if pool is not None and pool[0].size:
                 reach = self._from_pool(pool, seg, T, dev, src_b, dev_all, rest)
