@@ -353,3 +353,53 @@ def test_charged_pass_stops_at_the_deadline_inside_a_segment(model, replication)
     solver.deadline = time.monotonic() - 1.0
     with pytest.raises(DeadlineExceeded):
         solver._inside(seg, 0, T, dev, src)
+
+
+def _shape_reads(share: float, K: int) -> CostGraph:
+    """One untied transformer block with six more reads of the sequence length, each costing ``share``
+    of sum C / K and sending nothing, read by a different q/k/v node: each one folding keeps doubles
+    the block's downsets (430 at 1e-3 of sum C / K, past ``wide_blocks.WIDE``)."""
+    from tests.passes.test_partition_scale import _node
+
+    g = transformer_graph(1, seed=0, tied=False)
+    ideal = g.total_compute_s() / K
+    nodes, edges = dict(g.nodes), list(g.edges)
+    for i, reader in enumerate(("q", "k", "v", "qt", "kt", "vt")):
+        name = f"b0_len{i}"
+        nodes[name] = _node(name, cost=share * ideal, out=0, path="blocks.0")
+        edges += [("b0_ln1", name), (name, "b0_" + reader)]
+    return CostGraph(nodes=nodes, edges=edges, param_sizes=dict(g.param_sizes))
+
+
+@pytest.mark.parametrize("model,replication,K", [("fxpipe", "any", 16), ("fxpipe", "pow2", 32),
+                                                 ("pipedream", "any", 16), ("pipedream", "pow2", 16)])
+def test_placed_dp_folds_cheap_shape_reads_where_the_lattice_is_wide(monkeypatch, model, replication, K):
+    """Shape reads that send nothing and cost more than ``segment_plan.QUIET`` of sum C / K kept the
+    placed DP's lattice wide (1,588 points a block on the benchmark GPT at 256 devices: a charged pass
+    2.5 s for 8 blocks). Where it is wide the placed DPs fold them up to ``QUIET_WIDE`` with their
+    compute dropped, a relaxation: the bound stays under the exact placed optimum (the downset DP on
+    the unfolded graph), the plan is scored on the graph."""
+    from passes.partition import segment_plan, wide_blocks
+    from passes.partition.node_floor import NodeFloorSolver
+
+    g = _shape_reads(4e-3, K)
+    opts = _opts(K, 4, cost_model=model, replication=replication)
+    ideal = g.total_compute_s() / K
+    usual, _ = folded_units(g, opts, tiny=1e-5 * ideal, tiny_silent=segment_plan.QUIET * ideal)
+    assert build_segments(usual, limit=wide_blocks.WIDE) is None  # the usual lattice is wide here
+    widths = []  # per placed or node-floor pass: its lattice's widest segment
+    real_solve = segment_plan.chain_solve
+
+    def recorded(units, segs, o, deadline, score, solver=None, *args, **kw):
+        if isinstance(solver, (PlacedChainSolver, NodeFloorSolver)):
+            widths.append(max(len(s.compute) for s in segs))
+        return real_solve(units, segs, o, deadline, score, solver, *args, **kw)
+
+    monkeypatch.setattr(segment_plan, "chain_solve", recorded)
+    res = partition(g, K, time_limit=20, cost_model=model, replication=replication, gpus_per_node=4,
+                    intra_bandwidth=B1, bandwidth=B2)
+    best = _exact(g, opts)
+    assert widths and max(widths) <= wide_blocks.WIDE  # every placed pass ran on the narrow lattice
+    assert res.bound_s <= best * (1 + 1e-9) and best <= res.bottleneck_s * (1 + 1e-9)
+    assert res.status == "OPTIMAL" and res.method == "segment DP"
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s)
