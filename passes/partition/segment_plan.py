@@ -23,10 +23,10 @@ from passes.partition.tie_floor import tie_floor
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped
-# ... up to this where the placed or node-floor DP's lattice has a segment wider than ``wide_blocks.WIDE``:
-# many devices shrink sum C / K until shape reads pass QUIET, and each one kept doubles its block's
-# downsets (the benchmark GPT at 256 devices: 1,588 a block instead of 108, a charged pass over 8
-# blocks 2.5 s instead of 0.2 s). Dropping their compute is a relaxation (the bound gives up their
+# ... up to this for the placed and node-floor DPs where that narrows the lattice: many devices shrink
+# sum C / K until shape reads pass QUIET, and each one kept doubles its block's downsets (the benchmark
+# GPT at 256 devices: 1,588 a block instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s;
+# at 512 devices with 32 blocks: 218 instead of 108). Dropping their compute is a relaxation (the bound gives up their
 # share over a stage's replicas; plans are scored on the graph). The flat DP keeps its exact lattice
 # and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_WIDE = wide_blocks.SILENT
@@ -236,14 +236,16 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
-    Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs up to
-    ``QUIET_WIDE`` where that leaves a segment wider than ``wide_blocks.WIDE``."""
+    Nodes that send nothing fold up to ``QUIET`` of sum C / K; for the placed and node-floor DPs up to
+    ``QUIET_WIDE`` where that makes the widest segment narrower."""
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     placed_dp = opts.gpus_per_node is not None or machine is not None
-    for share in (QUIET, QUIET_WIDE) if placed_dp else (QUIET,):
+
+    def lattice(share: float, limit: int):
+        """(units, folded compute, segments) with nodes that send nothing folded up to ``share`` of sum C / K."""
         units, folded = folded_units(graph, opts, tiny_silent=share * ideal, keep_dead=keep_dead, **fold)
         if placed_dp or opts.replication == "none":
             # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
@@ -251,10 +253,13 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             units.hidden, units.hidden_sends = [], []
         if hidden is not None:
             units.hidden += hidden(units)
-        first_try = placed_dp and share == QUIET  # refused where wide: the second try folds more
-        segs = build_segments(units, limit=wide_blocks.WIDE if first_try else SEGMENT_LIMIT, deadline=deadline)
-        if segs is not None or time.monotonic() > deadline:
-            break
+        return units, folded, build_segments(units, limit=limit, deadline=deadline)
+
+    units, folded, segs = lattice(QUIET_WIDE if placed_dp else QUIET, SEGMENT_LIMIT)
+    if placed_dp and segs is not None:  # the usual folding where it is no wider (its bound gives up less)
+        usual = lattice(QUIET, max(len(s.compute) for s in segs))
+        if usual[2] is not None:
+            units, folded, segs = usual
     if segs is None:
         return None
     score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, machine or opts)  # noqa: E731

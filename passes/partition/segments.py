@@ -220,23 +220,25 @@ def separators(units: Units) -> List[int]:
     return cuts
 
 
-_LAST_BUILT: List[tuple] = []  # (key, segments) of the last ``build_segments``, see there
+_BUILT: List[tuple] = []  # (key, segments) of the last two ``build_segments``, see there
 
 
 def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) -> Optional[List[Segment]]:
     """The segments' points (see ``Segment``); None if a segment has more than ``limit`` downsets
     or the deadline passes.
 
-    The last answer is kept and given again for equal units: a two-level plan runs the segment DP
+    The last two answers are kept and given again for equal units: a two-level plan runs the segment DP
     on up to four cost models of the same graph and K (the relaxed, faster, slower and charged
     ones), whose units are equal, and building the segments of 32 blocks with many sub-block points
-    took 3 s each time. Segments are not modified by their users."""
+    took 3 s each time; each of those runs folds the graph two ways (``segment_plan.segment_dp``).
+    Segments are not modified by their users."""
     key = (_frozen([getattr(units, f.name) for f in dataclasses.fields(units)]), limit)
-    if _LAST_BUILT and _LAST_BUILT[0][0] == key:
-        return _LAST_BUILT[0][1]
+    for known, segments in _BUILT:
+        if known == key:
+            return segments
     built = _build_segments(units, limit, deadline)
     if built is not None:
-        _LAST_BUILT[:] = [(key, built)]
+        _BUILT[:] = [(key, built)] + _BUILT[:1]
     return built
 
 
