@@ -26,9 +26,9 @@ QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, th
 # ... up to this for the placed and node-floor DPs where that narrows the lattice: many devices shrink
 # sum C / K until shape reads pass QUIET, and each one kept doubles its block's downsets (the benchmark
 # GPT at 256 devices: 1,588 a block instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s;
-# at 512 devices with 32 blocks: 218 instead of 108). Dropping their compute is a relaxation (the bound gives up their
-# share over a stage's replicas; plans are scored on the graph). The flat DP keeps its exact lattice
-# and starts from a coarse one instead (``wide_blocks.py``)
+# 32 blocks at 512 devices: 218 instead of 108). Dropping their compute is a relaxation (the bound gives
+# up their share over a stage's replicas; plans are scored on the graph). The flat DP keeps its exact
+# lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_WIDE = wide_blocks.SILENT
 SEGMENT_LIMIT = 4000  # points a segment may have (``segments.build_segments``)
 
@@ -141,6 +141,11 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
     assignment, reps, proven = exact
     scored += [(evaluate(graph, assignment, reps, judge), assignment, reps)] if reps else []
     return proven
+
+
+def _width(segs) -> int:
+    """Points of the widest segment."""
+    return max(len(s.compute) for s in segs)
 
 
 def _tiny_input(opts: CostOptions, ideal: float) -> float:
@@ -257,8 +262,11 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
 
     units, folded, segs = lattice(QUIET_WIDE if placed_dp else QUIET, SEGMENT_LIMIT)
     if placed_dp and segs is not None:  # the usual folding where it is no wider (its bound gives up less)
-        usual = lattice(QUIET, max(len(s.compute) for s in segs))
-        if usual[2] is not None:
+        width = _width(segs)
+        # a limit counts one separator's downsets before ``build_segments`` joins or filters them: twice the
+        # width stops a far wider lattice early, the widths are compared after
+        usual = lattice(QUIET, 2 * width)
+        if usual[2] is not None and _width(usual[2]) <= width:
             units, folded, segs = usual
     if segs is None:
         return None
