@@ -23,14 +23,14 @@ from passes.partition.tie_floor import tie_floor
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped
-# ... up to this for the placed and node-floor DPs where that narrows the lattice: many devices shrink
-# sum C / K until shape reads pass QUIET, and each one kept doubles its block's downsets (the benchmark
-# GPT at 256 devices: 1,588 a block instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s;
-# 32 blocks at 512 devices: 218 instead of 108). Dropping their compute is a relaxation (the bound gives
-# up their share over a stage's replicas; plans are scored on the graph). The flat DP keeps its exact
-# lattice and starts from a coarse one instead (``wide_blocks.py``)
+# ... up to this for the placed and node-floor DPs: many devices shrink sum C / K until shape reads pass
+# QUIET, and each one kept doubles its block's downsets (the benchmark GPT at 256 devices: 1,588 a block
+# instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s; 32 blocks at 512 devices: 218
+# instead of 108). Dropping their compute is a relaxation (the bound gives up their share over a stage's
+# replicas; plans are scored on the graph). Keeping QUIET where it is no wider cost those DPs a second
+# fold and build per run (one table run: pow2 17 of 24 rows within 1 % instead of 20). The flat DP keeps
+# its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_WIDE = wide_blocks.SILENT
-SEGMENT_LIMIT = 4000  # points a segment may have (``segments.build_segments``)
 
 
 def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: float, floor: float = 0.0,
@@ -143,11 +143,6 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
     return proven
 
 
-def _width(segs) -> int:
-    """Points of the widest segment."""
-    return max(len(s.compute) for s in segs)
-
-
 def _tiny_input(opts: CostOptions, ideal: float) -> float:
     """Compute up to which a weightless node of the inputs alone is left out like an input (fxpipe's
     model, where every rank loads the inputs; PipeDream's puts them in stage 0)."""
@@ -241,33 +236,22 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
-    Nodes that send nothing fold up to ``QUIET`` of sum C / K; for the placed and node-floor DPs up to
-    ``QUIET_WIDE`` where that makes the widest segment narrower."""
+    Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs up to
+    ``QUIET_WIDE``."""
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     placed_dp = opts.gpus_per_node is not None or machine is not None
-
-    def lattice(share: float, limit: int):
-        """(units, folded compute, segments) with nodes that send nothing folded up to ``share`` of sum C / K."""
-        units, folded = folded_units(graph, opts, tiny_silent=share * ideal, keep_dead=keep_dead, **fold)
-        if placed_dp or opts.replication == "none":
-            # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
-            # units (``ChainSolver._first_stage``), so their plans must not be scored with it either
-            units.hidden, units.hidden_sends = [], []
-        if hidden is not None:
-            units.hidden += hidden(units)
-        return units, folded, build_segments(units, limit=limit, deadline=deadline)
-
-    units, folded, segs = lattice(QUIET_WIDE if placed_dp else QUIET, SEGMENT_LIMIT)
-    if placed_dp and segs is not None:  # the usual folding where it is no wider (its bound gives up less)
-        width = _width(segs)
-        # a limit counts one separator's downsets before ``build_segments`` joins or filters them: twice the
-        # width stops a far wider lattice early, the widths are compared after
-        usual = lattice(QUIET, 2 * width)
-        if usual[2] is not None and _width(usual[2]) <= width:
-            units, folded, segs = usual
+    quiet = QUIET_WIDE if placed_dp else QUIET
+    units, folded = folded_units(graph, opts, tiny_silent=quiet * ideal, keep_dead=keep_dead, **fold)
+    if placed_dp or opts.replication == "none":
+        # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
+        # units (``ChainSolver._first_stage``), so their plans must not be scored with it either
+        units.hidden, units.hidden_sends = [], []
+    if hidden is not None:
+        units.hidden += hidden(units)
+    segs = build_segments(units, deadline=deadline)
     if segs is None:
         return None
     score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, machine or opts)  # noqa: E731

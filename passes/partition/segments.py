@@ -230,7 +230,8 @@ def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) 
     The last two answers are kept and given again for equal units: a two-level plan runs the segment DP
     on up to four cost models of the same graph and K (the relaxed, faster, slower and charged
     ones), whose units are equal, and building the segments of 32 blocks with many sub-block points
-    took 3 s each time; each of those runs folds the graph two ways (``segment_plan.segment_dp``).
+    took 3 s each time; the placed ones fold more than the flat ones (``segment_plan.QUIET_WIDE``), so
+    such a plan alternates between two lattices.
     Segments are not modified by their users."""
     key = (_frozen([getattr(units, f.name) for f in dataclasses.fields(units)]), limit)
     for known, segments in _BUILT:

@@ -376,8 +376,8 @@ def _shape_reads(share: float, K: int) -> CostGraph:
 def test_placed_dp_folds_cheap_shape_reads_where_the_lattice_is_wide(monkeypatch, model, replication, K):
     """Shape reads that send nothing and cost more than ``segment_plan.QUIET`` of sum C / K kept the
     placed DP's lattice wide (1,588 points a block on the benchmark GPT at 256 devices: a charged pass
-    2.5 s for 8 blocks). Where that narrows the lattice the placed DPs fold them up to ``QUIET_WIDE``
-    with their compute dropped, a relaxation: the bound stays under the exact placed optimum (the downset DP on
+    2.5 s for 8 blocks). The placed and node-floor DPs fold them up to ``QUIET_WIDE`` with their
+    compute dropped, a relaxation: the bound stays under the exact placed optimum (the downset DP on
     the unfolded graph), the plan is scored on the graph."""
     from passes.partition import segment_plan, wide_blocks
     from passes.partition.node_floor import NodeFloorSolver
