@@ -357,8 +357,8 @@ def test_charged_pass_stops_at_the_deadline_inside_a_segment(model, replication)
 
 def _shape_reads(share: float, K: int) -> CostGraph:
     """One untied transformer block with six more reads of the sequence length, each costing ``share``
-    of sum C / K and sending nothing, read by a different q/k/v node: each one folding keeps doubles
-    the block's downsets (430 at 1e-3 of sum C / K, past ``wide_blocks.WIDE``)."""
+    of sum C / K and sending nothing, read by a different q/k/v node: each one that folding keeps
+    doubles the block's downsets (430 at 1e-3 of sum C / K, past ``wide_blocks.WIDE``)."""
     from tests.passes.test_partition_scale import _node
 
     g = transformer_graph(1, seed=0, tied=False)
