@@ -28,8 +28,8 @@ QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, th
 # instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s; 32 blocks at 512 devices: 218
 # instead of 108). Dropping their compute is a relaxation (the bound gives up their share over a stage's
 # replicas; plans are scored on the graph). Keeping QUIET where it is no wider cost those DPs a second
-# fold and build per run (one table run: pow2 17 of 24 rows within 1 % instead of 20). The flat DP keeps
-# its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
+# fold and build per run (one table run: pow2 17 of 24 rows within 1 %; folding outright, 19 and 20 in
+# two runs). The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_WIDE = wide_blocks.SILENT
 
 
