@@ -24,6 +24,7 @@ from passes.partition.offsets import EPS, cut_floors
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.segments import Segment
 
+KNOWN_CELLS = 1 << 24  # the most (pair, count, offset) cells ``_known_fits`` keeps for one level
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
 _CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi",
             "one_fast", "one_slow", "rise_fast", "rise_slow")
@@ -90,6 +91,7 @@ class ChargedChainSolver(PlacedChainSolver):
         # a stage of r replicas that ends at offset m' (``_charged_targets``)
         self._span = allreduce_span(1.0, offsets, counts, opts)
         self._payload = _packed(0, counts, (offsets - counts) % G)
+        self._known: tuple = ((), {})  # (T, holders) and ``_known_fits``'s tables at them
 
     def _stage_intervals(self, stages, T: float) -> _Charged:
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
@@ -193,11 +195,13 @@ class ChargedChainSolver(PlacedChainSolver):
             & (exact[None, :] | (ch.hi - ch.lo >= span)[:, None])
         return cols, inside & (ch.lo[:, None] <= self.opts.devices), exact
 
-    def _charged_targets(self, rows, s, ch: _Charged, T: float, room=None):
+    def _charged_targets(self, rows, s, ch: _Charged, T: float, room=None, known=None):
         """For pairs (source row s of ``rows``, their ``_Charged``): per end offset (last axis) the
         fewest devices after the stage (> K: none), the source offset and the replicas. ``room``: per
         pair, the most devices its end point may hold (K less what the compute after it needs at T:
-        the pass drops more at once, ``PlacedChainSolver._needed``); counts past it are not tried."""
+        the pass drops more at once, ``PlacedChainSolver._needed``); counts past it are not tried.
+        ``known``: whether each pair fits with each candidate count at each start offset, worked out
+        before (``_known_fits``), else worked out here for the counts tried."""
         K, G = self.opts.devices, self.G
         n = s.size
         room = np.full(n, K, dtype=np.int64) if room is None else room
@@ -226,8 +230,11 @@ class ChargedChainSolver(PlacedChainSolver):
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
-            some = _Rows(ch, live)
-            fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
+            if known is not None:
+                fits = known[live, w]
+            else:
+                some = _Rows(ch, live)
+                fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
             keep = np.nonzero(fits.any(axis=1))[0]  # a pair that fits at no offset adds nothing
             if keep.size < live.size:
                 if not keep.size:
@@ -299,7 +306,9 @@ class ChargedChainSolver(PlacedChainSolver):
         ch = self._near_intervals(seg, off, T)
         for pairs, starts, targets in self._levels(seg):
             room = None if rest is None else self.opts.devices - rest[seg.sub_i[pairs]]
-            val, from_m, reps = self._charged_targets(dev, j[pairs], ch.take(pairs), T, room)
+            some = ch.take(pairs)
+            val, from_m, reps = self._charged_targets(dev, j[pairs], some, T, room,
+                                                      self._known_fits(ch, pairs, some, T))
             keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(keyed, starts, axis=0)
             best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
@@ -311,6 +320,44 @@ class ChargedChainSolver(PlacedChainSolver):
             src_b[x, ms, 0] = off + j[pairs[k]]
             src_b[x, ms, 1] = from_m[k, ms]
             src_b[x, ms, 2] = reps[k, ms]
+
+    def _known_fits(self, ch: _Charged, pairs: np.ndarray, some: _Charged, T: float) -> Optional[np.ndarray]:
+        """Whether each pair of a level (``some``: ``ch``'s rows ``pairs``) fits with each candidate count
+        at each start offset (pairs x counts x G), for the second and later segments that ask for the
+        same level at the same T; None the first time (``_charged_targets`` then works out only the
+        counts it tries) and where the table would pass ``KNOWN_CELLS``.
+
+        Whether a stage fits depends on the stage alone, not on the devices before it, and repeated
+        blocks have equal stages (``PlacedChainSolver._near_intervals`` hands them one ``ch``): on a
+        deep stack most of a pass went to asking every block the same question."""
+        key = (T, self.holders)
+        if self._known[0] != key:
+            self._known = (key, {})
+        seen = self._known[1]
+        slot = (id(ch), id(pairs))
+        if slot not in seen:  # the objects are kept with the answer, so their ids stay theirs
+            seen[slot] = (ch, pairs, None)
+            return None
+        if seen[slot][2] is not None:
+            return seen[slot][2] if seen[slot][2] is not False else None
+        cols, inside, exact = self._candidates(some)
+        G = self.G
+        if cols.shape[0] * cols.shape[1] * G > KNOWN_CELLS:
+            seen[slot] = (ch, pairs, False)  # too large to keep: worked out per segment, as the first time
+            return None
+        out = np.zeros(cols.shape + (G,), dtype=bool)
+        m, same = np.arange(G)[None, :], self.opts.replication == "pow2"
+        for w in range(cols.shape[1]):
+            if time.monotonic() > self.deadline:
+                raise DeadlineExceeded()
+            live = np.nonzero(inside[:, w])[0]
+            if not live.size:
+                continue
+            r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
+            rows = _Rows(some, live)
+            out[live, w] = self._fits(rows, m, r, T) if exact[w] else (r >= rows.near) & ~rows.empty_first
+        seen[slot] = (ch, pairs, out)
+        return out
 
 
 _VAL, _REPS, _LOW = 40, 20, (1 << 20) - 1  # bit positions of ``_packed``'s fields, and a field's mask

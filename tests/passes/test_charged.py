@@ -107,26 +107,58 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
     ideal = sum(units.compute) / opts.devices
     real, skipped = ChargedChainSolver._charged_targets, []
 
-    def counting(self, rows, s, ch, T, room=None):
+    def counting(self, rows, s, ch, T, room=None, known=None):
         cols, inside, _ = self._candidates(ch)
         after = rows[s].min(axis=1)[:, None] + cols  # the fewest devices each tried count can end on
         tried = inside & (after <= self.opts.devices)
         skipped.append(0 if room is None else int((tried & (after > room[:, None])).sum()))
-        return real(self, rows, s, ch, T, room)
+        return real(self, rows, s, ch, T, room, known)
 
-    def every_count(self, rows, s, ch, T, room=None):
-        return real(self, rows, s, ch, T)
+    def every_count(self, rows, s, ch, T, room=None, known=None):
+        return real(self, rows, s, ch, T, known=known)
 
     answers = {}
     for name, targets in (("room", counting), ("all", every_count)):
         monkeypatch.setattr(ChargedChainSolver, "_charged_targets", targets)
-        solver = ChargedChainSolver(units, segs, opts)
-        answers[name] = []
-        for f in (1.0, 1.01, 1.05, 1.2, 2.0):
-            need, back = solver.devices_needed(ideal * f)
-            answers[name].append((need, solver.plan(back) if need <= opts.devices else None))
+        answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal)
     assert sum(skipped) > 0
     assert answers["room"] == answers["all"]
+
+
+def _passes(solver: ChargedChainSolver, ideal: float) -> list:
+    """(fewest devices, plan or None) of ``solver``'s passes at T from ``ideal`` (sum C / K) up."""
+    out = []
+    for f in (1.0, 1.01, 1.05, 1.2, 2.0):
+        need, back = solver.devices_needed(ideal * f)
+        out.append((need, solver.plan(back) if need <= solver.opts.devices else None))
+    return out
+
+
+@pytest.mark.parametrize("model,replication", [("pipedream", "any"), ("fxpipe", "pow2"), ("pipedream", "pow2")])
+def test_repeated_blocks_reuse_what_fits_without_changing_the_answer(monkeypatch, model, replication):
+    """Whether a stage fits at a start offset depends on the stage, not on the devices before it, so a
+    pass works it out once per level of equal blocks at a T (``_known_fits``) and the later blocks
+    read it. The fewest devices and the plans must be those of passes that work it out block by block,
+    at T from the bound up, and the tables must really have been read."""
+    from tools.bench.partition_scale import deep_gpt
+
+    opts = _opts(64, 8, cost_model=model, replication=replication)
+    units, _ = folded_units(deep_gpt(4), opts)  # four equal blocks (one profiled block repeated)
+    segs = build_segments(units)
+    ideal = sum(units.compute) / opts.devices
+    real, read = ChargedChainSolver._known_fits, []
+
+    def recording(self, *args):
+        out = real(self, *args)
+        read.append(out is not None)
+        return out
+
+    answers = {}
+    for name, known in (("known", recording), ("per block", lambda self, *args: None)):
+        monkeypatch.setattr(ChargedChainSolver, "_known_fits", known)
+        answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal)
+    assert any(read)
+    assert answers["known"] == answers["per block"]
 
 
 @pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
