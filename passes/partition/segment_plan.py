@@ -50,9 +50,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     counted in the devices of every prefix that must run it (``branches.py``).
     Every candidate plan is scored on ``graph``; a tied weight's real sync
     gets its plans re-searched (``retie.py``). ``floor``, ``ceiling``: a bound
-    on the optimum and a plan's time known already (``chain.solve``); ``plain``: no second
-    search for plans that pay for dead nodes or a mask (``_bracketed`` before
-    the charged DP, where time is short); ``machine``: with ``opts`` the flat model at B1 of that
+    on the optimum and a plan's time known already (``chain.solve``), or any time no lower than the
+    optimum of the model searched (a two-level plan's placed time, for the models that relax the
+    machine); ``plain``: no second search, neither for plans that pay for dead nodes or a mask nor
+    ``retie``'s (``_bracketed`` before the charged DP, where time is short and the plans are scored
+    placed); ``machine``: with ``opts`` the flat model at B1 of that
     two-level machine, the DP floors each stage's all-reduce at the nodes it must touch
     (``node_floor.py``: a higher bound under PipeDream's charges), and plans are scored on that machine
     (a plan's time under ``opts`` may lie below this bound, so it could not cap it); ``settle_by``: past
@@ -114,7 +116,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
     bound = max(bound, floor_s)
-    if machine is None and opts.gpus_per_node is None and tied_weights(graph, assignment):
+    if machine is None and opts.gpus_per_node is None and not plain and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
                                  lambda heavier: (searched(heavier, opts, deadline, cones, True, settle_by=settle_by) or [None])[0],
                                  bound * (1 + OPTIMAL_GAP), deadline)
@@ -267,7 +269,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound, finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
-                            tolerance or TOLERANCE, floor=floor, bound_only=bound_only)
+                            tolerance or TOLERANCE, floor=floor, ceiling=ceiling, bound_only=bound_only)
     else:
         first = None
         if wide_blocks.wide(segs) and not bound_only and ceiling == math.inf:
@@ -276,7 +278,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
                                 ceiling=first.real_s, settle_by=settle_by, trust_ceiling=True)
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
-        found = chain_solve(units, segs, opts, deadline, score, floor=floor, settle_by=settle_by, bound_only=bound_only)
+        found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
+                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

@@ -650,3 +650,53 @@ def test_flat_pass_drops_prefixes_that_cannot_finish_without_changing_the_answer
     assert [a[:3] for a in answers["cut"]] == [a[:3] for a in answers["whole"]]
     assert any(a[0] for a in answers["cut"]) and not answers["cut"][0][0]
     assert answers["cut"][0][3] < answers["whole"][0][3]
+
+
+def test_flat_search_bisects_under_a_given_ceiling_to_a_given_tolerance(monkeypatch):
+    """``chain_plan`` on a flat model takes the ``ceiling`` and ``tolerance`` it is given (the bracket
+    before the charged DP passes the uniform layout's time and 0.5 %): its first pass lies 1 % under
+    the ceiling rather than at twice the bound, it stops once plan and bound are that close, and both
+    stay true (the bound under the full search's plan, the plan no slower than the ceiling). The flat
+    path used to drop both, so the bracket's slower model bisected from twice the bound to 0.03 %."""
+    from passes.partition import chain
+    from passes.partition.chain import PROVE_WITHIN
+    from passes.partition.segment_plan import chain_plan
+
+    g = transformer_graph(8, seed=2)
+    opts = CostOptions(devices=32, bandwidth=1.25e10)
+    full = chain_plan(g, opts, time.monotonic(), math.inf, plain=True)
+    tried, real = [], chain.ChainSolver.devices_needed
+
+    def recording(self, T, deadline=math.inf):
+        tried.append(T)
+        return real(self, T, deadline)
+
+    monkeypatch.setattr(chain.ChainSolver, "devices_needed", recording)
+    ceiling = full.bottleneck_s * 1.3
+    res = chain_plan(g, opts, time.monotonic(), math.inf, plain=True, ceiling=ceiling, tolerance=0.02)
+    assert tried[0] == pytest.approx(ceiling / (1 + PROVE_WITHIN), rel=1e-9)
+    assert res.replicas and res.bottleneck_s <= ceiling
+    assert res.bound_s <= full.bottleneck_s * (1 + 1e-9) and full.bound_s <= res.bottleneck_s * (1 + 1e-9)
+    assert res.gap <= 0.02 + 1e-3
+    coarse = len(tried)
+    tried.clear()
+    chain_plan(g, opts, time.monotonic(), math.inf, plain=True, ceiling=ceiling)
+    assert len(tried) > coarse  # the default tolerance (0.03 %) takes more passes
+
+
+def test_plain_search_leaves_out_the_tied_weight_search(monkeypatch):
+    """``plain`` (the brackets before the charged DP, whose plans are scored placed and only serve as its
+    ceiling) runs no second search: not the one for dead nodes and masks, nor ``retie``'s, which on 96
+    blocks restarted from twice the bound and took the seconds the charged DP needed."""
+    from passes.partition import retie
+    from passes.partition.segment_plan import chain_plan
+
+    g = transformer_graph(4, seed=1, tied=True)
+    opts = CostOptions(devices=8, bandwidth=1.25e10)
+    calls, real = [], retie.recharged
+    monkeypatch.setattr(retie, "recharged", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chain_plan(g, opts, time.monotonic(), math.inf)
+    assert calls  # the plan splits the tied embedding and head: the full search re-searches for them
+    calls.clear()
+    res = chain_plan(g, opts, time.monotonic(), math.inf, plain=True)
+    assert res.replicas and not calls
