@@ -33,10 +33,11 @@ from passes.partition.segment_plan import chain_plan
 from passes.partition import node_floor, placed, uniform
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
-RELAXED_SHARE = 0.4  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
+RELAXED_SHARE = 0.1  # of the time, for the ``any`` placed DP whose bound holds under pow2 (``_placed_chain``)
 RELAXED_TOLERANCE = 5e-3  # ... where it stops: the charged DP's one pass 1 % under a plan needs the time
 CHARGED_SHARE = 0.9  # of the time the flat bracket leaves, for the charged placed DP (CP-SAT gets the rest)
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
+SLOW_TOLERANCE = 5e-3  # ... and where its bisection stops then (the charged DP that follows decides the answer)
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
@@ -275,12 +276,14 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
         return found if bracket is None else _better(found, bracket)
     floor, floored = 0.0, None
+    hand = uniform.best_layout(graph, opts)  # the charged DP's ceiling, if nothing beats it (``_bracketed``)
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
         # the flat DP with every all-reduce past G ranks at B2 (``node_floor.py``): sees that counts are
-        # powers of two, where the interval DP below does not (1,024 devices: its bound 18 % lower)
+        # powers of two, where the interval DP below does not (1,024 devices: its bound 18 % lower); it
+        # bisects below the uniform layout, which no placement charges less than this floor does
         floored = chain_plan(graph, flat_bound(opts, fast=True), start,
                              time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
-                             machine=opts, bound_only=True)
+                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand, opts))
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
@@ -292,7 +295,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
                              bound_only=True, floor=floored.bound_s if floored is not None else 0.0,
                              tolerance=RELAXED_TOLERANCE)
         floor = max(relaxed.bound_s if relaxed is not None else 0.0, floored.bound_s if floored else 0.0)
-    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, before_charged=True)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand)
     if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too
         bracket = floored if bracket is None else _better(bracket, floored)
     if bracket is not None and bracket.status == "OPTIMAL":
@@ -307,33 +310,49 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
 
 
+def _time_of(graph: CostGraph, layout, opts: CostOptions) -> float:
+    """The bottleneck under ``opts`` of a ``uniform.best_layout`` answer; infinite for None (no layout: a
+    ceiling that says nothing)."""
+    return math.inf if layout is None else evaluate(graph, layout[1], layout[2], opts).bottleneck_s
+
+
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-               plain: bool = False, floor: float = 0.0, before_charged: bool = False) -> Optional[PartitionResult]:
+               plain: bool = False, floor: float = 0.0, hand=None) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster; under PipeDream's charges with its all-reduces floored
     by node count, ``node_floor.py``, its plans then scored placed) and at the SLOWER one (its plans
     place well), the plan that scores best placed kept, with the fast model's bound; ``plain``: see
     ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already.
 
-    ``before_charged``: the charged DP follows and takes this plan as its ceiling. The best uniform
-    PP x DP layout (``uniform.py``) is then a candidate: a lower ceiling lets one charged pass 1 %
-    under it prove the plan within 1 %. Where that layout lies within ``UNIFORM_NEAR`` of the bound
+    ``hand``: given where the charged DP follows and takes this plan as its ceiling: the best uniform
+    PP x DP layout (``uniform.py``). It is then a candidate: a lower ceiling lets one charged pass 1 %
+    under it prove the plan within 1 %. It also caps both searches here:
+    the slower model bisects below its time under that model, the faster one below its placed time
+    (no placement charges less than the faster model), instead of from twice the bound; and the
+    slower model stops within ``SLOW_TOLERANCE`` of its own optimum, since the charged DP that follows
+    decides the answer (on 96 blocks its passes converging the last half percent took the seconds
+    the charged DP needed). Where that layout lies within ``UNIFORM_NEAR`` of the bound
     already, the slower model stops bisecting after ``SLOW_SHARE`` of the time left: on deep uniform
     stacks its passes took a third of the limit converging on plans slower than that layout, time
     the charged DP's one decisive pass needed; far from the bound (few blocks on many devices) its
     converged plans are what the answer rests on, so it keeps the time."""
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
-                      machine=opts if node_floor.applies(opts) else None) if floor <= 0 else None
+                      machine=opts if node_floor.applies(opts) else None,
+                      ceiling=_time_of(graph, hand, opts)) if floor <= 0 else None
     if fast is None and floor <= 0:
         return None
     bound = fast.bound_s if fast is not None else floor
-    hand = uniform.best_layout(graph, opts) if before_charged else None
     near = hand is not None and hand[0].bottleneck_s <= bound * UNIFORM_NEAR
     settle_by = time.monotonic() + (SLOW_SHARE if near else 1.0) * (deadline - time.monotonic())
-    slow = chain_plan(graph, flat_bound(opts, fast=False), start, deadline, floor=bound, plain=plain,
-                      settle_by=settle_by) if opts.gpus_per_node < opts.devices else None
-    scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow) if r is not None]
+    slow_opts = flat_bound(opts, fast=False)
+    slow = chain_plan(graph, slow_opts, start, deadline, floor=bound, plain=plain, settle_by=settle_by,
+                      ceiling=_time_of(graph, hand, slow_opts),
+                      tolerance=SLOW_TOLERANCE if hand is not None else None) \
+        if opts.gpus_per_node < opts.devices else None
+    # a search capped by the layout may answer its bound alone (no faster plan in its model)
+    scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow)
+              if r is not None and r.replicas]
     if hand is not None:
         scored.append((hand[0], _uniform_result(graph, opts, hand, "FEASIBLE", 0.0, 0.0, "uniform layout")))
     if not scored:

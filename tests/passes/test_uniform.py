@@ -96,7 +96,8 @@ def test_bracket_before_the_charged_dp_holds_the_uniform_layout(monkeypatch):
     ev, assignment, replicas = best_layout(g, opts)
     monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: None)
     now = time.monotonic()
-    bracket = driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6, before_charged=True)
+    hand = best_layout(g, opts)
+    bracket = driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6, hand=hand)
     assert bracket is not None and bracket.method == "uniform layout"
     assert bracket.assignment == assignment and bracket.replicas == list(replicas)
     assert bracket.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and bracket.bound_s == 1e-6
