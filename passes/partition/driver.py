@@ -354,7 +354,9 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow)
               if r is not None and r.replicas]
     if hand is not None:
-        scored.append((hand[0], _uniform_result(graph, opts, hand, "FEASIBLE", 0.0, 0.0, "uniform layout")))
+        # its bound is the segment DPs' (given as ``floor``, or the faster model's), as is any later proof
+        scored.append((hand[0], _uniform_result(graph, opts, hand, "FEASIBLE", 0.0, 0.0,
+                                                "uniform layout, segment DP bound")))
     if not scored:
         return None
     ev, best = min(scored, key=lambda x: x[0].bottleneck_s)

@@ -111,9 +111,10 @@ def test_exact_dp_matches_brute_force(model, seed):
     best = _brute_force(g, opts)
     exact = downset_dp(build_units(g, opts, [[n] for n in model_nodes(g, opts)]), opts)
     assert exact is not None and exact[2] == pytest.approx(best, rel=1e-9)
-    # both models are answered by the segment DP (placed.py) when it proves its plan within 0.1 %
+    # both models are answered by the segment DP (placed.py) when it proves its plan within 0.1 %; where
+    # the uniform layout is that optimum, the search (capped by it) proves it rather than finding another
     res = partition(g, 6, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, cost_model=model)
-    assert res.method == "segment DP" and res.status == "OPTIMAL"
+    assert res.method in ("segment DP", "uniform layout, segment DP bound") and res.status == "OPTIMAL"
     assert best * (1 - 1e-9) <= res.bottleneck_s <= best * (1 + 1e-3) and res.bound_s <= best * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
 

@@ -98,7 +98,7 @@ def test_bracket_before_the_charged_dp_holds_the_uniform_layout(monkeypatch):
     now = time.monotonic()
     hand = best_layout(g, opts)
     bracket = driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6, hand=hand)
-    assert bracket is not None and bracket.method == "uniform layout"
+    assert bracket is not None and bracket.method == "uniform layout, segment DP bound"
     assert bracket.assignment == assignment and bracket.replicas == list(replicas)
     assert bracket.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and bracket.bound_s == 1e-6
     assert driver._bracketed(g, opts, now, now + 5.0, plain=True, floor=1e-6) is None  # not asked for: none
