@@ -283,7 +283,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # bisects below the uniform layout, which no placement charges less than this floor does
         floored = chain_plan(graph, flat_bound(opts, fast=True), start,
                              time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
-                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand, opts))
+                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand))
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
@@ -310,10 +310,12 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
 
 
-def _time_of(graph: CostGraph, layout, opts: CostOptions) -> float:
-    """The bottleneck under ``opts`` of a ``uniform.best_layout`` answer; infinite for None (no layout: a
-    ceiling that says nothing)."""
-    return math.inf if layout is None else evaluate(graph, layout[1], layout[2], opts).bottleneck_s
+def _time_of(graph: CostGraph, layout, opts: Optional[CostOptions] = None) -> float:
+    """The bottleneck of a ``uniform.best_layout`` answer: as it was scored (on the machine), or under
+    ``opts``; infinite for None (no layout: a ceiling that says nothing)."""
+    if layout is None:
+        return math.inf
+    return layout[0].bottleneck_s if opts is None else evaluate(graph, layout[1], layout[2], opts).bottleneck_s
 
 
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
@@ -339,7 +341,7 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
                       machine=opts if node_floor.applies(opts) else None,
-                      ceiling=_time_of(graph, hand, opts)) if floor <= 0 else None
+                      ceiling=_time_of(graph, hand)) if floor <= 0 else None
     if fast is None and floor <= 0:
         return None
     bound = fast.bound_s if fast is not None else floor

@@ -267,7 +267,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
                             bound_only=bound_only, plan_by=plan_by)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
-        # no ladder: its first pass, at twice the bound, finds a plan
+        # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
                             tolerance or TOLERANCE, floor=floor, ceiling=ceiling, bound_only=bound_only)
     else:
