@@ -211,7 +211,6 @@ class ChargedChainSolver(PlacedChainSolver):
         best = np.full((n, G), _packed(K + 1, 0, 0), dtype=np.int64)
         cols, inside, exact = self._candidates(ch)
         same = self.opts.replication == "pow2"  # one count per column: every pair shifts offsets alike
-        m = np.arange(G)[None, :]  # start offsets
         dev = rows[s]
         least = dev.min(axis=1)
         settled = self._settled(rows, s, ch)
@@ -230,11 +229,7 @@ class ChargedChainSolver(PlacedChainSolver):
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
-            if known is not None:
-                fits = known[live, w]
-            else:
-                some = _Rows(ch, live)
-                fits = self._fits(some, m, r, T) if exact[w] else (r >= some.near) & ~some.empty_first
+            fits = known[live, w] if known is not None else self._column_fits(ch, live, r, exact[w], T)
             keep = np.nonzero(fits.any(axis=1))[0]  # a pair that fits at no offset adds nothing
             if keep.size < live.size:
                 if not keep.size:
@@ -338,15 +333,16 @@ class ChargedChainSolver(PlacedChainSolver):
         if slot not in seen:  # the objects are kept with the answer, so their ids stay theirs
             seen[slot] = (ch, pairs, None)
             return None
-        if seen[slot][2] is not None:
-            return seen[slot][2] if seen[slot][2] is not False else None
+        table = seen[slot][2]
+        if table is not None:  # False: too large to keep
+            return None if table is False else table
         cols, inside, exact = self._candidates(some)
         G = self.G
         if cols.shape[0] * cols.shape[1] * G > KNOWN_CELLS:
             seen[slot] = (ch, pairs, False)  # too large to keep: worked out per segment, as the first time
             return None
         out = np.zeros(cols.shape + (G,), dtype=bool)
-        m, same = np.arange(G)[None, :], self.opts.replication == "pow2"
+        same = self.opts.replication == "pow2"
         for w in range(cols.shape[1]):
             if time.monotonic() > self.deadline:
                 raise DeadlineExceeded()
@@ -354,10 +350,16 @@ class ChargedChainSolver(PlacedChainSolver):
             if not live.size:
                 continue
             r = cols[live[:1], w][:, None] if same else cols[live, w][:, None]
-            rows = _Rows(some, live)
-            out[live, w] = self._fits(rows, m, r, T) if exact[w] else (r >= rows.near) & ~rows.empty_first
+            out[live, w] = self._column_fits(some, live, r, exact[w], T)
         seen[slot] = (ch, pairs, out)
         return out
+
+    def _column_fits(self, ch: _Charged, live: np.ndarray, r, exact: bool, T: float) -> np.ndarray:
+        """Whether pairs ``live`` of ``ch`` meet T with ``r`` replicas (a column, or one count for all) at
+        each start offset: ``_fits`` on a count charged exactly, the cut floor alone past the exact window
+        (``_candidates``)."""
+        some = _Rows(ch, live)
+        return self._fits(some, np.arange(self.G)[None, :], r, T) if exact else (r >= some.near) & ~some.empty_first
 
 
 _VAL, _REPS, _LOW = 40, 20, (1 << 20) - 1  # bit positions of ``_packed``'s fields, and a field's mask
