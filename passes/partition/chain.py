@@ -104,6 +104,9 @@ class ChainSolver:
         self.offsets = np.cumsum([0] + [len(s.compute) for s in segments])
         self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
+        self._ids: Optional[List[int]] = None  # ``_segment_ids``
+        self._runs: dict = {}  # runs of segment ids -> a small int (``_pool_r``'s row keys)
+        self._rows: Tuple[float, dict] = (math.nan, {})  # (T, row key -> ``_r`` row) of the pass running
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
@@ -164,11 +167,12 @@ class ChainSolver:
                 cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
                 cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
                 pcj = pc[:, None]
-                if self.units.hidden and gid[0] == 0:  # the first stage runs the compute its units force in
+                first = bool(self.units.hidden and gid[0] == 0)
+                if first:  # the first stage runs the compute its units force in
                     pcj = np.repeat(pcj, d + 1, axis=1)
                     pcj[0, :d] -= seg.hidden  # (pool rows are in point order: the empty set leads)
-                R = self._r(pcj, pp[:, None], ps[:, None, :], pcut[:, None],
-                            cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :], T)
+                R = self._pool_r(a, gid, first, T, (pcj, pp[:, None], ps[:, None, :], pcut[:, None]),
+                                 (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
                 tot = pdev[:, None] + R[:, :d]
                 k = tot.argmin(axis=0)
@@ -199,6 +203,45 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _pool_r(self, a: int, gid: np.ndarray, first: bool, T: float, starts: tuple, ends: tuple) -> np.ndarray:
+        """``_r`` of every pool point (rows, ``starts``) with every point of segment ``a`` and its closing
+        column (``ends``), each row worked out once per T among equal ones.
+
+        A stage from point j of segment b to a point of segment a costs what the same stage costs in
+        any run of segments equal to b..a (``_segment_ids``), j at the same place in the first: its
+        compute and weights are the sums of the same units, its cuts and shared-weight users the
+        same. So on a stack of repeated blocks the rows of one block serve every later one, and a
+        pass costs a few blocks' rows rather than all of them (96 GPT blocks: most of a pass went to
+        those rows, ~1e6 stages each pass). The empty set's row with compute forced into the first
+        stage (``first``) is its own."""
+        if self._rows[0] != T:
+            self._rows = (T, {})
+        memo, ids = self._rows[1], self._segment_ids()
+        segs = self.point_seg[gid]
+        runs = {b: self._runs.setdefault(tuple(ids[b:a + 1]), len(self._runs)) for b in np.unique(segs).tolist()}
+        keys = [(runs[b], j) for b, j in zip(segs.tolist(), (gid - self.offsets[segs]).tolist())]
+        if first:
+            keys[0] = None
+        miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
+        if miss:
+            rows = np.asarray(miss)
+            got = self._r(*(x[rows] for x in starts), *ends, T)
+            memo.update((keys[k], row) for k, row in zip(miss, got) if keys[k] is not None)
+            if len(miss) == len(keys):
+                return got
+        out = np.stack([memo[key] for key in keys[first:]])
+        return np.vstack([got[:1], out]) if first else out
+
+    def _segment_ids(self) -> List[int]:
+        """Per segment, the index of the first equal one (its units' own compute and weights per point,
+        its cuts and shared-weight users: everything ``_r`` reads of a point but the prefix sums)."""
+        if self._ids is None:
+            canon, first, self._ids = Canon(), {}, []
+            for seg in self.segs:
+                key = canon.get((*self._own_sums(seg), seg.shared, seg.cut))
+                self._ids.append(first.setdefault(id(key), len(first)))
+        return self._ids
 
     def _rest(self, seg: Segment, T: float) -> np.ndarray:
         """Per point of ``seg``, the fewest devices the compute after it needs at T: every later stage

@@ -526,6 +526,54 @@ def test_segments_built_once_for_equal_units_and_repeated_blocks_worked_out_once
         assert np.array_equal(got, own)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("machine", ["flat", "node floor"])
+def test_pool_rows_of_repeated_blocks_worked_out_once_per_pass(monkeypatch, tied, machine):
+    """A stage from a pool point to a later segment costs the same in every run of equal segments
+    (``ChainSolver._pool_r``): a pass works each such row out once and the later blocks read it. The
+    fewest devices and the plan must be those of a pass that works out every row, at T below, near
+    and above the optimum, on the flat DP and on the node-count floor DP (PipeDream's charges, a
+    two-level machine), with and without a tied embedding; and far fewer rows are worked out."""
+    from passes.partition import chain
+    from passes.partition.costmodel import flat_bound
+    from passes.partition.node_floor import NodeFloorSolver
+
+    g = _uniform_blocks(16)
+    if tied:  # the head reads the embedding's weight
+        g.nodes["head"] = dataclasses.replace(g.nodes["head"], params=("emb",), param_bytes=0)
+        del g.param_sizes["head"]
+    two = CostOptions(devices=64, bandwidth=B, cost_model="pipedream", gpus_per_node=8, intra_bandwidth=8 * B)
+    opts = flat_bound(two, fast=True) if machine == "node floor" else CostOptions(devices=64, bandwidth=B)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    assert bool(units.shared) == tied
+    make = (lambda: NodeFloorSolver(units, segs, two)) if machine == "node floor" \
+        else (lambda: chain.ChainSolver(units, segs, opts))
+    rows, real_r = [0], chain.ChainSolver._r if machine == "flat" else NodeFloorSolver._r
+
+    def counted(self, *args):
+        out = real_r(self, *args)
+        rows[0] += np.shape(out)[0] if np.ndim(out) == 2 else 0
+        return out
+
+    monkeypatch.setattr(NodeFloorSolver if machine == "node floor" else chain.ChainSolver, "_r", counted)
+    ideal = sum(units.compute) / opts.devices
+    answers, worked = {}, {}
+    for how in ("reused", "every row"):
+        if how == "every row":
+            monkeypatch.setattr(chain.ChainSolver, "_pool_r",
+                                lambda self, a, gid, first, T, starts, ends: self._r(*starts, *ends, T))
+        solver, answers[how], rows[0] = make(), [], 0
+        for f in (1.0, 1.03, 1.1, 1.3, 2.0):
+            need, back = solver.devices_needed(ideal * f)
+            feasible = need <= opts.devices
+            answers[how].append((feasible, need if feasible else None, solver.plan(back) if feasible else None))
+        worked[how] = rows[0]
+    assert answers["reused"] == answers["every row"]
+    assert any(a[0] for a in answers["reused"]) and not all(a[0] for a in answers["reused"])
+    assert worked["reused"] < worked["every row"] / 2, worked
+
+
 def test_a_heuristic_plan_beside_a_bounded_one_is_feasible_not_heuristic():
     """The segment DP's plan with its bound, and a slightly faster plan from a CP-SAT run that answered
     nothing (HEURISTIC, bound 0): the faster plan is kept with the DP's bound, so its status is
