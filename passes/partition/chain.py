@@ -217,21 +217,30 @@ class ChainSolver:
         stage (``first``) is its own."""
         if self._rows[0] != T:
             self._rows = (T, {})
-        memo, ids = self._rows[1], self._segment_ids()
-        segs = self.point_seg[gid]
-        runs = {b: self._runs.setdefault(tuple(ids[b:a + 1]), len(self._runs)) for b in np.unique(segs).tolist()}
-        keys = [(runs[b], j) for b, j in zip(segs.tolist(), (gid - self.offsets[segs]).tolist())]
+        memo, keys = self._rows[1], self.row_keys(a, gid)
         if first:
             keys[0] = None
         miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
-        if miss:
-            rows = np.asarray(miss)
-            got = self._r(*(x[rows] for x in starts), *ends, T)
-            memo.update((keys[k], row) for k, row in zip(miss, got) if keys[k] is not None)
-            if len(miss) == len(keys):
-                return got
-        out = np.stack([memo[key] for key in keys[first:]])
-        return np.vstack([got[:1], out]) if first else out
+        if not miss:
+            return np.stack([memo[key] for key in keys])
+        got = self._r(*(x[np.asarray(miss)] for x in starts), *ends, T)
+        if len(miss) == len(keys):
+            memo.update((key, row) for key, row in zip(keys, got) if key is not None)
+            return got
+        fresh = dict(zip(miss, got))
+        memo.update((keys[k], row) for k, row in fresh.items() if keys[k] is not None)
+        return np.stack([fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)])
+
+    def row_keys(self, a: int, gid: np.ndarray) -> list:
+        """Per pool point (``gid``), a key equal for the stages from it to segment ``a``'s points and from
+        an equal point of an equal run of segments (``_pool_r``); None where a stage's own flags differ
+        from those of equal ones: from the empty set (a first stage), and to the last segment."""
+        if a == len(self.segs) - 1:
+            return [None] * gid.size
+        ids, segs = self._segment_ids(), self.point_seg[gid]
+        runs = {b: self._runs.setdefault(tuple(ids[b:a + 1]), len(self._runs)) for b in np.unique(segs).tolist()}
+        return [(runs[b], j) if g else None
+                for b, j, g in zip(segs.tolist(), (gid - self.offsets[segs]).tolist(), gid.tolist())]
 
     def _segment_ids(self) -> List[int]:
         """Per segment, the index of the first equal one (its units' own compute and weights per point,

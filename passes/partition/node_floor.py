@@ -36,6 +36,7 @@ higher.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import List
 
@@ -59,16 +60,21 @@ def applies(opts: CostOptions) -> bool:
             and opts.memory is None)
 
 
-class NodeFloorSolver(ChainSolver):
-    """The flat segment DP under ``flat_bound(machine, fast=True)`` with the all-reduce of a stage over
-    more than G ranks floored at the nodes it must touch (module docstring)."""
+class NodeFloor:
+    """The floor itself, for one two-level machine: the fewest count from a start meeting T when every
+    count past G pays the all-reduce of the least nodes it must touch (module docstring).
+    ``NodeFloorSolver`` takes its fewest replicas from it; the charged placed DP
+    (``charged.ChargedChainSolver``) starts its candidate counts there, since no count below fits at
+    any offset."""
 
-    def __init__(self, units: Units, segments: List[Segment], machine: CostOptions) -> None:
+    deadline = math.inf  # of the pass asking: a band search on many devices checks it
+
+    def __init__(self, machine: CostOptions) -> None:
         if not applies(machine):
-            raise ValueError("NodeFloorSolver: PipeDream's charges with any count, or fxpipe's with pow2 "
+            raise ValueError("NodeFloor: PipeDream's charges with any count, or fxpipe's with pow2 "
                              "counts, on several nodes only")
-        super().__init__(units, segments, flat_bound(machine, fast=True))
         self.machine, self.G = machine, machine.gpus_per_node
+        self.opts = flat_bound(machine, fast=True)
         self.ring = machine.cost_model == "fxpipe"  # one ring at its slowest link (module docstring)
         r = np.arange(machine.devices + 1)
         ring = allreduce_nodes(1.0, r, 1, r, self.opts)  # the B1 ring, per weight byte
@@ -83,23 +89,12 @@ class NodeFloorSolver(ChainSolver):
         allowed = np.asarray(self.opts.allowed_replicas(), dtype=np.int64)
         self._wide_counts = allowed[allowed > self.G]
 
-    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
-        if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
-            raise DeadlineExceeded()
-        params, tied, shares, flags = self._held(pi - pj, sj, si)
-        q = self._partner_count(shares, flags, T)
-        C = ci - cj
-        R = min_replicas(C, params, cutj, cuti, T, self.opts, tied, q)
-        wide = np.nonzero(np.ravel(R > self.G) & np.ravel(R <= self.opts.devices))[0]
-        if not wide.size:
-            return R
-        shape = R.shape
-        C, own, tied, q, cut = (np.broadcast_to(x, shape).ravel()[wide] for x in
-                                (C, params - tied, tied, q, np.maximum(cutj, cuti)))
-        out = R.ravel().copy()
+    def fewest(self, C, own, tied, q, cut, start, T: float) -> np.ndarray:
+        """Per stage (flat arrays: compute, own and tied weight bytes, tied partners, the larger cut),
+        the fewest count from ``start`` (each > G) meeting T under the floor; ``devices + 1`` where
+        none does."""
         fewest = self._fewest_counted if self.ring else self._fewest_across
-        out[wide] = fewest(C, own, tied, q, cut, out[wide], T)
-        return out.reshape(shape)
+        return fewest(C, own, tied, q, cut, start, T)
 
     def _band(self, n):
         """Per weight byte, times r, the least PipeDream charges (``costmodel.allreduce_nodes``) r ranks of
@@ -166,3 +161,31 @@ class NodeFloorSolver(ChainSolver):
             open_, n, lo = open_[keep], n[keep] + 1, top[keep] + 1
         out[open_] = np.minimum(lo, K + 1)  # not settled within the bands tried: at least the next count
         return out
+
+
+class NodeFloorSolver(ChainSolver):
+    """The flat segment DP under ``flat_bound(machine, fast=True)`` with the all-reduce of a stage over
+    more than G ranks floored at the nodes it must touch (``NodeFloor``, module docstring)."""
+
+    def __init__(self, units: Units, segments: List[Segment], machine: CostOptions) -> None:
+        self.floor = NodeFloor(machine)
+        super().__init__(units, segments, self.floor.opts)
+        self.machine, self.G = machine, machine.gpus_per_node
+
+    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
+            raise DeadlineExceeded()
+        params, tied, shares, flags = self._held(pi - pj, sj, si)
+        q = self._partner_count(shares, flags, T)
+        C = ci - cj
+        R = min_replicas(C, params, cutj, cuti, T, self.opts, tied, q)
+        wide = np.nonzero(np.ravel(R > self.G) & np.ravel(R <= self.opts.devices))[0]
+        if not wide.size:
+            return R
+        shape = R.shape
+        C, own, tied, q, cut = (np.broadcast_to(x, shape).ravel()[wide] for x in
+                                (C, params - tied, tied, q, np.maximum(cutj, cuti)))
+        out = R.ravel().copy()
+        self.floor.deadline = self.deadline
+        out[wide] = self.floor.fewest(C, own, tied, q, cut, out[wide], T)
+        return out.reshape(shape)

@@ -104,6 +104,8 @@ class PlacedChainSolver(ChainSolver):
         self._narrower: Dict[int, tuple] = {}  # per segment: pairs whose end cuts no more than their start
         self._canon = Canon()  # equal arrays of repeated segments kept once
         self._intervals_at: Tuple[tuple, dict] = ((), {})
+        self._pool_rows: Tuple[tuple, dict] = ((), {})  # ((T, holders), row key -> stages) (``_pool_stages``)
+        self._seg_at = {id(seg): a for a, seg in enumerate(segments)}
         self.far_first_below, self.far_last_below = self._far_below()
         K = opts.devices
         self.holders = ((1, K), (1, K))  # counts the stages holding ``self.tie``'s two users may have
@@ -355,7 +357,29 @@ class PlacedChainSolver(ChainSolver):
 
     def _pool_stages(self, pool, seg: Segment, T: float):
         """``_stage_intervals`` of every stage from a pool point (rows) to a point of ``seg`` or past
-        its end (columns: the segment's points, then its last point with no cut after it), flattened."""
+        its end (columns: the segment's points, then its last point with no cut after it), flattened;
+        each row worked out once per T (and holders' ranges) among equal ones (``ChainSolver._pool_r``:
+        a charged pass near the optimum on 96 blocks and 256 devices, 5.5 s before, 4.6 s with it)."""
+        if self._pool_rows[0] != (T, self.holders):
+            self._pool_rows = ((T, self.holders), {})
+        memo, keys = self._pool_rows[1], self.row_keys(self._seg_at[id(seg)], pool[0])
+        miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
+        if len(miss) == len(keys):
+            got = self._pool_stages_of(pool, seg, T)
+            width = len(seg.compute) + 1
+            memo.update((key, got.take(slice(k * width, (k + 1) * width))) for k, key in enumerate(keys)
+                        if key is not None)
+            return got
+        fresh = {}
+        if miss:
+            got, width = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T), len(seg.compute) + 1
+            fresh = {k: got.take(slice(at * width, (at + 1) * width)) for at, k in enumerate(miss)}
+            memo.update((keys[k], row) for k, row in fresh.items() if keys[k] is not None)
+        rows = [fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)]
+        return type(rows[0])(*(np.concatenate(f) for f in zip(*rows)))
+
+    def _pool_stages_of(self, pool, seg: Segment, T: float):
+        """``_pool_stages`` worked out for every row of ``pool``."""
         ids, pc, pp, ps, pcut = pool
         d = len(seg.compute)
         cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])

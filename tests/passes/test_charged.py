@@ -11,7 +11,7 @@ from passes.partition.charged import ChargedChainSolver, _packed, _CHARGED, _Cha
 from passes.partition.costmodel import allreduce_span, stage_time_s
 from passes.partition.offsets import EPS
 from passes.partition.segments import build_segments, folded_units
-from tests.passes.test_partition_scale import transformer_graph
+from tests.passes.test_partition_scale import _uniform_blocks, transformer_graph
 from tests.passes.test_placed import _opts
 
 
@@ -159,6 +159,69 @@ def test_repeated_blocks_reuse_what_fits_without_changing_the_answer(monkeypatch
         answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal)
     assert any(read)
     assert answers["known"] == answers["per block"]
+
+
+@pytest.mark.parametrize("model,replication", [("pipedream", "any"), ("fxpipe", "pow2")])
+def test_counts_below_the_node_floor_are_not_tried_and_change_nothing(monkeypatch, model, replication):
+    """Past G ranks no placement charges a stage less than the nodes it must touch
+    (``node_floor.NodeFloor``), so the charged DP starts a stage's candidate counts at the floor's
+    fewest instead of the faster flat model's: the counts between fit at no offset. The fewest devices
+    and the plans must be those of passes that try them, at T from the bound up, on a machine where
+    stages need more than G replicas, and fewer (pair, count) cells must have been checked."""
+    opts = _opts(256, 8, cost_model=model, replication=replication)
+    units, _ = folded_units(_uniform_blocks(4), opts)
+    segs = build_segments(units)
+    ideal = sum(units.compute) / opts.devices
+    real, cells = ChargedChainSolver._column_fits, []
+
+    def counted(self, ch, live, r, exact, T):
+        cells[-1] += live.size
+        return real(self, ch, live, r, exact, T)
+
+    monkeypatch.setattr(ChargedChainSolver, "_column_fits", counted)
+    answers, checked = {}, {}
+    for name in ("floor", "every count"):
+        solver, cells[:] = ChargedChainSolver(units, segs, opts), [0]
+        assert solver._floor is not None
+        if name == "every count":
+            solver._floor = None
+        answers[name], checked[name] = _passes(solver, ideal), cells[0]
+    assert answers["floor"] == answers["every count"]
+    assert any(need <= opts.devices for need, _ in answers["floor"])
+    assert checked["floor"] < checked["every count"]
+
+
+def test_pool_rows_of_repeated_blocks_reused_without_changing_the_answer(monkeypatch):
+    """The placed DPs work out each pool row's stages once per T among equal runs of segments
+    (``PlacedChainSolver._pool_stages``, ``ChainSolver.row_keys``). The fewest devices and the plans
+    must be those of passes that work out every row, for both placed DPs, and fewer rows worked out."""
+    from passes.partition import chain
+    from passes.partition.placed import PlacedChainSolver
+
+    g = _uniform_blocks(16)
+    for model, replication, kind in (("fxpipe", "any", PlacedChainSolver), ("pipedream", "any", ChargedChainSolver),
+                                     ("fxpipe", "pow2", ChargedChainSolver)):
+        opts = _opts(64, 8, cost_model=model, replication=replication)
+        units, _ = folded_units(g, opts)
+        segs = build_segments(units)
+        ideal = sum(units.compute) / opts.devices
+        real, rows = kind._pool_stages_of, [0]
+
+        def counted(self, pool, seg, T):
+            rows[0] += pool[0].size
+            return real(self, pool, seg, T)
+
+        monkeypatch.setattr(kind, "_pool_stages_of", counted)
+        answers, worked = {}, {}
+        for name in ("reused", "every row"):
+            if name == "every row":
+                monkeypatch.setattr(chain.ChainSolver, "row_keys", lambda self, a, gid: [None] * gid.size)
+            rows[0] = 0
+            answers[name], worked[name] = _passes(kind(units, segs, opts), ideal), rows[0]
+        monkeypatch.undo()
+        assert answers["reused"] == answers["every row"], (model, replication)
+        assert any(need <= opts.devices for need, _ in answers["reused"])
+        assert worked["reused"] < 0.75 * worked["every row"], (model, replication, worked)
 
 
 @pytest.mark.parametrize("model", ["pipedream", "fxpipe"])

@@ -44,8 +44,8 @@ def test_floor_never_above_the_charge_at_any_offset(K, G):
     for r in range(2, K + 1):
         n = -(-r // G)
         floor = _allreduce(P, r, solver.opts) if r <= G else \
-            P * max(4.0 * (r - 1) / (B1 * r), float(solver._band(np.array([n]))[0])) / r
-        assert P * solver._own[r] == pytest.approx(floor, rel=1e-12)  # the table the pass reads
+            P * max(4.0 * (r - 1) / (B1 * r), float(solver.floor._band(np.array([n]))[0])) / r
+        assert P * solver.floor._own[r] == pytest.approx(floor, rel=1e-12)  # the table the pass reads
         placed = allreduce_span(P, np.arange(G), r, solver.machine)
         assert placed.min() >= floor * (1 - 1e-12), (r, placed.min(), floor)
 
@@ -56,11 +56,11 @@ def test_fewest_count_is_the_least_that_meets_t_band_by_band():
     solver = _solver(256, 8)
     m, T = 400, 2e-4
     C, own, tied, q, cut, start = _random_stages(np.random.default_rng(0), m, 4e8)
-    got = solver._fewest_across(C, own, tied, q, cut, start, T)
+    got = solver.floor._fewest_across(C, own, tied, q, cut, start, T)
     for k in range(m):
         want = solver.opts.devices + 1
         for r in range(int(start[k]), solver.opts.devices + 1):
-            if solver._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9):
+            if solver.floor._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9):
                 want = r
                 break
         # past MAX_BANDS bands the answer is a floor of the fewest count, never above it
@@ -149,9 +149,9 @@ def test_ring_floor_never_above_the_charge_at_any_offset(K, G):
     P = 1.0e8
     for r in range(2, K + 1):
         placed = allreduce_span(P, np.arange(G), r, solver.machine)
-        assert placed.min() >= P * solver._own[r] * (1 - 1e-12), (r, placed.min(), P * solver._own[r])
+        assert placed.min() >= P * solver.floor._own[r] * (1 - 1e-12), (r, placed.min(), P * solver.floor._own[r])
         if r > G:  # and it is the B2 ring there: the floor is exact past G
-            assert P * solver._own[r] == pytest.approx(2.0 * (r - 1) / r * P / B2, rel=1e-12)
+            assert P * solver.floor._own[r] == pytest.approx(2.0 * (r - 1) / r * P / B2, rel=1e-12)
 
 
 def test_ring_fewest_count_is_the_least_allowed_that_meets_t():
@@ -159,10 +159,10 @@ def test_ring_fewest_count_is_the_least_allowed_that_meets_t():
     solver = _ring_solver(256, 8)
     m, T = 300, 2e-4
     C, own, tied, q, cut, start = _random_stages(np.random.default_rng(2), m, 4e7)
-    got = solver._fewest_counted(C, own, tied, q, cut, start, T)
+    got = solver.floor._fewest_counted(C, own, tied, q, cut, start, T)
     for k in range(m):
         want = next((r for r in (16, 32, 64, 128, 256) if r >= start[k] and
-                     solver._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9)), 257)
+                     solver.floor._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9)), 257)
         assert got[k] == want, (k, got[k], want)
 
 
