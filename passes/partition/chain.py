@@ -51,6 +51,7 @@ PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it prov
 # bisecting from a far bound would need several passes (on two-level machines a pass can cost seconds)
 NEAR_SLICE = 1 << 18  # pairs per ``_near`` call of ``_r``: bounds its temporaries (a few dozen arrays of this)
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
+SLACK = 1e-9  # a pass at T admits stages up to T(1 + SLACK): prefix sums round (``_attempt``)
 
 
 class DeadlineExceeded(Exception):
@@ -581,7 +582,15 @@ _INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
 
 def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
     """A plan at most T (stage per unit, replicas, its bottleneck), ``_INFEASIBLE`` (more than K
-    devices needed: a proof), or ``_UNPADDED`` (fits on fewer, but not spread over exactly K)."""
+    devices needed: a proof), or ``_UNPADDED`` (fits on fewer, but not spread over exactly K).
+
+    The pass runs at T widened by ``SLACK``: a stage's compute there is a difference of prefix sums,
+    which rounds apart from the plan's own sum (and, on repeated blocks, from the equal stage whose
+    row the pass reads, ``ChainSolver._pool_r``), so a pass at exactly a known plan's time (the
+    bisection tries the ceiling it is given) could find that plan too slow by an ulp and take T
+    for a bound: on 96 H100-profiled blocks on 8 devices it then climbed from twice T and ran out
+    of time. Infeasible at T(1 + SLACK) is infeasible at T: the bound stays a bound."""
+    T = T * (1 + SLACK)
     need, back = solver.devices_needed(T, deadline)
     if need > opts.devices:
         return _INFEASIBLE

@@ -574,6 +574,34 @@ def test_pool_rows_of_repeated_blocks_worked_out_once_per_pass(monkeypatch, tied
     assert worked["reused"] < worked["every row"] / 2, worked
 
 
+@pytest.mark.parametrize("K", [8, 64])
+def test_a_pass_at_a_plans_own_time_finds_a_plan(K):
+    """The bisection tries the time of a plan it was given (``solve``'s ceiling): a pass there must
+    find a plan, though the pass sums a stage's compute as a difference of prefix sums and reads the
+    rows of equal blocks, which round apart from the plan's own score. ``_attempt`` widens T by
+    ``SLACK`` for that (a bound it proves at the widened T holds at T). Without it, 96 blocks profiled
+    on an H100 on 8 devices found the narrow lattice's plan too slow by an ulp and ran out of time."""
+    from passes.partition import chain
+
+    g = _uniform_blocks(12)
+    opts = CostOptions(devices=K, bandwidth=B)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    score = lambda so, r: chain.unit_bottleneck(units, so, r, opts)  # noqa: E731
+    asked = []
+
+    class Recording(chain.ChainSolver):
+        def devices_needed(self, T, deadline=float("inf")):
+            asked.append(T)
+            return super().devices_needed(T, deadline)
+
+    found = chain.solve(units, segs, opts, float("inf"), score)
+    for f in (1.0, 1.001, 1.01):  # the optimum's own time, and plans a little slower
+        got = chain._attempt(Recording(units, segs, opts), units, opts, found.objective * f, score, float("inf"))
+        assert isinstance(got, tuple) and got.objective <= found.objective * f * (1 + 1e-9)
+    assert all(1e-12 <= T / (found.objective * f) - 1 <= 1e-6 for T, f in zip(asked, (1.0, 1.001, 1.01)))
+
+
 def test_a_heuristic_plan_beside_a_bounded_one_is_feasible_not_heuristic():
     """The segment DP's plan with its bound, and a slightly faster plan from a CP-SAT run that answered
     nothing (HEURISTIC, bound 0): the faster plan is kept with the DP's bound, so its status is
