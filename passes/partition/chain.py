@@ -51,6 +51,7 @@ PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it prov
 # bisecting from a far bound would need several passes (on two-level machines a pass can cost seconds)
 NEAR_SLICE = 1 << 18  # pairs per ``_near`` call of ``_r``: bounds its temporaries (a few dozen arrays of this)
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
+ROW_CELLS = 1 << 24  # about the most replica counts one pass keeps for equal blocks to read (``_pool_r``)
 SLACK = 1e-9  # a pass at T admits stages up to T(1 + SLACK): prefix sums round (``_attempt``)
 
 
@@ -225,11 +226,12 @@ class ChainSolver:
         if not miss:
             return np.stack([memo[key] for key in keys])
         got = self._r(*(x[np.asarray(miss)] for x in starts), *ends, T)
-        if len(miss) == len(keys):
-            memo.update((key, row) for key, row in zip(keys, got) if key is not None)
-            return got
         fresh = dict(zip(miss, got))
-        memo.update((keys[k], row) for k, row in fresh.items() if keys[k] is not None)
+        if len(memo) * got.shape[1] < ROW_CELLS:  # a pass's rows stay bounded (wide lattices, few repeats)
+            small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
+            memo.update((keys[k], row.astype(small)) for k, row in fresh.items() if keys[k] is not None)
+        if len(miss) == len(keys):
+            return got
         return np.stack([fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)])
 
     def row_keys(self, a: int, gid: np.ndarray) -> list:

@@ -55,6 +55,7 @@ from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_
 
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
 PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
+POOL_PAIRS = 1 << 20  # about the most pool stages one pass keeps for equal blocks to read (``_pool_stages``, ~100 B each)
 TIE_PASSES = 6  # passes per T the search over a tied weight's holders may take (``devices_needed``)
 LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3, 1.6)  # first T tried, times sum C / K: optima sit close above it,
 # and a T far below one fails fast (prefixes that cannot finish are dropped)
@@ -367,16 +368,23 @@ class PlacedChainSolver(ChainSolver):
         if len(miss) == len(keys):
             got = self._pool_stages_of(pool, seg, T)
             width = len(seg.compute) + 1
-            memo.update((key, got.take(slice(k * width, (k + 1) * width))) for k, key in enumerate(keys)
-                        if key is not None)
+            self._keep(memo, ((key, got.take(slice(k * width, (k + 1) * width))) for k, key in enumerate(keys)),
+                       width)
             return got
         fresh = {}
         if miss:
             got, width = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T), len(seg.compute) + 1
             fresh = {k: got.take(slice(at * width, (at + 1) * width)) for at, k in enumerate(miss)}
-            memo.update((keys[k], row) for k, row in fresh.items() if keys[k] is not None)
+            self._keep(memo, ((keys[k], row) for k, row in fresh.items()), width)
         rows = [fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)]
         return type(rows[0])(*(np.concatenate(f) for f in zip(*rows)))
+
+    @staticmethod
+    def _keep(memo: dict, rows, width: int) -> None:
+        """Keep ``rows`` (key, stages) of keys that are not None, while the pass keeps fewer than
+        ``POOL_PAIRS`` stages (on a wide lattice with few repeats the rows would outgrow their use)."""
+        if len(memo) * width < POOL_PAIRS:
+            memo.update((key, row) for key, row in rows if key is not None)
 
     def _pool_stages_of(self, pool, seg: Segment, T: float):
         """``_pool_stages`` worked out for every row of ``pool``."""
