@@ -169,11 +169,10 @@ class ChainSolver:
                 cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
                 cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
                 pcj = pc[:, None]
-                first = bool(self.units.hidden and gid[0] == 0)
-                if first:  # the first stage runs the compute its units force in
+                if self.units.hidden and gid[0] == 0:  # the first stage runs the compute its units force in
                     pcj = np.repeat(pcj, d + 1, axis=1)
                     pcj[0, :d] -= seg.hidden  # (pool rows are in point order: the empty set leads)
-                R = self._pool_r(a, gid, first, T, (pcj, pp[:, None], ps[:, None, :], pcut[:, None]),
+                R = self._pool_r(a, gid, T, (pcj, pp[:, None], ps[:, None, :], pcut[:, None]),
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
                 tot = pdev[:, None] + R[:, :d]
@@ -206,7 +205,7 @@ class ChainSolver:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
 
-    def _pool_r(self, a: int, gid: np.ndarray, first: bool, T: float, starts: tuple, ends: tuple) -> np.ndarray:
+    def _pool_r(self, a: int, gid: np.ndarray, T: float, starts: tuple, ends: tuple) -> np.ndarray:
         """``_r`` of every pool point (rows, ``starts``) with every point of segment ``a`` and its closing
         column (``ends``), each row worked out once per T among equal ones.
 
@@ -215,13 +214,11 @@ class ChainSolver:
         compute and weights are the sums of the same units, its cuts and shared-weight users the
         same. So on a stack of repeated blocks the rows of one block serve every later one, and a
         pass costs a few blocks' rows rather than all of them (96 GPT blocks: most of a pass went to
-        those rows, ~1e6 stages each pass). The empty set's row with compute forced into the first
-        stage (``first``) is its own."""
+        those rows, ~1e6 stages each pass). The empty set's row (a first stage, which may run compute
+        its units force in) is its own (``row_keys``)."""
         if self._rows[0] != T:
             self._rows = (T, {})
         memo, keys = self._rows[1], self.row_keys(a, gid)
-        if first:
-            keys[0] = None
         miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
         if not miss:
             return np.stack([memo[key] for key in keys])
@@ -249,10 +246,10 @@ class ChainSolver:
         """Per segment, the index of the first equal one (its units' own compute and weights per point,
         its cuts and shared-weight users: everything ``_r`` reads of a point but the prefix sums)."""
         if self._ids is None:
-            canon, first, self._ids = Canon(), {}, []
+            canon, seen, self._ids = Canon(), {}, []
             for seg in self.segs:
                 key = canon.get((*self._own_sums(seg), seg.shared, seg.cut))
-                self._ids.append(first.setdefault(id(key), len(first)))
+                self._ids.append(seen.setdefault(id(key), len(seen)))
         return self._ids
 
     def _rest(self, seg: Segment, T: float) -> np.ndarray:

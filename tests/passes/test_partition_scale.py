@@ -562,7 +562,7 @@ def test_pool_rows_of_repeated_blocks_worked_out_once_per_pass(monkeypatch, tied
     for how in ("reused", "every row"):
         if how == "every row":
             monkeypatch.setattr(chain.ChainSolver, "_pool_r",
-                                lambda self, a, gid, first, T, starts, ends: self._r(*starts, *ends, T))
+                                lambda self, a, gid, T, starts, ends: self._r(*starts, *ends, T))
         solver, answers[how], rows[0] = make(), [], 0
         for f in (1.0, 1.03, 1.1, 1.3, 2.0):
             need, back = solver.devices_needed(ideal * f)
