@@ -365,17 +365,12 @@ class PlacedChainSolver(ChainSolver):
             self._pool_rows = ((T, self.holders), {})
         memo, keys = self._pool_rows[1], self.row_keys(self._seg_at[id(seg)], pool[0])
         miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
+        width = len(seg.compute) + 1
+        got = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T) if miss else None
+        fresh = {k: got.take(slice(at * width, (at + 1) * width)) for at, k in enumerate(miss)}
+        self._keep(memo, ((keys[k], row) for k, row in fresh.items()), width)
         if len(miss) == len(keys):
-            got = self._pool_stages_of(pool, seg, T)
-            width = len(seg.compute) + 1
-            self._keep(memo, ((key, got.take(slice(k * width, (k + 1) * width))) for k, key in enumerate(keys)),
-                       width)
             return got
-        fresh = {}
-        if miss:
-            got, width = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T), len(seg.compute) + 1
-            fresh = {k: got.take(slice(at * width, (at + 1) * width)) for at, k in enumerate(miss)}
-            self._keep(memo, ((keys[k], row) for k, row in fresh.items()), width)
         rows = [fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)]
         return type(rows[0])(*(np.concatenate(f) for f in zip(*rows)))
 
