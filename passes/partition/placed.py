@@ -50,6 +50,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
 from passes.partition.segments import Segment
 from passes.partition.canon import Canon
+from passes.partition.pool_rows import RowStore
 from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_floors, every_offset,
                                       intervals, targets, tied_intervals)
 
@@ -105,7 +106,7 @@ class PlacedChainSolver(ChainSolver):
         self._narrower: Dict[int, tuple] = {}  # per segment: pairs whose end cuts no more than their start
         self._canon = Canon()  # equal arrays of repeated segments kept once
         self._intervals_at: Tuple[tuple, dict] = ((), {})
-        self._pool_rows: Tuple[tuple, dict] = ((), {})  # ((T, holders), row key -> stages) (``_pool_stages``)
+        self._pool_rows: Tuple[tuple, dict] = ((), {})  # ((T, holders), width -> ``RowStore``) (``_pool_stages``)
         self._seg_at = {id(seg): a for a, seg in enumerate(segments)}
         self.far_first_below, self.far_last_below = self._far_below()
         K = opts.devices
@@ -360,26 +361,24 @@ class PlacedChainSolver(ChainSolver):
         """``_stage_intervals`` of every stage from a pool point (rows) to a point of ``seg`` or past
         its end (columns: the segment's points, then its last point with no cut after it), flattened;
         each row worked out once per T (and holders' ranges) among equal ones (``ChainSolver._pool_r``:
-        a charged pass near the optimum on 96 blocks and 256 devices, 5.5 s before, 4.6 s with it)."""
+        a charged pass near the optimum on 96 blocks and 256 devices, 5.5 s before, 4.6 s with it) and
+        kept in a ``pool_rows.RowStore``; where some rows were known, the answer gathers each field
+        when it is read (``pool_rows.Gathered``)."""
         if self._pool_rows[0] != (T, self.holders):
             self._pool_rows = ((T, self.holders), {})
-        memo, keys = self._pool_rows[1], self.row_keys(self._seg_at[id(seg)], pool[0])
-        miss = [k for k, key in enumerate(keys) if key is None or key not in memo]
+        stores, keys = self._pool_rows[1], self.row_keys(self._seg_at[id(seg)], pool[0])
         width = len(seg.compute) + 1
-        got = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T) if miss else None
-        fresh = {k: got.take(slice(at * width, (at + 1) * width)) for at, k in enumerate(miss)}
-        self._keep(memo, ((keys[k], row) for k, row in fresh.items()), width)
-        if len(miss) == len(keys):
-            return got
-        rows = [fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)]
-        return type(rows[0])(*(np.concatenate(f) for f in zip(*rows)))
-
-    @staticmethod
-    def _keep(memo: dict, rows, width: int) -> None:
-        """Keep ``rows`` (key, stages) of keys that are not None, while the pass keeps fewer than
-        ``POOL_PAIRS`` stages (on a wide lattice with few repeats the rows would outgrow their use)."""
-        if len(memo) * width < POOL_PAIRS:
-            memo.update((key, row) for key, row in rows if key is not None)
+        store = stores.get(width)
+        if store is None:
+            store = stores[width] = RowStore(width)
+        slots = store.find(keys)
+        miss = np.nonzero(slots < 0)[0]
+        if not miss.size:
+            return store.view(slots)
+        got = self._pool_stages_of(tuple(x[miss] for x in pool), seg, T)
+        room = (POOL_PAIRS - sum(st.kept * st.width for st in stores.values())) // width
+        slots[miss] = store.put(got, [keys[k] for k in miss], room)
+        return got if miss.size == slots.size else store.view(slots)
 
     def _pool_stages_of(self, pool, seg: Segment, T: float):
         """``_pool_stages`` worked out for every row of ``pool``."""

@@ -105,7 +105,7 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
     units, _ = folded_units(transformer_graph(4, seed=5, tied=True), opts)
     segs = build_segments(units)
     ideal = sum(units.compute) / opts.devices
-    real, skipped = ChargedChainSolver._charged_targets, []
+    real, skipped = ChargedChainSolver._charged_best, []
 
     def counting(self, rows, s, ch, T, room=None, known=None):
         cols, inside, _ = self._candidates(ch)
@@ -119,7 +119,7 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
 
     answers = {}
     for name, targets in (("room", counting), ("all", every_count)):
-        monkeypatch.setattr(ChargedChainSolver, "_charged_targets", targets)
+        monkeypatch.setattr(ChargedChainSolver, "_charged_best", targets)
         answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal)
     assert sum(skipped) > 0
     assert answers["room"] == answers["all"]
