@@ -269,7 +269,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),
-                            tolerance or TOLERANCE, floor=floor, ceiling=ceiling, bound_only=bound_only)
+                            tolerance or TOLERANCE, floor=floor, ceiling=ceiling, settle_by=settle_by,
+                            bound_only=bound_only)
     else:
         first = None
         if wide_blocks.wide(segs) and not bound_only and ceiling == math.inf:
