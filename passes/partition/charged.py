@@ -255,28 +255,19 @@ class ChargedChainSolver(PlacedChainSolver):
         K, G = self.opts.devices, self.G
         n = s.size
         room = np.full(n, K, dtype=np.int64) if room is None else room
-        # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
-        # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
-        # tried, as the columns rise), whose source offset follows from it
+        settled = self._settled(rows, s, ch)
+        if settled is None:
+            return self._column_loop(rows, s, ch, T, room, known, None)
+        # those pairs' counts from ``first`` on are done: the loop tries those below, for the pairs that have any
         none = _packed(K + 1, 0, 0)
         best = np.full((n, G), none, dtype=np.int64)
-        settled = self._settled(rows, s, ch)
-        if settled is not None:  # those pairs' counts from ``first`` on are done: the loop tries those below
-            done, _, got = settled
-            best[done] = np.where(got >> _VAL <= room[done, None], got, none)
-            loop = np.nonzero(ch.looped)[0]  # on a deep stack nearly every pair is settled from its least count
-            if not loop.size:
-                return best
+        done, _, got = settled
+        best[done] = np.where(got >> _VAL <= room[done, None], got, none)
+        loop = np.nonzero(ch.looped)[0]  # on a deep stack nearly every pair is settled from its least count
+        if loop.size:
             sub = ch.take(loop) if isinstance(ch, Gathered) else _Subset(ch, loop)  # gathered: lazy already
-            s, room = s[loop], room[loop]
             below = np.where(sub.settle > 0, sub.settle, K + 2)  # per pair, the counts it still tries lie under it
-            known = None if known is None else known[loop]
-        else:
-            loop, sub, below = None, ch, None
-        part = self._column_loop(rows, s, sub, T, room, known, below)
-        if loop is None:
-            best = part
-        else:
+            part = self._column_loop(rows, s[loop], sub, T, room[loop], None if known is None else known[loop], below)
             best[loop] = np.minimum(best[loop], part)
         return best
 
@@ -285,6 +276,9 @@ class ChargedChainSolver(PlacedChainSolver):
         ``rows``, their ``_Charged``; ``below``: per pair, counts from it on are settled already, or None):
         per pair and end offset the best packed (devices, replicas, source offset)."""
         K, G = self.opts.devices, self.G
+        # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
+        # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
+        # tried, as the columns rise), whose source offset follows from it
         best = np.full((s.size, G), _packed(K + 1, 0, 0), dtype=np.int64)
         cols, inside, exact = self._candidates(ch)
         if below is not None:
