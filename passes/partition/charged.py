@@ -260,9 +260,12 @@ class ChargedChainSolver(PlacedChainSolver):
             return self._column_loop(rows, s, ch, T, room, known, None)
         # those pairs' counts from ``first`` on are done: the loop tries those below, for the pairs that have any
         none = _packed(K + 1, 0, 0)
-        best = np.full((n, G), none, dtype=np.int64)
         done, _, got = settled
-        best[done] = np.where(got >> _VAL <= room[done, None], got, none)
+        if done.size == n:  # every pair (most of a deep stack's pool): no scatter
+            best = np.where(got >> _VAL <= room[:, None], got, none)
+        else:
+            best = np.full((n, G), none, dtype=np.int64)
+            best[done] = np.where(got >> _VAL <= room[done, None], got, none)
         loop = np.nonzero(ch.looped)[0]  # on a deep stack nearly every pair is settled from its least count
         if loop.size:
             sub = ch.take(loop) if isinstance(ch, Gathered) else _Subset(ch, loop)  # gathered: lazy already
@@ -341,8 +344,9 @@ class ChargedChainSolver(PlacedChainSolver):
         start = (k - j) % G  # (k, j): the start offset of count first + j for end offset first + k
         table = np.min(_packed(used[:, start] + j, j, start), axis=2)  # (sources, k)
         # per source, the table turned for each residue of ``first``: (sources, first mod G, end offset)
-        turned = table[:, (np.arange(G)[None, :] - np.arange(G)[:, None]) % G]
-        got = turned[row_of, first % G] + _packed(first, first, 0)[:, None]
+        turned = table[:, (np.arange(G)[None, :] - np.arange(G)[:, None]) % G].reshape(-1, G)
+        got = np.take(turned, row_of * G + first % G, axis=0)
+        got += _packed(first, first, 0)[:, None]
         return done, first, got
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):
