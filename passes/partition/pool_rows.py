@@ -54,7 +54,11 @@ class RowStore:
         slots[rest] = self.kept + np.arange(int(rest.sum()))
         self._grow(self.kept + int(rest.sum()), records)
         for name in self.kind._fields:
-            self.tables[name][slots] = getattr(records, name).reshape(n, self.width)
+            field = np.asarray(getattr(records, name))
+            table = self.tables[name]
+            if field.dtype != table.dtype:  # never cast a value down into an earlier row's type
+                table = self.tables[name] = table.astype(np.result_type(table.dtype, field.dtype))
+            table[slots] = field.reshape(n, self.width)
         return slots
 
     def _grow(self, rows: int, records) -> None:

@@ -70,3 +70,16 @@ def test_the_tables_grow_without_losing_kept_rows():
         given.update((key, recs.take(np.s_[j * width:(j + 1) * width])) for j, key in enumerate(keys))
     names = sorted(given)
     _same(store.view(store.find(names)), _Rec(*(np.concatenate(f) for f in zip(*(given[k] for k in names)))))
+
+
+def test_a_later_row_of_a_wider_type_is_not_cast_down():
+    """Rows put later with a field of a wider type (a float where the first rows held integers) keep
+    their values, and the earlier rows theirs."""
+    width = 2
+    store = RowStore(width)
+    ints = _Rec(np.array([1, 2]), np.array([3, 4]), np.array([True, False]))
+    floats = _Rec(np.array([1.5, 2.25]), np.array([3, 4]), np.array([False, True]))
+    first = store.put(ints, ["i"], room=5)
+    second = store.put(floats, ["f"], room=5)
+    _same(store.view(first), ints)
+    _same(store.view(second), floats)
