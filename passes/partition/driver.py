@@ -29,7 +29,7 @@ from passes.partition.downsets import downset_dp
 from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
-from passes.partition.segment_plan import chain_plan
+from passes.partition.segment_plan import QUIET, chain_plan
 from passes.partition import node_floor, placed, uniform
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -40,6 +40,7 @@ FAST_SHARE = 0.2  # of the time left, for bisecting the bracket's faster model w
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
 SLOW_TOLERANCE = 5e-3  # ... and where its bisection stops then (the charged DP that follows decides the answer)
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
+QUIET_UP_TO = 32  # devices up to which the charged flow's DPs fold nodes that send nothing at ``QUIET`` only
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
@@ -277,6 +278,11 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
         return found if bracket is None else _better(found, bracket)
     floor, floored = 0.0, None
+    # on few devices sum C / K is large, so ``segment_plan.QUIET_WIDE`` drops more compute than elsewhere: on a
+    # GPU profile (every node about a kernel launch) 1.3-2.3 % of the bound on 16 and 32 devices, where a
+    # pass over the lattice folded at QUIET is still cheap. (The interval DP above read 2.3 -> 5.1 % with it
+    # on 32 blocks over 32 devices: not there.)
+    quiet = QUIET if opts.devices <= QUIET_UP_TO else None
     hand = uniform.best_layout(graph, opts)  # the charged DP's ceiling, if nothing beats it (``_bracketed``)
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
         # the flat DP with every all-reduce past G ranks at B2 (``node_floor.py``): sees that counts are
@@ -284,7 +290,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # bisects below the uniform layout, which no placement charges less than this floor does
         floored = chain_plan(graph, flat_bound(opts, fast=True), start,
                              time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
-                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand))
+                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand), quiet=quiet)
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
@@ -294,15 +300,15 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True,
                              bound_only=True, floor=floored.bound_s if floored is not None else 0.0,
-                             tolerance=RELAXED_TOLERANCE)
+                             tolerance=RELAXED_TOLERANCE, quiet=quiet)
         floor = max(relaxed.bound_s if relaxed is not None else 0.0, floored.bound_s if floored else 0.0)
-    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand, quiet=quiet)
     if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too
         bracket = floored if bracket is None else _better(bracket, floored)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
-                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
+                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()), quiet=quiet)
     if exact is not None and not exact.replicas:  # no faster plan than the bracket's, but maybe a higher bound
         if bracket is not None and exact.bound_s > bracket.bound_s:
             bracket.bound_s = min(exact.bound_s, bracket.bottleneck_s)
@@ -320,12 +326,14 @@ def _time_of(graph: CostGraph, layout, opts: Optional[CostOptions] = None) -> fl
 
 
 def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-               plain: bool = False, floor: float = 0.0, hand=None) -> Optional[PartitionResult]:
+               plain: bool = False, floor: float = 0.0, hand=None,
+               quiet: Optional[float] = None) -> Optional[PartitionResult]:
     """The segment DP under the flat model at the FASTER bandwidth (its bound is a bound of the placed
     model: no placement makes a link faster; under PipeDream's charges with its all-reduces floored
     by node count, ``node_floor.py``, its plans then scored placed) and at the SLOWER one (its plans
     place well), the plan that scores best placed kept, with the fast model's bound; ``plain``: see
-    ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already.
+    ``segment_plan.chain_plan``; ``floor``: a bound of the placed model known already; ``quiet``: where
+    the faster model's placed (node-floor) DP folds nodes that send nothing, if not its own.
 
     ``hand``: given where the charged DP follows and takes this plan as its ceiling: the best uniform
     PP x DP layout (``uniform.py``). It is then a candidate: a lower ceiling lets one charged pass 1 %
@@ -346,7 +354,7 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
                       machine=opts if node_floor.applies(opts) else None, ceiling=_time_of(graph, hand),
                       settle_by=time.monotonic() + FAST_SHARE * (deadline - time.monotonic())
-                      if hand is not None else math.inf) if floor <= 0 else None
+                      if hand is not None else math.inf, quiet=quiet) if floor <= 0 else None
     if fast is None and floor <= 0:
         return None
     bound = fast.bound_s if fast is not None else floor

@@ -37,7 +37,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            ceiling: float = math.inf, plain: bool = False,
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
-           tolerance: Optional[float] = None) -> Optional[PartitionResult]:
+           tolerance: Optional[float] = None, quiet: Optional[float] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -61,13 +61,15 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     this time the bisection stops once it holds a plan (``chain.solve``); ``bound_only``: cut off
     before any plan, answer the bound proven so far with no plan (status ``BOUND``) rather than None;
     ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``); ``tolerance``: where
-    the bisection stops, if not each DP's own (a bound wanted before the charged DP stops sooner).
+    the bisection stops, if not each DP's own (a bound wanted before the charged DP stops sooner);
+    ``quiet``: where nodes that send nothing fold, times sum C / K, if not ``segment_dp``'s own.
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
     found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine,
-                     settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance)
+                     settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
+                     quiet=quiet)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -215,12 +217,13 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
-              plan_by: float = math.inf, tolerance: Optional[float] = None):
+              plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as one node (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
-                        settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance)
+                        settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
+                        quiet=quiet)
     if solved is None:
         return None
     units, found, margin = solved
@@ -233,19 +236,20 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
-                bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None):
+                bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
+                quiet: Optional[float] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
     Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs up to
-    ``QUIET_WIDE``."""
+    ``QUIET_WIDE``, or up to ``quiet`` where given."""
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     placed_dp = opts.gpus_per_node is not None or machine is not None
-    quiet = QUIET_WIDE if placed_dp else QUIET
+    quiet = quiet if quiet is not None else QUIET_WIDE if placed_dp else QUIET
     units, folded = folded_units(graph, opts, tiny_silent=quiet * ideal, keep_dead=keep_dead, **fold)
     if placed_dp or opts.replication == "none":
         # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
