@@ -345,10 +345,10 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     the charged DP needed); for the same reason the faster model stops bisecting, once it holds a
     plan, after ``FAST_SHARE`` of the time left (96 blocks on 1,024 devices under PipeDream's
     charges: its last steps, refining a bound 1.7 % under the optimum by hundredths of a percent,
-    took the time of the charged pass that proves the answer within 1 %). Where that layout lies within ``UNIFORM_NEAR`` of the bound
-    already, the slower model stops bisecting after ``SLOW_SHARE`` of the time left: on deep uniform
-    stacks its passes took a third of the limit converging on plans slower than that layout, time
-    the charged DP's one decisive pass needed; far from the bound (few blocks on many devices) its
+    took the time of the charged pass that proves the answer within 1 %). Where that layout lies
+    within ``UNIFORM_NEAR`` of the bound already, the slower model stops bisecting after
+    ``SLOW_SHARE`` of the time left: on deep uniform stacks its passes took a third of the limit
+    converging on plans slower than that layout, time the charged DP's one decisive pass needed; far from the bound (few blocks on many devices) its
     converged plans are what the answer rests on, so it keeps the time."""
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
