@@ -47,41 +47,25 @@ class _Charged(NamedTuple("_ChargedFields", [(name, np.ndarray) for name in _CHA
 
 
 class _Rows:
-    """Rows ``idx`` of a ``_Charged`` as columns (``_Charged.take(idx[:, None])``), each field gathered
-    when first read: a column of the DP reads a few of the fields for most pairs, the rest for few."""
+    """Rows ``idx`` of a ``_Charged`` (or of a lazy view of one), each field gathered when first read:
+    as columns (``column``: ``_Charged.take(idx[:, None])``) for a column of the DP, which reads a few
+    of the fields for most pairs and the rest for few; else flat, for the pairs a pass still tries
+    count by count (few on a deep stack)."""
 
-    __slots__ = ("_of", "_idx", "_got")
+    __slots__ = ("_of", "_idx", "_column", "_got")
 
-    def __init__(self, of: _Charged, idx: np.ndarray) -> None:
-        self._of, self._idx, self._got = of, idx, {}
+    def __init__(self, of, idx: np.ndarray, column: bool = True) -> None:
+        self._of, self._idx, self._column, self._got = of, idx, column, {}
 
     def __getattr__(self, name: str) -> np.ndarray:
         got = self._got.get(name)
         if got is None:
-            got = self._got[name] = getattr(self._of, name)[self._idx][:, None]
+            got = getattr(self._of, name)[self._idx]
+            got = self._got[name] = got[:, None] if self._column else got
         return got
 
     def take(self, idx) -> "_Rows":
-        return _Rows(self._of, self._idx[idx])
-
-
-class _Subset:
-    """Pairs ``idx`` of a ``_Charged``, each field gathered when first read: the pairs a pass still
-    tries count by count are few, and of those a column reads some fields for all, the rest for few."""
-
-    __slots__ = ("_of", "_idx", "_got")
-
-    def __init__(self, of, idx: np.ndarray) -> None:
-        self._of, self._idx, self._got = of, idx, {}
-
-    def __getattr__(self, name: str) -> np.ndarray:
-        got = self._got.get(name)
-        if got is None:
-            got = self._got[name] = getattr(self._of, name)[self._idx]
-        return got
-
-    def take(self, idx) -> "_Subset":
-        return _Subset(self._of, self._idx[idx])
+        return _Rows(self._of, self._idx[idx], self._column)
 
 
 class ChargedChainSolver(PlacedChainSolver):
@@ -260,7 +244,7 @@ class ChargedChainSolver(PlacedChainSolver):
             return self._column_loop(rows, s, ch, T, room, known, None)
         # those pairs' counts from ``first`` on are done: the loop tries those below, for the pairs that have any
         none = _packed(K + 1, 0, 0)
-        done, _, got = settled
+        done, got = settled
         if done.size == n:  # every pair (most of a deep stack's pool): no scatter
             best = np.where(got >> _VAL <= room[:, None], got, none)
         else:
@@ -268,7 +252,7 @@ class ChargedChainSolver(PlacedChainSolver):
             best[done] = np.where(got >> _VAL <= room[done, None], got, none)
         loop = np.nonzero(ch.looped)[0]  # on a deep stack nearly every pair is settled from its least count
         if loop.size:
-            sub = ch.take(loop) if isinstance(ch, Gathered) else _Subset(ch, loop)  # gathered: lazy already
+            sub = ch.take(loop) if isinstance(ch, Gathered) else _Rows(ch, loop, column=False)  # lazy either way
             below = np.where(sub.settle > 0, sub.settle, K + 2)  # per pair, the counts it still tries lie under it
             part = self._column_loop(rows, s[loop], sub, T, room[loop], None if known is None else known[loop], below)
             best[loop] = np.minimum(best[loop], part)
@@ -347,7 +331,7 @@ class ChargedChainSolver(PlacedChainSolver):
         turned = table[:, (np.arange(G)[None, :] - np.arange(G)[:, None]) % G].reshape(-1, G)
         got = np.take(turned, row_of * G + first % G, axis=0)
         got += _packed(first, first, 0)[:, None]
-        return done, first, got
+        return done, got
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
