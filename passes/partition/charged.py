@@ -108,6 +108,8 @@ class ChargedChainSolver(PlacedChainSolver):
         self._known: tuple = ((), {})  # (T, holders) and ``_known_fits``'s tables at them
         # the first count past G worth trying: below it none fits at any offset (``node_floor.NodeFloor``)
         self._floor = NodeFloor(opts) if node_floor_applies(opts) else None
+        # under PipeDream's charges with any count, pairs settle from some count on (``_settled``)
+        self._settles = opts.cost_model == "pipedream" and opts.replication == "any"
 
     def _stage_intervals(self, stages, T: float) -> _Charged:
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
@@ -137,7 +139,7 @@ class ChargedChainSolver(PlacedChainSolver):
             hi = np.where((self.G & (self.G - 1)) == 0, np.where(sure <= K, step, K), K)
         empty_first = first & (C <= 0)
         settle, looped = np.zeros(C.shape, dtype=np.int64), np.ones(C.shape, dtype=bool)
-        if o.cost_model == "pipedream" and o.replication == "any":  # read by ``_settled`` (see there)
+        if self._settles:  # read by ``_settled`` (see there)
             least = np.maximum.reduce([np.full(C.shape, 2), lo, rise_slow, in_far, out_far, near]).astype(np.int64)
             last = least + self.G - 1
             ok = ~empty_first & (last <= hi) & (last < lo + WINDOW * self.G)
@@ -312,7 +314,7 @@ class ChargedChainSolver(PlacedChainSolver):
         ``dev[(k - j) mod G] + j``, which depends on the source row only: one G x G table per row
         instead of G columns per pair.
         """
-        if self.opts.cost_model != "pipedream" or self.opts.replication != "any":
+        if not self._settles:
             return None
         G = self.G
         done = np.nonzero(ch.settle)[0]

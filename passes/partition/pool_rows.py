@@ -67,9 +67,9 @@ class RowStore:
             return
         size = max(rows, 2 * have, 16)
         for name in self.kind._fields:
-            old = self.tables.get(name)
-            field = np.asarray(getattr(records, name))
-            new = np.empty((size, self.width), dtype=field.dtype)
+            old = self.tables.get(name)  # keeps its type (``put`` widens it where a row needs more)
+            new = np.empty((size, self.width), dtype=old.dtype if old is not None
+                           else np.asarray(getattr(records, name)).dtype)
             if old is not None:
                 new[:have] = old
             self.tables[name] = new

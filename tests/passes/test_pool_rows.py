@@ -79,7 +79,10 @@ def test_a_later_row_of_a_wider_type_is_not_cast_down():
     store = RowStore(width)
     ints = _Rec(np.array([1, 2]), np.array([3, 4]), np.array([True, False]))
     floats = _Rec(np.array([1.5, 2.25]), np.array([3, 4]), np.array([False, True]))
-    first = store.put(ints, ["i"], room=5)
-    second = store.put(floats, ["f"], room=5)
+    first = store.put(ints, ["i"], room=50)
+    second = store.put(floats, ["f"], room=50)
     _same(store.view(first), ints)
     _same(store.view(second), floats)
+    more = _Rec(*(np.tile(x, 30) for x in ints))  # 30 more integer rows: the tables grow
+    store.put(more, [f"m{j}" for j in range(30)], room=50)
+    _same(store.view(store.find(["i", "f"])), _Rec(*(np.concatenate(f) for f in zip(ints, floats))))
