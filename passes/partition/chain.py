@@ -41,7 +41,8 @@ import numpy as np
 from passes.partition.coarsen import Units
 from passes.partition.heuristic import Solution
 from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_bound, min_replicas,
-                                        partner_replicas, stage_time_s, tied_floor_s, tied_sync_s)
+                                        partner_replicas, stage_time_s, tied_floor_coeff, tied_floor_s,
+                                        tied_sync_s)
 from passes.partition.canon import Canon
 from passes.partition.offsets import count
 from passes.partition.segments import Segment, user_pairs
@@ -168,14 +169,21 @@ class ChainSolver:
                 # one extra column: the segment's last point with no cut after it, to prune the pool
                 cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
                 cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
-                pcj = pc[:, None]
-                if self.units.hidden and gid[0] == 0:  # the first stage runs the compute its units force in
-                    pcj = np.repeat(pcj, d + 1, axis=1)
-                    pcj[0, :d] -= seg.hidden  # (pool rows are in point order: the empty set leads)
-                R = self._pool_r(a, gid, T, (pcj, pp[:, None], ps[:, None, :], pcut[:, None]),
+                R = self._pool_r(a, gid, T, (pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None]),
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
-                tot = pdev[:, None] + R[:, :d]
+                tot, R = pdev[:, None] + R[:, :d], R[:, :d]
+                if self.units.hidden:  # compute earlier stages forced in but cannot hold
+                    late = self._late(seg.hidden[None, :], (pc + self._debt(ps))[:, None], pdev[:, None], T)
+                    # only where a late stage would beat the column's best stage that is not late
+                    clean = np.where(late > 0, K + 1, tot).min(axis=0)
+                    rows, cols = np.nonzero((late > 0) & (tot < clean[None, :]))
+                    tot[(late > 0) & (tot >= clean[None, :])] = K + 1  # no better than the clean best
+                    if rows.size:
+                        R[rows, cols] = self._late_replicas(
+                            late[rows, cols], R[rows, cols], T,
+                            (pc[rows], pp[rows], ps[rows], pcut[rows]), (cc[cols], cp[cols], cs[cols], ccut[cols]))
+                        tot[rows, cols] = pdev[rows] + R[rows, cols]
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
@@ -185,14 +193,21 @@ class ChainSolver:
             dev[dev + rest > K] = K + 1
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
-                if a == 0 and self.units.hidden:
-                    R2 = np.where(j == 0, self._first_stage(seg, T)[seg.sub_i], R2)
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
+                # the points with a stage (j, x) that may run forced-in compute late: x forces in more
+                # than the room the prefix j's fewest devices (``least``: it has no fewer) leave it
+                late_x = np.zeros(d, dtype=bool)
+                debt = self._debt(seg.shared)
+                if self.units.hidden and (seg.hidden[-1] > seg.hidden[0] or debt.any()):
+                    late_x[seg.sub_i[self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0]] = True
+                    R2 = R2.copy()  # equal segments share ``near``'s rows
                 for x in range(d):
                     lo, hi = bounds[x], bounds[x + 1]
                     if lo == hi:
                         continue
                     cand = dev[j[lo:hi]] + R2[lo:hi]
+                    if late_x[x]:
+                        self._late_inside(seg, j[lo:hi], x, dev, R2, lo, cand, T, min(dev[x], K + 1))
                     k = int(cand.argmin())
                     if cand[k] < dev[x]:
                         dev[x] = max(cand[k], least[x])
@@ -261,14 +276,62 @@ class ChainSolver:
         rest[seg.compute >= total] = 0
         return rest
 
-    def _first_stage(self, seg: Segment, T: float) -> np.ndarray:
-        """Replicas of the first stage ending at each point of ``seg`` (the first segment), with the
-        compute of ``Units.hidden`` it forces in: the prefix is that stage alone, so all of it runs
-        there (in a later stage, forced-in compute may sit in any stage of the prefix, and only
-        ``_least_devices`` counts it). The pool's rows for later segments do the same through the
-        empty set's row (``devices_needed``)."""
-        return self._r(seg.compute[0], seg.params[0], seg.shared[0], seg.cut[0], seg.compute + seg.hidden,
-                       seg.params, seg.shared, seg.cut, T) * np.ones(len(seg.compute), dtype=np.int64)
+    @staticmethod
+    def _late(hidden_i, compute_j, dev_j, T: float):
+        """Compute of ``Units.hidden`` that a stage (j, i) must run itself if the prefix j has ``dev_j``
+        devices: what the prefix i forces in, less the room the prefix j has for it (``compute_j``:
+        the prefix's units' compute and ``_debt``).
+
+        Every stage time is at least its compute over its replicas, so the stages of a prefix with D
+        devices hold at most ``D·T`` of compute, and whatever of the forced-in compute (``hidden_i``,
+        which includes the prefix j's own) does not fit in that room runs in the stage (j, i) or in
+        stages of their own: a real plan may put a branch's nodes in a stage that holds nothing else
+        (the relaxed graph, where they cost nothing, has no such stage), which holds at most T a
+        device, as if the prefix j had those devices (``_late_replicas``; the first stage too, whose
+        prefix is empty). ``_least_devices`` counts the same compute over the prefix i as a whole,
+        which lets the slack of any stage hold it; here only the stages that can, the stage (j, i) at
+        its own replica count, its all-reduce included. HF GPT-2's mask branch (0.36 ms) filled the
+        slack of replicated stages at 64 devices, which no plan can do."""
+        return hidden_i + compute_j - dev_j * T * (1 + SLACK)
+
+    def _late_replicas(self, late, plain, T: float, starts, ends):
+        """Devices a stage (j, i) adds to the prefix j's count, with ``late`` > 0 compute it must hold if
+        the prefix j has its least devices: ``min over e >= 0 of e + r(stage + max(0, late - e·T))``,
+        ``e`` devices more before the stage (more for the prefix j, or stages of the branch alone:
+        each holds at most T more of it). ``plain``: r without it (the term at ``e = ceil(late / T)``).
+        A prefix j with more devices than the DP found is a start this minimum covers, so no count is
+        above what a plan within T uses, and a later start j' ⊇ j with no more devices is still as good
+        (the pool's pruning stays sound). The plan gives the stage those ``e`` devices."""
+        cj, pj, sj, cutj = starts
+        top = np.ceil(late / T * (1 - 1e-12)).astype(np.int64)
+        best = plain.astype(np.int64) + top
+        for e in range(int(top.max())):
+            open_ = np.nonzero(e < top)[0]
+            extra = late[open_] - e * T
+            r = self._r(cj[open_] - extra, pj[open_], sj[open_], cutj[open_],
+                        *(x[open_] for x in ends), T)
+            best[open_] = np.minimum(best[open_], e + r)
+        return best
+
+    def _late_inside(self, seg: Segment, js, x: int, dev, R2, lo: int, cand, T: float, best: int) -> None:
+        """``_late_replicas`` for the stages (j, x) inside ``seg`` (``cand`` updated in place); ``best``:
+        the point's count from the pool. Late stages no better than it or than a stage that is not
+        late are left out (their count only grows), the rest worked out."""
+        late = self._late(seg.hidden[x], seg.compute[js] + self._debt(seg.shared[js]), dev[js], T)
+        is_late = late > 0
+        if not is_late.any():
+            return
+        best = min(best, int(np.where(is_late, best, cand).min()))
+        cand[is_late & (cand >= best)] = self.opts.devices + 1
+        pos = np.nonzero(is_late & (cand < best))[0]
+        if not pos.size:
+            return
+        at, xs = js[pos], np.full(pos.size, x)
+        r = self._late_replicas(late[pos], R2[lo + pos], T,
+                                (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
+                                (seg.compute[xs], seg.params[xs], seg.shared[xs], seg.cut[xs]))
+        cand[pos] = dev[at] + r
+        R2[lo + pos] = r
 
     def _least_devices(self, seg: Segment, T: float):
         """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
@@ -276,7 +339,20 @@ class ChainSolver:
         without such compute, where the per-stage counts already say more."""
         if not self.units.hidden:
             return np.zeros(len(seg.compute), dtype=np.int64)
-        return np.ceil((seg.compute + seg.hidden) / T * (1 - 1e-12)).astype(np.int64)
+        return np.ceil((seg.compute + seg.hidden + self._debt(seg.shared)) / T * (1 - 1e-12)).astype(np.int64)
+
+    def _debt(self, shared):
+        """Per point (rows of ``Segment.shared``), time its prefix's stages spend on tied weights at
+        the least: a prefix that holds some of a weight's users but not all has a stage sharing it,
+        which pays at least ``tied_floor_s`` with one replica and one partner (r times the floor,
+        the room it takes from r replicas, grows with r); the weights add up (a stage's sync is
+        charged per byte). Room the forced-in compute cannot use (``_late``, ``_least_devices``)."""
+        n = self.shared_bytes.size
+        if not n:
+            return np.zeros(shared.shape[:-1])
+        held = shared[..., :n]
+        partial = (held > 0.5) & (held < self.shared_users - 0.5)
+        return partial @ (self.shared_bytes * tied_floor_coeff(1, self.opts))
 
     def _near(self, T: float) -> List[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment.
@@ -439,7 +515,7 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
     units do not hold (``Units.hidden``) counts where the graph's plan puts it (``to_nodes``: a node
     folded into a unit with that unit, one left out like an input with its first reader), never after
     the first stage that forces it in: so a plan's score is never below the T at which the DP, which
-    counts that compute too (``ChainSolver._first_stage``), accepts it, and the bisection's upper end
+    counts that compute too (``ChainSolver._late``), accepts it, and the bisection's upper end
     stays a T it can reach."""
     comp, par = np.zeros(S), np.zeros(S)
     np.add.at(comp, stage_of, units.compute)
