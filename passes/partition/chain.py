@@ -194,24 +194,8 @@ class ChainSolver:
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
-                # the points with a stage (j, x) that may run forced-in compute late: x forces in more
-                # than the room the prefix j's fewest devices (``least``: it has no fewer) leave it
-                late_x = np.zeros(d, dtype=bool)
-                debt = self._debt(seg.shared)
-                if self.units.hidden and (seg.hidden[-1] > seg.hidden[0] or debt.any()):
-                    late_x[seg.sub_i[self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0]] = True
-                    R2 = R2.copy()  # equal segments share ``near``'s rows
-                for x in range(d):
-                    lo, hi = bounds[x], bounds[x + 1]
-                    if lo == hi:
-                        continue
-                    cand = dev[j[lo:hi]] + R2[lo:hi]
-                    if late_x[x]:
-                        self._late_inside(seg, j[lo:hi], x, dev, R2, lo, cand, T, min(dev[x], K + 1))
-                    k = int(cand.argmin())
-                    if cand[k] < dev[x]:
-                        dev[x] = max(cand[k], least[x])
-                        src[x] = (off + j[lo + k], R2[lo + k])
+                floor = self._late_inside(seg, T, dev, least, j, R2, bounds) if self.units.hidden else None
+                self._inside(dev, src, off, j, R2, bounds, least, floor)
             dev[dev + rest > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src
@@ -313,25 +297,49 @@ class ChainSolver:
             best[open_] = np.minimum(best[open_], e + r)
         return best
 
-    def _late_inside(self, seg: Segment, js, x: int, dev, R2, lo: int, cand, T: float, best: int) -> None:
-        """``_late_replicas`` for the stages (j, x) inside ``seg`` (``cand`` updated in place); ``best``:
-        the point's count from the pool. Late stages no better than it or than a stage that is not
-        late are left out (their count only grows), the rest worked out."""
-        late = self._late(seg.hidden[x], seg.compute[js] + self._debt(seg.shared[js]), dev[js], T)
-        is_late = late > 0
-        if not is_late.any():
-            return
-        best = min(best, int(np.where(is_late, best, cand).min()))
-        cand[is_late & (cand >= best)] = self.opts.devices + 1
-        pos = np.nonzero(is_late & (cand < best))[0]
+    @staticmethod
+    def _inside(dev, src, off: int, j, R2, bounds, least, floor=None) -> None:
+        """Stages with both ends in the segment, in point order (a stage's start is a smaller point):
+        ``dev`` and ``src`` updated in place. ``floor``: per pair, a count the stage's end reaches at
+        the least (``_late_inside``)."""
+        for x in range(len(bounds) - 1):
+            lo, hi = bounds[x], bounds[x + 1]
+            if lo == hi:
+                continue
+            cand = dev[j[lo:hi]] + R2[lo:hi]
+            if floor is not None:
+                cand = np.maximum(cand, floor[lo:hi])
+            k = int(cand.argmin())
+            if cand[k] < dev[x]:
+                dev[x] = max(cand[k], least[x])
+                src[x] = (off + j[lo + k], cand[k] - dev[j[lo + k]])
+
+    def _late_inside(self, seg: Segment, T: float, dev, least, j, R2, bounds) -> Optional[np.ndarray]:
+        """Per pair (j, x) of ``seg``, a count the point x reaches through the stage (j, x) at the least
+        with the compute it must run late (``_late``), or None where no stage has any.
+
+        ``dev(j) + _late_replicas(...)`` at the prefix j's count is ``min over d >= dev(j) of d +
+        r(stage + max(0, late at d))``: it grows with dev(j). So it is worked out once for all pairs at
+        the counts the segment reaches without any late compute (no more than with it), and a pair's
+        count is the larger of that and its count without late compute: both hold, and the loop over
+        the points stays one array operation a point."""
+        debt = self._debt(seg.shared)
+        if not (seg.hidden[-1] > seg.hidden[0] or debt.any()):
+            return None
+        if not (self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0).any():
+            return None  # (``least``: no prefix has fewer devices, so none has less room)
+        lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
+        self._inside(lower, src, 0, j, R2, bounds, least)
+        late = self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], lower[j], T)
+        pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
         if not pos.size:
-            return
-        at, xs = js[pos], np.full(pos.size, x)
-        r = self._late_replicas(late[pos], R2[lo + pos], T,
-                                (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
+            return None
+        at, xs = j[pos], seg.sub_i[pos]
+        r = self._late_replicas(late[pos], R2[pos], T, (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
                                 (seg.compute[xs], seg.params[xs], seg.shared[xs], seg.cut[xs]))
-        cand[pos] = dev[at] + r
-        R2[lo + pos] = r
+        floor = np.zeros(len(j), dtype=np.int64)
+        floor[pos] = lower[at] + r
+        return floor
 
     def _least_devices(self, seg: Segment, T: float):
         """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
