@@ -108,6 +108,7 @@ class ChainSolver:
         self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
         self._ids: Optional[List[int]] = None  # ``_segment_ids``
+        self._debt_all: Optional[np.ndarray] = None  # ``_debts``
         self._runs: dict = {}  # runs of segment ids -> a small int (``_pool_r``'s row keys)
         self._rows: Tuple[float, dict] = (math.nan, {})  # (T, row key -> ``_r`` row) of the pass running
 
@@ -173,8 +174,12 @@ class ChainSolver:
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
                 tot, R = pdev[:, None] + R[:, :d], R[:, :d]
-                if self.units.hidden:  # compute earlier stages forced in but cannot hold
-                    late = self._late(seg.hidden[None, :], (pc + self._debt(ps))[:, None], pdev[:, None], T)
+                room = pc + self._debts()[gid] if self.units.hidden else None
+                # rows whose stage to the segment's last point (the most forced in) runs none late
+                some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0] if room is not None else []
+                if len(some):  # compute earlier stages forced in but cannot hold
+                    late = np.full(tot.shape, -1.0)
+                    late[some] = self._late(seg.hidden[None, :], room[some, None], pdev[some, None], T)
                     # only where a late stage would beat the column's best stage that is not late
                     clean = np.where(late > 0, K + 1, tot).min(axis=0)
                     rows, cols = np.nonzero((late > 0) & (tot < clean[None, :]))
@@ -194,7 +199,7 @@ class ChainSolver:
             if seg.sub_j.size:
                 j, R2 = seg.sub_j, near[a]
                 bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
-                floor = self._late_inside(seg, T, dev, least, j, R2, bounds) if self.units.hidden else None
+                floor = self._late_inside(a, seg, T, dev, least, j, R2, bounds) if self.units.hidden else None
                 self._inside(dev, src, off, j, R2, bounds, least, floor)
             dev[dev + rest > K] = K + 1
             dev_all[off:off + d] = dev
@@ -314,7 +319,7 @@ class ChainSolver:
                 dev[x] = max(cand[k], least[x])
                 src[x] = (off + j[lo + k], cand[k] - dev[j[lo + k]])
 
-    def _late_inside(self, seg: Segment, T: float, dev, least, j, R2, bounds) -> Optional[np.ndarray]:
+    def _late_inside(self, a: int, seg: Segment, T: float, dev, least, j, R2, bounds) -> Optional[np.ndarray]:
         """Per pair (j, x) of ``seg``, a count the point x reaches through the stage (j, x) at the least
         with the compute it must run late (``_late``), or None where no stage has any.
 
@@ -323,11 +328,14 @@ class ChainSolver:
         the counts the segment reaches without any late compute (no more than with it), and a pair's
         count is the larger of that and its count without late compute: both hold, and the loop over
         the points stays one array operation a point."""
-        debt = self._debt(seg.shared)
+        debt = self._debts()[self.offsets[a]:self.offsets[a] + len(seg.compute)]
         if not (seg.hidden[-1] > seg.hidden[0] or debt.any()):
             return None
+        # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
+        if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
+            return None
         if not (self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0).any():
-            return None  # (``least``: no prefix has fewer devices, so none has less room)
+            return None
         lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
         self._inside(lower, src, 0, j, R2, bounds, least)
         late = self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], lower[j], T)
@@ -348,6 +356,12 @@ class ChainSolver:
         if not self.units.hidden:
             return np.zeros(len(seg.compute), dtype=np.int64)
         return np.ceil((seg.compute + seg.hidden + self._debt(seg.shared)) / T * (1 - 1e-12)).astype(np.int64)
+
+    def _debts(self) -> np.ndarray:
+        """``_debt`` of every point (global ids), worked out once."""
+        if self._debt_all is None:
+            self._debt_all = np.concatenate([self._debt(seg.shared) for seg in self.segs])
+        return self._debt_all
 
     def _debt(self, shared):
         """Per point (rows of ``Segment.shared``), time its prefix's stages spend on tied weights at
