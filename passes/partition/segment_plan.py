@@ -91,8 +91,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         lower = relaxation(graph, opts, deadline, cones)
         if lower is not None:
             plans.append(lower[0])
-            plain = searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
-            plans += [plain[0]] if plain else []
+            unfolded = searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            plans += [unfolded[0]] if unfolded else []
             bound = lower[1]
     ideal = ideal_s(graph, opts)
     # sum C / K, and where a weight is tied between two nodes the least their stages can take (on the
@@ -100,8 +100,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     floor_s = max(ideal, tie_floor(graph, opts)) if machine is None else ideal
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
-    if cones:
-        _in_pieces(graph, opts, deadline, cones, scored, max(bound, floor_s), judge)
+    masks: List[branches.Cone] = []
     if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, floor_s) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
@@ -121,10 +120,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         if lower is not None:
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
-        if masks:
-            _in_pieces(graph, opts, deadline, masks, scored, max(bound, floor_s), judge)
     loose = loose_groups(graph, opts)
-    scored = [(*loose_ends(graph, loose, a, reps, e, judge), reps) for e, a, reps in scored]
+    finish = lambda e, a, reps: (*loose_ends(graph, loose, a, reps, e, judge), reps)  # noqa: E731
+    scored = [finish(e, a, reps) for e, a, reps in scored]
+    if cones or masks:
+        _in_pieces(graph, opts, deadline, cones or masks, scored, max(bound, floor_s), judge, finish)
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
     bound = max(bound, floor_s)
     if machine is None and opts.gpus_per_node is None and not plain and tied_weights(graph, assignment):
@@ -157,16 +157,17 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
 
 
 def _in_pieces(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-               scored: list, bound: float, judge: CostOptions) -> None:
+               scored: list, bound: float, judge: CostOptions, finish: Callable) -> None:
     """Where the plans in ``scored`` are not proven, more: each cone in ``CONE_PIECES`` pieces (the DP may
     then run its first pieces in stages before the exit's), added to ``scored``, until one proves. Only
-    then: their lattices are several times the one-piece one."""
+    then: their lattices are several times the one-piece one. ``finish``: (evaluation, plan, replicas)
+    to the entry ``scored`` holds (``loose_ends``)."""
     for pieces in CONE_PIECES:
         if min(e.bottleneck_s for e, _, _ in scored) <= bound * (1 + OPTIMAL_GAP):
             return
         again = searched(graph, opts, deadline, cones, keep_dead=True, pieces=pieces)
         if again is not None and again[0] is not None:
-            scored.append((evaluate(graph, *again[0], judge), *again[0]))
+            scored.append(finish(evaluate(graph, *again[0], judge), *again[0]))
 
 
 def _tiny_input(opts: CostOptions, ideal: float) -> float:
