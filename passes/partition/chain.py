@@ -174,21 +174,8 @@ class ChainSolver:
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
                 tot, R = pdev[:, None] + R[:, :d], R[:, :d]
-                room = pc + self._debts()[gid] if self.units.hidden else None
-                # rows whose stage to the segment's last point (the most forced in) runs none late
-                some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0] if room is not None else []
-                if len(some):  # compute earlier stages forced in but cannot hold
-                    late = np.full(tot.shape, -1.0)
-                    late[some] = self._late(seg.hidden[None, :], room[some, None], pdev[some, None], T)
-                    # only where a late stage would beat the column's best stage that is not late
-                    clean = np.where(late > 0, K + 1, tot).min(axis=0)
-                    rows, cols = np.nonzero((late > 0) & (tot < clean[None, :]))
-                    tot[(late > 0) & (tot >= clean[None, :])] = K + 1  # no better than the clean best
-                    if rows.size:
-                        R[rows, cols] = self._late_replicas(
-                            late[rows, cols], R[rows, cols], T,
-                            (pc[rows], pp[rows], ps[rows], pcut[rows]), (cc[cols], cp[cols], cs[cols], ccut[cols]))
-                        tot[rows, cols] = pdev[rows] + R[rows, cols]
+                if self.units.hidden:
+                    self._late_pool(seg, T, pool, tot, R, (cc, cp, cs, ccut))
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
@@ -301,6 +288,28 @@ class ChainSolver:
                         *(x[open_] for x in ends), T)
             best[open_] = np.minimum(best[open_], e + r)
         return best
+
+    def _late_pool(self, seg: Segment, T: float, pool, tot, R, ends) -> None:
+        """``_late_replicas`` for the stages from the pool's points to ``seg``'s: ``tot`` (devices) and
+        ``R`` (replicas), rows by pool point, updated in place. Only where a late stage could beat
+        the column's best stage that runs nothing late (its count only grows); the others leave the
+        column (set above K)."""
+        gid, pdev, pc, pp, ps, pcut = pool
+        K = self.opts.devices
+        room = pc + self._debts()[gid]
+        some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0]  # the last point forces in most
+        if not some.size:
+            return
+        late = np.full(tot.shape, -1.0)
+        late[some] = self._late(seg.hidden[None, :], room[some, None], pdev[some, None], T)
+        clean = np.where(late > 0, K + 1, tot).min(axis=0)
+        tot[(late > 0) & (tot >= clean[None, :])] = K + 1
+        rows, cols = np.nonzero((late > 0) & (tot < clean[None, :]))
+        if rows.size:
+            R[rows, cols] = self._late_replicas(late[rows, cols], R[rows, cols], T,
+                                                (pc[rows], pp[rows], ps[rows], pcut[rows]),
+                                                tuple(x[cols] for x in ends))
+            tot[rows, cols] = pdev[rows] + R[rows, cols]
 
     @staticmethod
     def _inside(dev, src, off: int, j, R2, bounds, least, floor=None) -> None:
