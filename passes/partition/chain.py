@@ -179,7 +179,7 @@ class ChainSolver:
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
-            least = self._least_devices(seg, T)
+            least = self._least_devices(a, seg, T)
             dev = np.maximum(dev, least)
             rest = self._rest(seg, T)  # a T under the optimum fails sooner
             dev[dev + rest > K] = K + 1
@@ -337,9 +337,7 @@ class ChainSolver:
         the counts the segment reaches without any late compute (no more than with it), and a pair's
         count is the larger of that and its count without late compute: both hold, and the loop over
         the points stays one array operation a point."""
-        debt = self._debts()[self.offsets[a]:self.offsets[a] + len(seg.compute)]
-        if not (seg.hidden[-1] > seg.hidden[0] or debt.any()):
-            return None
+        debt = self._seg_debt(a)
         # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
         if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
             return None
@@ -358,19 +356,23 @@ class ChainSolver:
         floor[pos] = lower[at] + r
         return floor
 
-    def _least_devices(self, seg: Segment, T: float):
+    def _least_devices(self, a: int, seg: Segment, T: float):
         """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
         took off the units (``Units.hidden``), over T (every stage time is at least compute / r); 0
         without such compute, where the per-stage counts already say more."""
         if not self.units.hidden:
             return np.zeros(len(seg.compute), dtype=np.int64)
-        return np.ceil((seg.compute + seg.hidden + self._debt(seg.shared)) / T * (1 - 1e-12)).astype(np.int64)
+        return np.ceil((seg.compute + seg.hidden + self._seg_debt(a)) / T * (1 - 1e-12)).astype(np.int64)
 
     def _debts(self) -> np.ndarray:
         """``_debt`` of every point (global ids), worked out once."""
         if self._debt_all is None:
             self._debt_all = np.concatenate([self._debt(seg.shared) for seg in self.segs])
         return self._debt_all
+
+    def _seg_debt(self, a: int) -> np.ndarray:
+        """``_debt`` of segment ``a``'s points."""
+        return self._debts()[self.offsets[a]:self.offsets[a + 1]]
 
     def _debt(self, shared):
         """Per point (rows of ``Segment.shared``), time its prefix's stages spend on tied weights at
