@@ -45,7 +45,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_
                                         tied_sync_s)
 from passes.partition.canon import Canon
 from passes.partition.offsets import count
-from passes.partition.segments import Segment, user_pairs
+from passes.partition.segments import Segment, bridged_units, user_pairs
 
 
 PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it proves the plan within 1 %, where
@@ -111,12 +111,18 @@ class ChainSolver:
         self._debt_all: Optional[np.ndarray] = None  # ``_debts``
         self._runs: dict = {}  # runs of segment ids -> a small int (``_pool_r``'s row keys)
         self._rows: Tuple[float, dict] = (math.nan, {})  # (T, row key -> ``_r`` row) of the pass running
+        self._ends, self._starts = bridged_units(units)  # per unit (``Segment.start``)
+        # where nodes are bridged a point's compute is two numbers as an end (``Segment.compute``,
+        # ``plain``) and as a start (``start``, ``plain``), a stage the larger difference (``stage_compute``)
+        self.two = bool(units.bridged)
+        self._pair_cache: dict = {}
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
         params, tied, shares, flags = self._held(pi - pj, sj, si)
-        return min_replicas(ci - cj, params, cutj, cuti, T, self.opts, tied, self._partner_count(shares, flags, T))
+        return min_replicas(stage_compute(ci, cj, self.two), params, cutj, cuti, T, self.opts, tied,
+                            self._partner_count(shares, flags, T))
 
     def _held(self, params, sj, si):
         """For stages (j, i): weight bytes with the shared weights they hold, the bytes another stage holds
@@ -168,7 +174,8 @@ class ChainSolver:
             if pool is not None and pool[0].size:
                 gid, pdev, pc, pp, ps, pcut = pool
                 # one extra column: the segment's last point with no cut after it, to prune the pool
-                cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+                end = self.end_of(seg)
+                cc, cp = np.concatenate([end, end[-1:]]), np.append(seg.params, seg.params[-1])
                 cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
                 R = self._pool_r(a, gid, T, (pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None]),
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
@@ -239,7 +246,7 @@ class ChainSolver:
         if self._ids is None:
             canon, seen, self._ids = Canon(), {}, []
             for seg in self.segs:
-                key = canon.get((*self._own_sums(seg), seg.shared, seg.cut))
+                key = canon.get((*self._own_sums(seg), self._own_start(seg), seg.shared, seg.cut))
                 self._ids.append(seen.setdefault(id(key), len(seen)))
         return self._ids
 
@@ -247,9 +254,9 @@ class ChainSolver:
         """Per point of ``seg``, the fewest devices the compute after it needs at T: every later stage
         needs at least its compute / T replicas, so a prefix whose devices plus these exceed K cannot
         finish and is dropped (the flat and the placed passes)."""
-        total = self.segs[-1].compute[-1]
-        rest = count((total - seg.compute) / T, self.opts.devices)
-        rest[seg.compute >= total] = 0
+        total = self.segs[-1].compute[-1]  # the compute after a point: at least what a stage from it runs
+        rest = count((total - seg.start) / T, self.opts.devices)
+        rest[seg.start >= total * (1 - 1e-12)] = 0  # nothing after (``start`` rounds apart from ``compute``)
         return rest
 
     @staticmethod
@@ -399,10 +406,11 @@ class ChainSolver:
             # H100's profile) rather than the gathered pairs (its 330,000), gather each distinct set once
             canon, distinct, which = Canon(), {}, []  # distinct pair sets by identity, in first-seen order
             for seg in self.segs:
-                (c, p), ends = self._own_sums(seg), (seg.sub_j, seg.sub_i)
-                key = canon.get((*ends, c, p, seg.shared, seg.cut))
-                if id(key) not in distinct:
-                    distinct[id(key)] = (len(distinct), tuple(x[e] for e in ends for x in (c, p, seg.shared, seg.cut)))
+                (c, p), c0, ends = self._own_sums(seg), self._own_start(seg), (seg.sub_j, seg.sub_i)
+                key = canon.get((*ends, c, c0, p, seg.shared, seg.cut))
+                if id(key) not in distinct:  # a stage from j runs c[i] - c0[j] (``Segment.start``)
+                    distinct[id(key)] = (len(distinct), tuple(x[e] for e, first in zip(ends, (c0, c))
+                                                              for x in (first, p, seg.shared, seg.cut)))
                 which.append(distinct[id(key)][0])  # ``_r``'s argument order above
             self._pairs = ([pairs for _, pairs in distinct.values()], which)
         distinct, which = self._pairs
@@ -418,8 +426,37 @@ class ChainSolver:
         hold the whole prefix). A stage with both ends in the segment is the difference either way,
         but these are equal in every repeated block, where the prefix sums differ in rounding: so the
         pairs of repeated blocks compare equal (``canon.Canon``) and are worked out once."""
-        return tuple(seg.member @ np.asarray([getattr(self.units, f)[u] for u in seg.units], dtype=float)
-                     for f in ("compute", "param_bytes"))
+        lo, hi = seg.units[0], seg.units[-1] + 1
+        compute = seg.member @ self._ends[lo:hi]
+        if self.two:
+            compute = np.stack([compute, seg.member @ np.asarray(self.units.compute[lo:hi], dtype=float)], axis=-1)
+        return compute, seg.member @ np.asarray([self.units.param_bytes[u] for u in seg.units], dtype=float)
+
+    def _own_start(self, seg: Segment) -> np.ndarray:
+        """``Segment.start`` within ``seg`` alone, on the same base as ``_own_sums``'s compute: a stage
+        (j, i) inside the segment runs at least ``own compute[i] - own start[j]``."""
+        if not self.two:
+            return self._own_sums(seg)[0]
+        lo, hi = seg.units[0], seg.units[-1] + 1
+        return np.stack([seg.member @ self._starts[lo:hi] + seg.base_span,
+                         seg.member @ np.asarray(self.units.compute[lo:hi], dtype=float)], axis=-1)
+
+    def end_of(self, seg: Segment) -> np.ndarray:
+        """A point's compute as the end of a stage (``stage_compute``)."""
+        return self._paired(seg, seg.compute)
+
+    def start_of(self, seg: Segment) -> np.ndarray:
+        """A point's compute as the start of a stage (``stage_compute``)."""
+        return self._paired(seg, seg.start)
+
+    def _paired(self, seg: Segment, charged: np.ndarray) -> np.ndarray:
+        """``charged`` alone, or where nodes are bridged beside ``Segment.plain`` (kept per array)."""
+        if not self.two:
+            return charged
+        key = id(charged)
+        if key not in self._pair_cache:
+            self._pair_cache[key] = (charged, np.stack([charged, seg.plain], axis=-1))
+        return self._pair_cache[key][1]
 
     def _next_pool(self, pool, reach, seg: Segment, off: int, dev: np.ndarray):
         """Earlier points that may still start a stage (see the module docstring)."""
@@ -429,7 +466,8 @@ class ChainSolver:
             j, i = seg.sub_j, seg.sub_i
             beaten = (dev[i] <= dev[j]) & (seg.cut[i] <= seg.cut[j])
             keep[j[beaten]] = False
-        new = (off + np.nonzero(keep)[0], dev[keep], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
+        new = (off + np.nonzero(keep)[0], dev[keep], self.start_of(seg)[keep], seg.params[keep], seg.shared[keep],
+               seg.cut[keep])
         if pool is None or not pool[0].size:
             return new
         ndev, ncut = new[1], new[5]
@@ -543,7 +581,16 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
     return best
 
 
-def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray]:
+def stage_compute(ci, cj, two: bool) -> np.ndarray:
+    """A stage's compute from its end's and its start's (``ChainSolver.end_of``, ``start_of``): their
+    difference; where nodes are bridged (``two``: a last axis of two) the larger of the bridged charge
+    ``Segment.compute[i] - start[j]`` and the units' own ``plain[i] - plain[j]``, both at most what any
+    plan runs there (the first falls below the second for a stage between a bridged node's two units)."""
+    d = ci - cj
+    return np.maximum(d.max(axis=-1) if two else d, 0.0)
+
+
+def _stage_sums(units: Units, stage_of: List[int], S: int, bridged: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """Compute and weight bytes per stage (a shared weight once per stage that uses it). Compute the
     units do not hold (``Units.hidden``) counts where the graph's plan puts it (``to_nodes``: a node
     folded into a unit with that unit, one left out like an input with its first reader), never after
@@ -557,6 +604,8 @@ def _stage_sums(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, 
             comp[stage_of[home]] += seconds
         elif forcing:
             comp[min(stage_of[u] for u in forcing)] += seconds
+    for seconds, _, _, home in units.bridged if bridged else ():  # with the unit it joined, as the graph's
+        comp[stage_of[home]] += seconds  # plan puts it (a score; ``pad`` keeps to what the DP charged)
     np.add.at(par, stage_of, units.param_bytes)
     for _, (nb, users) in units.shared.items():
         for s in {stage_of[u] for u in users}:
@@ -711,7 +760,7 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
 
 def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Compute, weight bytes and the bytes crossing into each stage (``cut[s]``, s = 0..S) of a plan."""
-    comp, par = _stage_sums(units, stage_of, S)
+    comp, par = _stage_sums(units, stage_of, S, bridged=True)
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes

@@ -59,6 +59,10 @@ class Units:
     # values of nodes left out like inputs (``segments.dropped_compute``): (bytes, sorted units reading them);
     # a prefix holding some of those units and not all sends the value on
     hidden_sends: List[Tuple[int, List[int]]] = field(default_factory=list)
+    # compute of folded nodes that send nothing, left out of ``compute`` (``segments.folded_units`` with
+    # ``bridge``): (seconds, a unit before the node, a unit after it, the unit it joined). A stage holding
+    # the first two holds the node in every plan; the segment DP charges it there (``segments.Segment.start``)
+    bridged: List[Tuple[float, int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.members)

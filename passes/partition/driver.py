@@ -40,7 +40,7 @@ FAST_SHARE = 0.2  # of the time left, for bisecting the bracket's faster model w
 SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model when the charged DP follows
 SLOW_TOLERANCE = 5e-3  # ... and where its bisection stops then (the charged DP that follows decides the answer)
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
-QUIET_UP_TO = 32  # devices up to which the charged flow's DPs fold nodes that send nothing at ``QUIET`` only
+FINE_LEFT = 0.5  # seconds left at least for the charged DP's pass on the lattice that keeps the shape reads
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
@@ -278,11 +278,6 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
         return found if bracket is None else _better(found, bracket)
     floor, floored = 0.0, None
-    # on few devices sum C / K is large, so ``segment_plan.QUIET_WIDE`` drops more compute than elsewhere: on a
-    # GPU profile (every node about a kernel launch) 1.3-2.3 % of the bound on 16 and 32 devices, where a
-    # pass over the lattice folded at QUIET is still cheap. (The interval DP above read 2.3 -> 5.1 % with it
-    # on 32 blocks over 32 devices: not there.)
-    quiet = QUIET if opts.devices <= QUIET_UP_TO else None
     hand = uniform.best_layout(graph, opts)  # the charged DP's ceiling, if nothing beats it (``_bracketed``)
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
         # the flat DP with every all-reduce past G ranks at B2 (``node_floor.py``): sees that counts are
@@ -290,7 +285,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # bisects below the uniform layout, which no placement charges less than this floor does
         floored = chain_plan(graph, flat_bound(opts, fast=True), start,
                              time.monotonic() + FLOOR_SHARE * (deadline - time.monotonic()), plain=True,
-                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand), quiet=quiet)
+                             machine=opts, bound_only=True, ceiling=_time_of(graph, hand))
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
@@ -300,21 +295,44 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
         relaxed = chain_plan(graph, dataclasses.replace(opts, replication="any"), start, share, plain=True,
                              bound_only=True, floor=floored.bound_s if floored is not None else 0.0,
-                             tolerance=RELAXED_TOLERANCE, quiet=quiet)
+                             tolerance=RELAXED_TOLERANCE)
         floor = max(relaxed.bound_s if relaxed is not None else 0.0, floored.bound_s if floored else 0.0)
-    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand, quiet=quiet)
+    bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand)
     if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too
         bracket = floored if bracket is None else _better(bracket, floored)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
-                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()), quiet=quiet)
+                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
     if exact is not None and not exact.replicas:  # no faster plan than the bracket's, but maybe a higher bound
         if bracket is not None and exact.bound_s > bracket.bound_s:
             bracket.bound_s = min(exact.bound_s, bracket.bottleneck_s)
             bracket.status = "OPTIMAL" if bracket.gap <= OPTIMAL_GAP else "FEASIBLE"
-        return bracket
-    return bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
+        found = bracket
+    else:
+        found = bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
+    return _finer(graph, opts, start, deadline, found)
+
+
+def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
+           found: Optional[PartitionResult]) -> Optional[PartitionResult]:
+    """``found`` where it is proven; else, with ``FINE_LEFT`` seconds or more left, the charged DP on the
+    lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K), between ``found``'s
+    bound and plan: the DPs before it fold every read (``segment_plan.QUIET_PLACED``), whose bound gives
+    up the reads a cut separates from their readers and whose plans keep each read with a producer or
+    the stage it was moved to, so their answers may leave a gap that only a finer pass closes (one pass
+    1 % under the plan proves it within 1 %). The better plan and the higher bound are kept."""
+    if found is None or found.status == "OPTIMAL" or deadline - time.monotonic() < FINE_LEFT:
+        return found
+    fine = chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s, quiet=QUIET, plain=True)
+    if fine is None:
+        return found
+    if not fine.replicas:
+        if fine.bound_s > found.bound_s:
+            found.bound_s = min(fine.bound_s, found.bottleneck_s)
+            found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
+        return found
+    return _better(fine, found)
 
 
 def _time_of(graph: CostGraph, layout, opts: Optional[CostOptions] = None) -> float:

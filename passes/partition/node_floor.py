@@ -42,7 +42,7 @@ from typing import List
 
 import numpy as np
 
-from passes.partition.chain import ChainSolver, DeadlineExceeded
+from passes.partition.chain import ChainSolver, DeadlineExceeded, stage_compute
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
                                         tied_floor_s)
@@ -177,7 +177,7 @@ class NodeFloorSolver(ChainSolver):
             raise DeadlineExceeded()
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         q = self._partner_count(shares, flags, T)
-        C = ci - cj
+        C = stage_compute(ci, cj, self.two)
         R = min_replicas(C, params, cutj, cuti, T, self.opts, tied, q)
         wide = np.nonzero(np.ravel(R > self.G) & np.ravel(R <= self.opts.devices))[0]
         if not wide.size:

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from passes.costgraph import closure
-from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, unit_bottleneck
+from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, stage_compute, unit_bottleneck
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
 from passes.partition.segments import Segment
@@ -166,7 +166,7 @@ class PlacedChainSolver(ChainSolver):
         the empty point (``first``) and whether it ends at the full one (``last``), which weights it
         shares and its users' flags at j and at i (``ChainSolver._held``)."""
         params, tied, shares, flags = self._held(pi - pj, sj, si)
-        C, cut_in, cut_out = np.broadcast_arrays(ci - cj, cutj, cuti)
+        C, cut_in, cut_out = np.broadcast_arrays(stage_compute(ci, cj, self.two), cutj, cuti)
         flat = lambda x: np.broadcast_to(x, C.shape).ravel()  # noqa: E731
         rows = lambda x: np.broadcast_to(x, C.shape + x.shape[-1:]).reshape(C.size, -1)  # noqa: E731
         return (C.ravel(), flat(params), cut_in.ravel(), cut_out.ravel(), flat(tied),
@@ -384,7 +384,8 @@ class PlacedChainSolver(ChainSolver):
         """``_pool_stages`` worked out for every row of ``pool``."""
         ids, pc, pp, ps, pcut = pool
         d = len(seg.compute)
-        cc, cp = np.append(seg.compute, seg.compute[-1]), np.append(seg.params, seg.params[-1])
+        end = self.end_of(seg)
+        cc, cp = np.concatenate([end, end[-1:]]), np.append(seg.params, seg.params[-1])
         cs, ccut = np.vstack([seg.shared, seg.shared[-1:]]), np.append(seg.cut, 0.0)
         ends = np.zeros(d + 1, dtype=bool)
         ends[d - 1] = seg is self.segs[-1]
@@ -431,7 +432,7 @@ class PlacedChainSolver(ChainSolver):
         if key not in self._near_stages:
             j, i = seg.sub_j, seg.sub_i
             compute, params = self._own_sums(seg)  # equal in repeated blocks (``ChainSolver._own_sums``)
-            stages = self._stages(compute[j], params[j], seg.shared[j], seg.cut[j],
+            stages = self._stages(self._own_start(seg)[j], params[j], seg.shared[j], seg.cut[j],
                                   compute[i], params[i], seg.shared[i], seg.cut[i],
                                   (j == 0) & (off == 0), (i == len(seg.compute) - 1) & (seg is self.segs[-1]))
             self._near_stages[key] = self._canon.get(stages)
@@ -481,7 +482,7 @@ class PlacedChainSolver(ChainSolver):
             j, i = self._narrower[id(seg)]
             beaten = (dev[i] <= dev[j]).all(axis=1)
             keep[j[beaten]] = False
-        new = (off + np.nonzero(keep)[0], seg.compute[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
+        new = (off + np.nonzero(keep)[0], self.start_of(seg)[keep], seg.params[keep], seg.shared[keep], seg.cut[keep])
         if pool is None or not pool[0].size:
             return new
         old_dev, new_dev = dev_all[pool[0]], dev_all[new[0]]

@@ -23,14 +23,15 @@ from passes.partition.tie_floor import tie_floor
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped
-# ... up to this for the placed and node-floor DPs: many devices shrink sum C / K until shape reads pass
-# QUIET, and each one kept doubles its block's downsets (the benchmark GPT at 256 devices: 1,588 a block
-# instead of 108, a charged pass over 8 blocks 2.5 s instead of 0.2 s; 32 blocks at 512 devices: 218
-# instead of 108). Dropping their compute is a relaxation (the bound gives up their share over a stage's
-# replicas; plans are scored on the graph). Keeping QUIET where it is no wider cost those DPs a second
-# fold and build per run (one table run: pow2 17 of 24 rows within 1 %; folding outright, 19 and 20 in
-# two runs). The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
-QUIET_WIDE = wide_blocks.SILENT
+# ... for the placed and node-floor DPs, whatever they cost: many devices shrink sum C / K until shape reads
+# pass QUIET, and each one kept doubles its block's downsets (the benchmark GPT profiled on an H100: 1,588
+# a block instead of 108, a charged pass over 8 blocks 2.4 s instead of 0.13 s). Their compute is charged
+# to every stage that holds a unit before them and one after them (``Units.bridged``, a relaxation that
+# gives up only the reads a cut separates from their readers), and a plan runs them where they slow it
+# least (``silent_moves``). Until this release they folded up to 1 % of sum C / K (``wide_blocks.SILENT``)
+# with their compute dropped: on that profile 2.4 % of the compute at 64 devices, the bound 2.2 % under
+# the plan. The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
+QUIET_PLACED = math.inf
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
 # and HF GPT-2's tied head at 64 devices read 1.3 % above its bound with the stages before it half empty;
@@ -42,7 +43,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            ceiling: float = math.inf, plain: bool = False,
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
-           tolerance: Optional[float] = None, quiet: Optional[float] = None) -> Optional[PartitionResult]:
+           tolerance: Optional[float] = None, quiet: Optional[float] = None,
+           keep_dead: bool = False) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -72,7 +74,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
-    found = searched(graph, opts, deadline, cones, floor=floor, ceiling=ceiling, machine=machine,
+    found = searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                      quiet=quiet)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
@@ -111,9 +113,13 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             bound = max(bound, exact)
         proven = min(e.bottleneck_s for e, _, _ in scored) <= max(bound, floor_s) * (1 + OPTIMAL_GAP)
         masks = [] if proven else masks
-        for again in (searched(graph, opts, deadline, c, keep_dead=True)
+        # on a two-level machine the dropped nodes' compute kept where folding put them: plans as they
+        # score, searched between the bound and the best plan (the placed DPs' plans may split a node
+        # from its readers where the DP charged it nowhere, ``Units.bridged``)
+        near = {} if flat else dict(floor=max(bound, floor_s), quiet=quiet)
+        for again in (searched(graph, opts, deadline, c, keep_dead=True, **near)
                       for c in ([] if exact is not None else [[]]) + ([masks] if masks else [])):
-            scored += [(evaluate(graph, *again[0], judge), *again[0])] if again else []
+            scored += [(evaluate(graph, *again[0], judge), *again[0])] if again and again[0] else []
         # the folding above placed those branches like model inputs, so the bound forgot their compute:
         # the relaxation that counts it in every prefix that must run it bounds the same plans higher
         lower = relaxation(graph, opts, deadline, masks) if masks else None
@@ -121,7 +127,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
     loose = loose_groups(graph, opts)
-    finish = lambda e, a, reps: (*loose_ends(graph, loose, a, reps, e, judge), reps)  # noqa: E731
+    finish = lambda e, a, reps: _finished(graph, loose, a, reps, e, judge)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if cones or masks:
         _in_pieces(graph, opts, deadline, cones or masks, scored, max(bound, floor_s), judge, finish)
@@ -237,6 +243,48 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
     return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
 
 
+def _finished(graph: CostGraph, loose, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
+    """(evaluation, assignment, replicas) of a plan with its loose groups and silent nodes placed where
+    they slow it least (``loose_ends``, ``silent_moves``)."""
+    ev, assignment = loose_ends(graph, loose, assignment, replicas, ev, opts)
+    ev, assignment = silent_moves(graph, assignment, replicas, ev, opts)
+    return ev, assignment, replicas
+
+
+def silent_moves(graph: CostGraph, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
+    """Nodes that send nothing (shape reads) moved, each to the stage between its producers' and its
+    readers' where it slows the plan least, the better of that and ``assignment`` kept (with ``ev``).
+
+    Folding puts such a node with a producer, and the placed DPs charge it only to a stage that holds
+    a unit before it and one after it (``Units.bridged``): a plan that separates the two may run it
+    in any stage in between, and the one with room costs nothing."""
+    names = [n for n in model_nodes(graph, opts) if n in assignment]
+    silent = [n for n in names if graph.nodes[n].out_bytes == 0 and not graph.nodes[n].params
+              and graph.nodes[n].param_bytes == 0 and graph.nodes[n].compute_s > 0
+              and graph.nodes[n].op != "output" and not graph.nodes[n].is_input]
+    if not silent:
+        return ev, assignment
+    succ, pred = graph.successors(), {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        pred[v].append(u)
+    times = [st.time_s for st in ev.stages]
+    moved = dict(assignment)
+    for n in silent:  # in graph order: a node's producers have their final stages
+        lo = max((moved[p] for p in pred[n] if p in moved), default=0)
+        hi = min((moved[c] for c in succ[n] if c in moved), default=len(replicas) - 1)
+        if hi <= lo:
+            continue
+        c, now = graph.nodes[n].compute_s, moved[n]
+        times[now] -= c / replicas[now]
+        best = min(range(lo, hi + 1), key=lambda st: (times[st] + c / replicas[st], st != now))
+        times[best] += c / replicas[best]
+        moved[n] = best
+    if moved == assignment:
+        return ev, assignment
+    again = evaluate(graph, moved, replicas, opts)
+    return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
+
+
 def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
@@ -266,15 +314,18 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
-    Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs up to
-    ``QUIET_WIDE``, or up to ``quiet`` where given."""
+    Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs
+    whatever they cost (``QUIET_PLACED``; their compute bridged, ``Units.bridged``), or up to ``quiet``
+    where given."""
     if time.monotonic() > deadline:
         return None
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
     placed_dp = opts.gpus_per_node is not None or machine is not None
-    quiet = quiet if quiet is not None else QUIET_WIDE if placed_dp else QUIET
-    units, folded = folded_units(graph, opts, tiny_silent=quiet * ideal, keep_dead=keep_dead, **fold)
+    quiet = quiet if quiet is not None else QUIET_PLACED if placed_dp else QUIET
+    silent = math.inf if quiet == math.inf else quiet * ideal
+    units, folded = folded_units(graph, opts, tiny_silent=silent, keep_dead=keep_dead, bridge=placed_dp,
+                                **fold)
     if placed_dp or opts.replication == "none":
         # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
         # units (``ChainSolver._late``), so their plans must not be scored with it either

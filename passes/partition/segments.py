@@ -37,7 +37,7 @@ from passes.partition.downsets import downsets_from
 
 
 def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
-                 tiny_input: float = -1.0, keep_dead: bool = False) -> Tuple[Units, List[float]]:
+                 tiny_input: float = -1.0, keep_dead: bool = False, bridge: bool = False) -> Tuple[Units, List[float]]:
     """Units with free nodes folded away (see the module docstring); also each unit's folded compute.
 
     A node folds into a producer's group u when it holds no weights, costs at
@@ -61,6 +61,11 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     (``Units.hidden_sends``). ``keep_dead``: charge dead and dropped nodes'
     compute to the group they join, for a search whose plans are scored as
     they are (their bound is then lowered by it through ``fold_margin``).
+    ``bridge``: a dropped node that sends nothing is listed in ``Units.bridged``
+    with the unit it joined and its earliest reader's, so the segment DP still
+    charges it to every stage that holds both (``Segment.start``): it cannot sit
+    anywhere else. Only the compute of such nodes whose producer and reader a cut
+    separates is then lost to the bound, and such nodes may fold at any cost.
     """
     names = model_nodes(graph, opts)
     index = {n: i for i, n in enumerate(names)}
@@ -113,10 +118,47 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     loose = set(names) - set(head) | (set() if keep_dead else dead | quiet)
     unit_of = units.unit_of()
     units.hidden = dropped_compute(graph, names, consumers, loose, unit_of)
+    if bridge and not keep_dead:
+        units.bridged = bridged_compute(graph, units, quiet, preds, consumers)
     units.hidden_sends = [(graph.nodes[n].out_bytes, readers) for n in names if n not in head
                           for readers in [sorted({unit_of[c] for c in consumers[n] if c in unit_of})]
                           if graph.nodes[n].out_bytes > 0 and readers]
     return units, folded
+
+
+def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str, List[str]],
+                    consumers: Dict[str, set]) -> List[Tuple[float, int, int, int]]:
+    """``Units.bridged`` for the folded nodes that send nothing (``quiet``): (seconds, a unit whose
+    first node is an ancestor of the node, a unit whose first node descends from it, the unit it
+    joined), the latest and the earliest such units. A unit's stage is its first node's (the bound maps a plan of the graph
+    to one of the units that way, ``folded_units``), and a convex plan puts a node no earlier than
+    any ancestor and no later than any descendant: so a stage holding both units holds the node in
+    every plan. A node with no such pair is left out (its compute dropped, as before)."""
+    unit_of = units.unit_of()
+    head = {members[0] for members in units.members}
+
+    def nearest(n: str, step, pick):
+        seen, todo, found = set(), list(step(n)), []
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if m in head:
+                found.append(unit_of[m])
+            else:
+                todo += step(m)
+        return pick(found) if found else None
+
+    out = []
+    for n in sorted(quiet, key=lambda m: unit_of[m]):
+        before = nearest(n, lambda m: preds.get(m, ()), max)
+        after = nearest(n, lambda m: consumers.get(m, ()), min)
+        seconds = graph.nodes[n].compute_s
+        # an input's unit sits in every downset: a node it feeds would straddle the first stage's start
+        if before is not None and after is not None and seconds > 0 and not units.is_input[before]:
+            out.append((seconds, before, after, unit_of[n]))
+    return out
 
 
 def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set], loose: set,
@@ -178,7 +220,8 @@ class Segment:
 
     units: List[int]  # unit indices of the segment
     member: np.ndarray  # (points, len(units)) bool: which segment units each point holds
-    compute: np.ndarray  # (points,) compute of the whole downset (prefix included)
+    compute: np.ndarray  # (points,) compute of the whole downset (prefix included); a stage (j, i) runs at
+    # least ``compute[i] - start[j]``
     params: np.ndarray  # (points,) own (unshared) weight bytes of the whole downset
     cut: np.ndarray  # (points,) bytes crossing out of the downset
     shared: np.ndarray  # (points, n_shared + n_pairs): users of each shared weight inside the downset, then
@@ -186,6 +229,21 @@ class Segment:
     hidden: np.ndarray  # (points,) compute of ``Units.hidden`` that the downset forces in (prefix included)
     sub_j: np.ndarray  # pairs (j, i) of points of this segment with j a strict subset of i
     sub_i: np.ndarray
+    # (points,) as ``compute``, with the ``Units.bridged`` compute of every node whose earlier unit the
+    # downset holds (``compute`` counts those whose later unit it holds): what a stage from here leaves
+    # behind at most. ``compute`` itself where nothing is bridged
+    start: np.ndarray = None  # type: ignore[assignment]
+    # ``start`` - ``compute`` at the segment's own empty point (the bridged nodes that straddle it):
+    # ``start`` within the segment alone is ``member @ own start + base_span`` (``ChainSolver._own_sums``)
+    base_span: float = 0.0
+    # (points,) the units' own compute alone, the bridged nodes' left out: a stage runs at least the
+    # difference of these too, where a bridged node straddles it (``compute[i] - start[j]`` then falls
+    # below it). None where nothing is bridged
+    plain: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        if self.start is None:
+            self.start = self.compute
 
 
 def separators(units: Units) -> List[int]:
@@ -230,7 +288,7 @@ def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) 
     The last two answers are kept and given again for equal units: a two-level plan runs the segment DP
     on up to four cost models of the same graph and K (the relaxed, faster, slower and charged
     ones), whose units are equal, and building the segments of 32 blocks with many sub-block points
-    took 3 s each time; the placed ones fold more than the flat ones (``segment_plan.QUIET_WIDE``), so
+    took 3 s each time; the placed ones fold more than the flat ones (``segment_plan.QUIET_PLACED``), so
     such a plan alternates between two lattices.
     Segments are not modified by their users."""
     key = (_frozen([getattr(units, f.name) for f in dataclasses.fields(units)]), limit)
@@ -271,19 +329,45 @@ def _build_segments(units: Units, limit: int, deadline: float) -> Optional[List[
     for nbytes, readers in units.hidden_sends:  # no unit: inside wherever a reader is
         for a in range(int(seg_of[readers[0]]), int(seg_of[readers[-1]]) + 1):
             live[a].append((None, nbytes, readers))
-    segments, base_c, base_p, pairs_of = [], 0.0, 0.0, {}
+    segments, base_c, base_p, pairs_of, base_plain = [], 0.0, 0.0, {}, 0.0
     base_s = np.zeros(len(shared))
+    ends, starts = bridged_units(units)
+    own = np.asarray(units.compute, dtype=float)
     for a in range(len(bounds) - 1):
         if time.monotonic() > deadline:
             return None
         lo, hi = bounds[a], bounds[a + 1]
         seg = _segment(units, list(range(lo, hi)), a == 0, hi == n, lattices, live[a], shared, base_c, base_p,
-                       base_s, pairs_of)
+                       base_s, pairs_of, ends)
         if seg is None:
             return None
+        if units.bridged:
+            seg.base_span = straddling(units, lo)
+            seg.start = seg.compute - (seg.member @ ends[lo:hi]) + (seg.member @ starts[lo:hi]) + seg.base_span
+            seg.plain = base_plain + seg.member @ own[lo:hi]
+            base_plain = seg.plain[-1]
         segments.append(seg)
         base_c, base_p, base_s = seg.compute[-1], seg.params[-1], seg.shared[-1]
     return segments
+
+
+def bridged_units(units: Units) -> Tuple[np.ndarray, np.ndarray]:
+    """Per unit, its compute with the ``Units.bridged`` compute at the later unit of each node (a downset
+    holds the node for sure when it holds that one), and with it at the earlier (the node may lie in a
+    downset that holds that one)."""
+    ends = np.asarray(units.compute, dtype=float)
+    starts = ends.copy()
+    for seconds, before, after, _ in units.bridged:
+        ends[after] += seconds
+        starts[before] += seconds
+    return ends, starts
+
+
+def straddling(units: Units, lo: int) -> float:
+    """The ``Units.bridged`` compute of nodes whose earlier unit lies before ``lo`` and later one not,
+    rounded once (``math.fsum``): equal blocks give equal sums whatever order their nodes come in, so
+    their segments compare equal and share the DP's rows (``ChainSolver._segment_ids``)."""
+    return math.fsum(seconds for seconds, before, after, _ in units.bridged if before < lo <= after)
 
 
 def _grouped(bounds: List[int], units: Units, lattices: "_Lattices", target: int = 64) -> Optional[List[int]]:
@@ -310,7 +394,8 @@ def _grouped(bounds: List[int], units: Units, lattices: "_Lattices", target: int
 
 
 def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: "_Lattices", live, shared,
-             base_c: float, base_p: float, base_s: np.ndarray, pairs_of: Dict[tuple, tuple]) -> Optional[Segment]:
+             base_c: float, base_p: float, base_s: np.ndarray, pairs_of: Dict[tuple, tuple],
+             compute_of: np.ndarray) -> Optional[Segment]:
     """One segment's points; ``pairs_of``: (sub_j, sub_i) by membership matrix, shared by the segments of
     repeated blocks (equal points give equal pairs: one copy, worked out once)."""
     masks = lattices.downsets(local, last)
@@ -321,7 +406,7 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
     L = len(local)
     member = lattices.member(masks, L)
     pos = {u: k for k, u in enumerate(local)}
-    compute = base_c + member @ np.asarray([units.compute[u] for u in local], dtype=float)
+    compute = base_c + member @ compute_of[local[0]:local[-1] + 1]
     params = base_p + member @ np.asarray([units.param_bytes[u] for u in local], dtype=float)
     cut = np.zeros(len(masks))
     for unit, nbytes, consumers in live:

@@ -8,8 +8,8 @@ every node costs about a kernel launch, so they stay: a block of the benchmark
 GPT has 1,600 downsets instead of 108 (the bundled H100 profile), a flat DP
 pass over 96 blocks takes about a second, and the bisection, which starts far
 from the optimum, did not close in 10 s (13 % gap at K = 64). (The placed and node-floor DPs of a
-two-level machine, whose passes cost far more, fold them up to 1 % of sum C / K with their compute
-dropped instead: ``segment_plan.QUIET_WIDE``.)
+two-level machine, whose passes cost far more, fold every one of them instead, their compute charged
+where a stage holds both ends of a read: ``segment_plan.QUIET_PLACED``, ``Units.bridged``.)
 
 ``first_plan`` folds those nodes into their producers with their compute
 charged there (a restriction: its plans are real plans), runs the chain DP

@@ -376,14 +376,13 @@ def _shape_reads(share: float, K: int) -> CostGraph:
 def test_placed_dp_folds_cheap_shape_reads_where_the_lattice_is_wide(monkeypatch, model, replication, K):
     """Shape reads that send nothing and cost more than ``segment_plan.QUIET`` of sum C / K kept the
     placed DP's lattice wide (1,588 points a block on the benchmark GPT at 256 devices: a charged pass
-    2.5 s for 8 blocks). The placed and node-floor DPs fold them up to ``QUIET_WIDE`` with their
-    compute dropped, a relaxation: the bound stays under the exact placed optimum (the downset DP on
-    the unfolded graph), the plan is scored on the graph. (On few devices the charged flow folds at
-    ``QUIET`` instead, ``driver.QUIET_UP_TO``: held off here, see the next test.)"""
-    from passes.partition import driver, segment_plan, wide_blocks
+    2.4 s for 8 blocks). The placed and node-floor DPs fold them whatever they cost, their compute
+    bridged (``Units.bridged``), a relaxation: the bound stays under the exact placed optimum (the
+    downset DP on the unfolded graph), the plan is scored on the graph. Proven there, the pass on the
+    finer lattice (``driver._finer``) does not run."""
+    from passes.partition import segment_plan, wide_blocks
     from passes.partition.node_floor import NodeFloorSolver
 
-    monkeypatch.setattr(driver, "QUIET_UP_TO", 0)
     g = _shape_reads(4e-3, K)
     opts = _opts(K, 4, cost_model=model, replication=replication)
     ideal = g.total_compute_s() / K
@@ -408,35 +407,36 @@ def test_placed_dp_folds_cheap_shape_reads_where_the_lattice_is_wide(monkeypatch
 
 
 @pytest.mark.parametrize("model,replication,K", [("pipedream", "any", 16), ("fxpipe", "pow2", 32)])
-def test_charged_flow_on_few_devices_keeps_cheap_shape_reads(monkeypatch, model, replication, K):
-    """On at most ``driver.QUIET_UP_TO`` devices the charged flow (PipeDream's charges, pow2) folds only
-    what costs up to ``segment_plan.QUIET`` of sum C / K: there that sum is large, so the wider fold
-    drops more compute from the bound (a GPU-profiled GPT on 16 and 32 devices: 1.3-2.3 % under the
-    plan), and a pass over the finer lattice is still cheap. Its passes run on the finer lattice (the
-    other on the narrow one), the bound stays under the exact placed optimum and the answer is proven.
-    (On this small graph both folds prove the optimum; the bound's gain shows on the bundled GPU
-    profile, ``tools.bench.partition_scale``.)"""
-    from passes.partition import driver, segment_plan, wide_blocks
-    from passes.partition.node_floor import NodeFloorSolver
+def test_an_unproven_answer_gets_a_pass_on_the_finer_lattice(monkeypatch, model, replication, K):
+    """Where the DPs that fold every shape read leave a gap, ``driver._finer`` runs the charged DP on the
+    lattice that keeps them (wider than ``wide_blocks.WIDE`` here), between the answer's bound and
+    plan: given the best uniform layout and sum C / K, it comes back with a plan or a bound that
+    closes the gap, both on the right side of the exact placed optimum."""
+    from passes.partition import driver, segment_plan, uniform, wide_blocks
+    from passes.partition.result import PartitionResult
 
     g = _shape_reads(4e-3, K)
     opts = _opts(K, 4, cost_model=model, replication=replication)
+    ev, assignment, reps = uniform.best_layout(g, opts)
+    ideal = g.total_compute_s() / K
+    found = PartitionResult(assignment=assignment, replicas=list(reps), stages=ev.stages,
+                            bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
+                            objective_s=ev.bottleneck_s, bound_s=ideal, wall_s=0.0, units=0, method="uniform")
+    widths = []
     real_solve = segment_plan.chain_solve
-    results, default = {}, driver.QUIET_UP_TO
-    for up_to in (default, 0):
-        widths = []
 
-        def recorded(units, segs, o, deadline, score, solver=None, *args, **kw):
-            if isinstance(solver, (PlacedChainSolver, NodeFloorSolver)):
-                widths.append(max(len(s.compute) for s in segs))
-            return real_solve(units, segs, o, deadline, score, solver, *args, **kw)
+    def recorded(units, segs, o, deadline, score, solver=None, *args, **kw):
+        widths.append(max(len(s.compute) for s in segs))
+        return real_solve(units, segs, o, deadline, score, solver, *args, **kw)
 
-        monkeypatch.setattr(segment_plan, "chain_solve", recorded)
-        monkeypatch.setattr(driver, "QUIET_UP_TO", up_to)
-        results[up_to] = partition(g, K, time_limit=20, cost_model=model, replication=replication,
-                                   gpus_per_node=4, intra_bandwidth=B1, bandwidth=B2), max(widths)
-    (fine, fine_width), (_, wide_width) = results[default], results[0]
-    assert fine_width > wide_blocks.WIDE >= wide_width
+    monkeypatch.setattr(segment_plan, "chain_solve", recorded)
+    start = time.monotonic()
+    out = driver._finer(g, opts, start, start + 30, found)
     best = _exact(g, opts)
-    assert fine.bound_s <= best * (1 + 1e-9) and best <= fine.bottleneck_s * (1 + 1e-9)
-    assert fine.status == "OPTIMAL" and fine.method == "segment DP"
+    assert widths and min(widths) > wide_blocks.WIDE  # every pass on the lattice that keeps the reads
+    assert out.bound_s <= best * (1 + 1e-9) and best <= out.bottleneck_s * (1 + 1e-9)
+    assert out.status == "OPTIMAL" and out.bottleneck_s < ev.bottleneck_s
+    assert out.bottleneck_s == pytest.approx(evaluate(g, out.assignment, out.replicas, opts).bottleneck_s)
+    found.status = "OPTIMAL"  # proven already: nothing runs
+    widths.clear()
+    assert driver._finer(g, opts, start, start + 30, found) is found and not widths
