@@ -29,7 +29,7 @@ from passes.partition.downsets import downset_dp
 from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
-from passes.partition.segment_plan import QUIET, chain_plan
+from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition import node_floor, placed, uniform
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -379,9 +379,13 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     near = hand is not None and hand[0].bottleneck_s <= bound * UNIFORM_NEAR
     settle_by = time.monotonic() + (SLOW_SHARE if near else 1.0) * (deadline - time.monotonic())
     slow_opts = flat_bound(opts, fast=False)
+    # only its plans count: every shape read folds with its producer, compute kept (a restriction), so
+    # a pass costs what the placed DPs' do (on a GPU profile at 1,024 devices one pass on the lattice
+    # that keeps them ran past 8 s and 1.3 GB)
     slow = chain_plan(graph, slow_opts, start, deadline, floor=bound, plain=plain, settle_by=settle_by,
                       ceiling=_time_of(graph, hand, slow_opts),
-                      tolerance=SLOW_TOLERANCE if hand is not None else None) \
+                      tolerance=SLOW_TOLERANCE if hand is not None else None,
+                      quiet=QUIET_PLACED, keep_dead=True) \
         if opts.gpus_per_node < opts.devices else None
     # a search capped by the layout may answer its bound alone (no faster plan in its model)
     scored = [(evaluate(graph, r.assignment, r.replicas, opts), r) for r in (fast, slow)
