@@ -41,6 +41,7 @@ SLOW_SHARE = 0.3  # of the time left, for bisecting the bracket's slower model w
 SLOW_TOLERANCE = 5e-3  # ... and where its bisection stops then (the charged DP that follows decides the answer)
 UNIFORM_NEAR = 1.05  # ... and the uniform layout lies within this ratio of the bound (``_bracketed``)
 FINE_LEFT = 0.5  # seconds left at least for the charged DP's pass on the lattice that keeps the shape reads
+FINE_ABOVE = 0.01  # ... and the gap above which it runs (within 1 % it cost CPU rows 7 s and 500 MB for nothing)
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
@@ -316,13 +317,13 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
 def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
            found: Optional[PartitionResult]) -> Optional[PartitionResult]:
-    """``found`` where it is proven; else, with ``FINE_LEFT`` seconds or more left, the charged DP on the
-    lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K), between ``found``'s
+    """``found`` where it is proven within ``FINE_ABOVE``; else, with ``FINE_LEFT`` seconds or more left,
+    the charged DP on the lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K), between ``found``'s
     bound and plan: the DPs before it fold every read (``segment_plan.QUIET_PLACED``), whose bound gives
     up the reads a cut separates from their readers and whose plans keep each read with a producer or
     the stage it was moved to, so their answers may leave a gap that only a finer pass closes (one pass
     1 % under the plan proves it within 1 %). The better plan and the higher bound are kept."""
-    if found is None or found.status == "OPTIMAL" or deadline - time.monotonic() < FINE_LEFT:
+    if found is None or found.gap <= FINE_ABOVE or deadline - time.monotonic() < FINE_LEFT:
         return found
     fine = chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s, quiet=QUIET, plain=True)
     if fine is None:
