@@ -116,6 +116,9 @@ class ChainSolver:
         # ``plain``) and as a start (``start``, ``plain``), a stage the larger difference (``stage_compute``)
         self.two = bool(units.bridged)
         self._pair_cache: dict = {}
+        if units.bridged and units.hidden:  # ``_late``'s room reads one compute per point
+            raise ValueError("units with both Units.bridged and Units.hidden compute: clear hidden (as "
+                             "segment_plan.segment_dp does for the placed DPs) or fold without bridge")
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
@@ -596,7 +599,8 @@ def _stage_sums(units: Units, stage_of: List[int], S: int, bridged: bool = False
     folded into a unit with that unit, one left out like an input with its first reader), never after
     the first stage that forces it in: so a plan's score is never below the T at which the DP, which
     counts that compute too (``ChainSolver._late``), accepts it, and the bisection's upper end
-    stays a T it can reach."""
+    stays a T it can reach. ``bridged``: ``Units.bridged`` compute too, in the unit each node joined
+    (a plan's score; ``pad`` leaves it out, as the DP's charge mostly does)."""
     comp, par = np.zeros(S), np.zeros(S)
     np.add.at(comp, stage_of, units.compute)
     for seconds, forcing, home in units.hidden:

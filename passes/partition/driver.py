@@ -317,12 +317,13 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
 def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
            found: Optional[PartitionResult]) -> Optional[PartitionResult]:
-    """``found`` where it is proven within ``FINE_ABOVE``; else, with ``FINE_LEFT`` seconds or more left,
-    the charged DP on the lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K), between ``found``'s
-    bound and plan: the DPs before it fold every read (``segment_plan.QUIET_PLACED``), whose bound gives
-    up the reads a cut separates from their readers and whose plans keep each read with a producer or
-    the stage it was moved to, so their answers may leave a gap that only a finer pass closes (one pass
-    1 % under the plan proves it within 1 %). The better plan and the higher bound are kept."""
+    """``found`` where it is proven within ``FINE_ABOVE``; else, with ``FINE_LEFT`` seconds or more
+    left, the charged DP on the lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K),
+    between ``found``'s bound and plan. The DPs before it fold every read (``segment_plan.QUIET_PLACED``):
+    their bound gives up the reads a cut separates from their readers, and their plans keep each read
+    with a producer or where ``silent_moves`` put it, so their answers may leave a gap that only a finer
+    pass closes (one pass 1 % under the plan proves it within 1 %). The better plan and the higher
+    bound are kept."""
     if found is None or found.gap <= FINE_ABOVE or deadline - time.monotonic() < FINE_LEFT:
         return found
     fine = chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s, quiet=QUIET, plain=True)

@@ -69,7 +69,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     before any plan, answer the bound proven so far with no plan (status ``BOUND``) rather than None;
     ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``); ``tolerance``: where
     the bisection stops, if not each DP's own (a bound wanted before the charged DP stops sooner);
-    ``quiet``: where nodes that send nothing fold, times sum C / K, if not ``segment_dp``'s own.
+    ``quiet``: where nodes that send nothing fold, times sum C / K, if not ``segment_dp``'s own;
+    ``keep_dead``: their compute (and dead nodes') kept in the units they join, a restriction whose
+    plans score as the DP charged them (``folded_units``): for a search that wants plans, not a bound.
     """
     if opts.memory is not None:
         return None

@@ -162,5 +162,17 @@ def test_repeated_blocks_of_the_bundled_profile_share_segment_ids():
         ideal = g.total_compute_s() / 1024
         units, _ = folded_units(g, opts, tiny=1e-5 * ideal, tiny_silent=math.inf, bridge=True)
         assert units.bridged
+        units.hidden = []  # as ``segment_dp`` leaves them for a placed DP (the solver refuses both)
         distinct.append(len(set(ChainSolver(units, build_segments(units), opts)._segment_ids())))
     assert distinct[0] == distinct[1] <= 8
+
+
+def test_a_solver_refuses_bridged_and_hidden_compute_together():
+    """``ChainSolver._late`` reads one compute per point as a prefix's room; with bridged nodes a point
+    has two, so units holding both kinds are refused with a message that says what to do."""
+    from passes.partition.chain import ChainSolver
+
+    units, _ = folded_units(_shape_reads(0.05, 16), _opts(16, 4), tiny_silent=math.inf, bridge=True)
+    units.hidden = units.hidden or [(1e-6, [0], -1)]
+    with pytest.raises(ValueError, match="clear hidden"):
+        ChainSolver(units, build_segments(units), _opts(16, 4))
