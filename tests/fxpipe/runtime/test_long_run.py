@@ -70,9 +70,12 @@ def _check_bounded(res: Dict[str, Any], layout: Layout, schedule: str) -> None:
         late = [s[key] for s in samples[-third - drain:-drain] if key in s]
         assert early and late, key
         # the executor's counts repeat exactly from step to step; the process's tensor count wobbles by a
-        # few (timing), so there the typical late count is compared: a leak adds one per microbatch or more
+        # few (timing), so there the typical late count is compared, with M of slack: a leak adds one per
+        # microbatch or more, M * STEPS / 3 by the last third (gpipe's stage 1 once read
+        # 24 at most early and 24.5 late in a clean checkout's CI run: 25, 25, 25, 24, 25)
         worst = statistics.median(late) if key == "tensors" else max(late)
-        assert worst <= max(early), (f"stage {stage} {schedule}: {key} grows with the step number: "
+        slack = M if key == "tensors" else 0
+        assert worst <= max(early) + slack, (f"stage {stage} {schedule}: {key} grows with the step number: "
                                      f"at most {max(early)} in the first third of {STEPS} steps, "
                                      f"{worst} in the last ({late[-5:]})")
 
