@@ -305,14 +305,20 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         return bracket
     exact = chain_plan(graph, opts, start, time.monotonic() + CHARGED_SHARE * (deadline - time.monotonic()),
                        *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
-    if exact is not None and not exact.replicas:  # no faster plan than the bracket's, but maybe a higher bound
-        if bracket is not None and exact.bound_s > bracket.bound_s:
-            bracket.bound_s = min(exact.bound_s, bracket.bottleneck_s)
-            bracket.status = "OPTIMAL" if bracket.gap <= OPTIMAL_GAP else "FEASIBLE"
-        found = bracket
-    else:
-        found = bracket if exact is None else (exact if bracket is None else _better(exact, bracket))
-    return _finer(graph, opts, start, deadline, found)
+    return _finer(graph, opts, start, deadline, _merged(bracket, exact))
+
+
+def _merged(found: Optional[PartitionResult], other: Optional[PartitionResult]) -> Optional[PartitionResult]:
+    """``other``'s answer taken into ``found``: a bound alone (no plan faster than ``found``'s, status
+    ``BOUND``) raises ``found``'s bound where higher; a plan competes with ``found``'s (``_better``)."""
+    if other is None:
+        return found
+    if not other.replicas:
+        if found is not None and other.bound_s > found.bound_s:
+            found.bound_s = min(other.bound_s, found.bottleneck_s)
+            found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
+        return found
+    return other if found is None else _better(other, found)
 
 
 def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
@@ -326,15 +332,8 @@ def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
     bound are kept."""
     if found is None or found.gap <= FINE_ABOVE or deadline - time.monotonic() < FINE_LEFT:
         return found
-    fine = chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s, quiet=QUIET, plain=True)
-    if fine is None:
-        return found
-    if not fine.replicas:
-        if fine.bound_s > found.bound_s:
-            found.bound_s = min(fine.bound_s, found.bottleneck_s)
-            found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
-        return found
-    return _better(fine, found)
+    return _merged(found, chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s,
+                                     quiet=QUIET, plain=True))
 
 
 def _time_of(graph: CostGraph, layout, opts: Optional[CostOptions] = None) -> float:

@@ -62,10 +62,10 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     compute to the group they join, for a search whose plans are scored as
     they are (their bound is then lowered by it through ``fold_margin``).
     ``bridge``: a dropped node that sends nothing is listed in ``Units.bridged``
-    with the unit it joined and its earliest reader's, so the segment DP still
-    charges it to every stage that holds both (``Segment.start``): it cannot sit
-    anywhere else. Only the compute of such nodes whose producer and reader a cut
-    separates is then lost to the bound, and such nodes may fold at any cost.
+    with a unit before it and one after it (``bridged_compute``), so the segment
+    DP still charges it to every stage that holds both (``Segment.start``):
+    every plan runs it there. Only the compute of such nodes whose two units a
+    cut separates is then lost to the bound, and such nodes may fold at any cost.
     """
     names = model_nodes(graph, opts)
     index = {n: i for i, n in enumerate(names)}
@@ -128,12 +128,12 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
 
 def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str, List[str]],
                     consumers: Dict[str, set]) -> List[Tuple[float, int, int, int]]:
-    """``Units.bridged`` for the folded nodes that send nothing (``quiet``): (seconds, a unit whose
-    first node is an ancestor of the node, a unit whose first node descends from it, the unit it
-    joined), the latest and the earliest such units. A unit's stage is its first node's (the bound maps a plan of the graph
-    to one of the units that way, ``folded_units``), and a convex plan puts a node no earlier than
-    any ancestor and no later than any descendant: so a stage holding both units holds the node in
-    every plan. A node with no such pair is left out (its compute dropped, as before)."""
+    """``Units.bridged`` for the folded nodes that send nothing (``quiet``): (seconds, the latest unit
+    whose first node is an ancestor of the node, the earliest whose first node descends from it, the
+    unit it joined). A unit's stage is its first node's (the bound maps a plan of the graph to one of
+    the units that way, ``folded_units``), and a convex plan puts a node no earlier than any ancestor
+    and no later than any descendant: so a stage holding both units holds the node in every plan. A
+    node with no such pair, or whose earlier unit is an input's, is left out (its compute dropped)."""
     unit_of = units.unit_of()
     head = {members[0] for members in units.members}
 
@@ -221,7 +221,7 @@ class Segment:
     units: List[int]  # unit indices of the segment
     member: np.ndarray  # (points, len(units)) bool: which segment units each point holds
     compute: np.ndarray  # (points,) compute of the whole downset (prefix included); a stage (j, i) runs at
-    # least ``compute[i] - start[j]``
+    # least ``compute[i] - start[j]`` (and ``plain[i] - plain[j]``, ``chain.stage_compute``)
     params: np.ndarray  # (points,) own (unshared) weight bytes of the whole downset
     cut: np.ndarray  # (points,) bytes crossing out of the downset
     shared: np.ndarray  # (points, n_shared + n_pairs): users of each shared weight inside the downset, then
