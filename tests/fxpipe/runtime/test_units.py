@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -100,6 +101,21 @@ def test_trace_merge(tmp_path) -> None:
     events = [e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == {0, 1} and min(e["ts"] for e in events) == 0
     assert {e["tid"] for e in events if e["name"].startswith("SEND")} == {1}
+
+
+def test_trace_events_carry_the_threads_cpu_time() -> None:
+    """Busy work shows CPU time close to its wall time; sleeping shows wall time and next to no CPU."""
+    t = Tracer(0)
+    with t.span("F0"):
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:
+            pass
+    with t.span("wait x", "wait"):
+        time.sleep(0.03)
+    busy, slept = t.events
+    assert 0 < busy["args"]["cpu_us"] <= busy["dur"] * 1.05 + 50
+    assert busy["args"]["cpu_us"] > 0.3 * busy["dur"]  # a spin loop: most of it on a core even on a loaded machine
+    assert slept["dur"] >= 29000 and slept["args"]["cpu_us"] < 0.3 * slept["dur"]
 
 
 def test_duplicate_tags_are_rejected() -> None:
