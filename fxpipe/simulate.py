@@ -109,15 +109,18 @@ class SimResult:
 def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[ActionCosts], layout: Layout, *,
              bandwidth: Bandwidth = math.inf, latency_s: float = 0.0, overlap_comm: bool = True,
              samples_per_microbatch: int = 1, tied_stages: Optional[Sequence[int]] = None,
-             overhead_s: float = 0.0, post_s: float = 0.0, cores: Optional[int] = None) -> SimResult:
+             overhead_s: float = 0.0, post_s: float = 0.0, post_per_byte_s: float = 0.0,
+             cores: Optional[int] = None) -> SimResult:
     """Run ``schedule`` against ``costs`` (one ``ActionCosts`` per stage).
 
     ``bandwidth``: bytes/s of every channel, or a function of (rank, peer).
 
     ``overhead_s`` is added to every forward, backward and weight-gradient
     action: the runtime's own cost per action (Python dispatch, autograd
-    bookkeeping), which profiles of single operators do not see. ``post_s``:
-    the time a rank spends posting one send or receive. ``cores``: CPU cores
+    bookkeeping), which profiles of single operators do not see. ``post_s``
+    plus ``post_per_byte_s`` times the message's bytes: the CPU one send or
+    receive costs its rank (on gloo the posting and the poster's and gloo's
+    threads moving the bytes, ``fxpipe.runtime.postcost``). ``cores``: CPU cores
     the ranks share (``fxpipe.sharing``); None: one device per rank.
     """
     if len(costs) != layout.num_stages:
@@ -127,7 +130,8 @@ def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[ActionCos
     stretch: Dict[Tuple[int, int], float] = {}
     shared = cores is not None and len(schedule) > cores
     for _ in range(sharing.ROUNDS if shared else 1):
-        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s, stretch)
+        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s,
+                     (post_s, post_per_byte_s), stretch)
         for step in order:
             if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
                 sim.barrier(step.ranks, step.action)
@@ -145,7 +149,7 @@ class _Clock:
                  stretch) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
-        self.overhead_s, self.post_s = overhead_s, post_s
+        self.overhead_s, (self.post_s, self.post_per_byte_s) = overhead_s, post_s
         self.split = {r for r, acts in schedule.items() if any(a.kind is Kind.W for a in acts)}
         self.posted: Dict[Tuple[int, bool, int], List[tuple]] = {}  # (rank, forward?, mb) -> message keys
         self.t = {r: 0.0 for r in schedule}
@@ -204,9 +208,12 @@ class _Clock:
             return int(self.costs[me].send_bytes.get(peer, 0))
         return int(self.costs[peer].send_bytes.get(me, 0))
 
+    def _post_cost(self, nbytes: int) -> float:
+        return self.post_s + self.post_per_byte_s * nbytes
+
     def _send(self, rank: int, a: Action) -> None:
-        if self.post_s:
-            self._add(rank, self.post_s, a, "post")
+        if self.post_s or self.post_per_byte_s:
+            self._add(rank, self._post_cost(self._nbytes(rank, a)), a, "post")
         start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
         rate = self.bandwidth(rank, a.peer) if callable(self.bandwidth) else self.bandwidth
         wire = self._nbytes(rank, a) / rate if rate > 0 else 0.0
@@ -222,7 +229,11 @@ class _Clock:
     def _recv(self, rank: int, a: Action) -> None:
         self.posted.setdefault((rank, a.kind is Kind.RECV_F, a.mb), []).append((a.kind is Kind.RECV_F, a.mb,
                                                                                    a.peer, rank))
-        self._add(rank, self.post_s, a, "recv")
+        me, peer = self.layout.stage_of(rank), self.layout.stage_of(a.peer)
+        # a forward's input comes from the peer's stage; a gradient comes back for what this stage sent
+        nbytes = (self.costs[peer].send_bytes.get(me, 0) if a.kind is Kind.RECV_F
+                  else self.costs[me].send_bytes.get(peer, 0))
+        self._add(rank, self._post_cost(int(nbytes)), a, "recv")
 
     def _wait_messages(self, rank: int, a: Action) -> None:
         """Before ``F m`` / ``B m``: wait until every message posted for it has arrived."""

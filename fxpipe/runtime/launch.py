@@ -206,7 +206,7 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     Printed before training and again beside the measured rate at the end, so a
     user sees at once how far the cost model is from this machine. On CPU the
     optimizer step of each stage is timed here (``fxpipe.runtime.stepcost``),
-    the cost of posting a message is measured (``fxpipe.runtime.postcost``),
+    the CPU a message costs each side is measured (``fxpipe.runtime.postcost``),
     ranks beyond the core count share cores (``fxpipe.sharing``: workers
     run one thread each then, ``launch``), and workers given more than one
     thread (``threads``) run compute faster than the one-thread profile by the
@@ -215,7 +215,7 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     """
     if split.plan is None:
         return None
-    from fxpipe.runtime.postcost import posting_cost_s
+    from fxpipe.runtime.postcost import message_cost_s
     from fxpipe.runtime.stepcost import step_costs
     from fxpipe.runtime.threadcost import thread_speedup
     from fxpipe.simulate import simulate_split
@@ -223,7 +223,10 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     steps = step_costs(split, cfg, threads) if on_cpu else None
     speed = thread_speedup(split, inputs, threads) if on_cpu and threads > 1 and inputs else 1.0
     cores = os.cpu_count() or 1
-    extra = {"post_s": posting_cost_s(), "cores": cores} if on_cpu else {}
+    extra: Dict[str, Any] = {"cores": cores} if on_cpu else {}
+    if on_cpu and world > 1:  # one rank sends nothing
+        post_s, post_per_byte_s = message_cost_s()
+        extra.update(post_s=post_s, post_per_byte_s=post_per_byte_s)
     try:
         sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, compute_scale=1.0 / speed,
                              **extra)
@@ -234,6 +237,9 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     shared = f"; {world} ranks share {cores} cores" if on_cpu and world > cores else ""
     if speed != 1.0:
         shared += f"; {threads} threads per worker run the model {speed:.2f}x as fast as the profile's one"
+    if "post_s" in extra:
+        shared += (f"; a message costs each side {extra['post_s'] * 1e6:.0f} us + "
+                   f"{extra['post_per_byte_s'] * 1e9:.2f} ns/byte of CPU")
     _log(f"predicted {sim.samples_per_s:.1f} samples/s ({cfg.schedule}, {sim.microbatches} microbatches, "
          f"simulated from the profile, {with_step}{shared}; bubble {sim.bubble_fraction:.0%})")
     return sim.samples_per_s

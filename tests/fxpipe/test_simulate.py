@@ -344,3 +344,24 @@ def test_posting_a_message_costs_the_rank_time():
     base = simulate(sched, [ActionCosts(1.0, 2.0)] * 2, lay).step_s
     posted = simulate(sched, [ActionCosts(1.0, 2.0)] * 2, lay, post_s=0.01).step_s
     assert base < posted <= base + 0.01 * sum(a.is_send or a.is_recv for acts in sched.values() for a in acts)
+
+
+def test_each_message_side_is_charged_its_bytes_cpu():
+    """A send and its receive each cost post_s + post_per_byte_s * bytes, gradients the activation's bytes."""
+    lay = Layout.of([1, 1])
+    sched = build_schedule("1f1b-flush", lay, 4, chain(2))
+    costs = [ActionCosts(1.0, 2.0, send_bytes={1: 1000}), ActionCosts(1.0, 2.0)]
+    per_byte = 1e-6  # 1 ms per message side
+
+    def charged(result, activity):
+        return {r: sum(e.end - e.start for e in evs if e.activity == activity) for r, evs in result.events.items()}
+
+    sim = simulate(sched, costs, lay, post_per_byte_s=per_byte)
+    M = 4
+    # stage 0 posts M forward sends and M gradient receives, stage 1 the mirror image: 2M sides of 1,000 bytes
+    assert charged(sim, "post") == pytest.approx({0: M * 1e-3, 1: M * 1e-3})
+    assert charged(sim, "recv") == pytest.approx({0: M * 1e-3, 1: M * 1e-3})
+    base = simulate(sched, costs, lay).step_s
+    assert base < sim.step_s <= base + 2 * M * 2 * 1e-3
+    fixed = simulate(sched, costs, lay, post_s=1e-3)
+    assert charged(fixed, "post") == pytest.approx(charged(sim, "post"))

@@ -9,7 +9,7 @@ rates:
 - *predicted*: what `fxpipe train` prints before training: the plan's
   profiled costs (node times calibrated to the whole model) through
   ``fxpipe.simulate``, plus each stage's optimizer step timed by
-  ``fxpipe.runtime.stepcost``, the measured cost of posting a message
+  ``fxpipe.runtime.stepcost``, the measured CPU each side of a message
   (``fxpipe.runtime.postcost``), with more ranks than cores, ranks
   sharing the cores (``fxpipe.sharing``), and with fewer, the speed-up of
   the threads each worker then runs (``fxpipe.runtime.threadcost``);
