@@ -203,8 +203,10 @@ class _Clock:
             self._add(rank, 0.0, a, "allreduce")
 
     def _nbytes(self, rank: int, a: Action) -> int:
+        """Bytes of the message a send or receive moves: an activation this stage sends forward (and its
+        gradient coming back), or one the peer's stage sends here (and the gradient going back)."""
         me, peer = self.layout.stage_of(rank), self.layout.stage_of(a.peer)
-        if a.kind is Kind.SEND_F:
+        if a.kind in (Kind.SEND_F, Kind.RECV_B):
             return int(self.costs[me].send_bytes.get(peer, 0))
         return int(self.costs[peer].send_bytes.get(me, 0))
 
@@ -212,11 +214,12 @@ class _Clock:
         return self.post_s + self.post_per_byte_s * nbytes
 
     def _send(self, rank: int, a: Action) -> None:
+        nbytes = self._nbytes(rank, a)
         if self.post_s or self.post_per_byte_s:
-            self._add(rank, self._post_cost(self._nbytes(rank, a)), a, "post")
+            self._add(rank, self._post_cost(nbytes), a, "post")
         start = max(self.t[rank], self.channel_free.get((rank, a.peer), 0.0))
         rate = self.bandwidth(rank, a.peer) if callable(self.bandwidth) else self.bandwidth
-        wire = self._nbytes(rank, a) / rate if rate > 0 else 0.0
+        wire = nbytes / rate if rate > 0 else 0.0
         arrive = start + self.latency_s + wire
         self.channel_free[(rank, a.peer)] = arrive
         self.arrival[(a.kind is Kind.SEND_F, a.mb, rank, a.peer)] = arrive
@@ -229,11 +232,7 @@ class _Clock:
     def _recv(self, rank: int, a: Action) -> None:
         self.posted.setdefault((rank, a.kind is Kind.RECV_F, a.mb), []).append((a.kind is Kind.RECV_F, a.mb,
                                                                                    a.peer, rank))
-        me, peer = self.layout.stage_of(rank), self.layout.stage_of(a.peer)
-        # a forward's input comes from the peer's stage; a gradient comes back for what this stage sent
-        nbytes = (self.costs[peer].send_bytes.get(me, 0) if a.kind is Kind.RECV_F
-                  else self.costs[me].send_bytes.get(peer, 0))
-        self._add(rank, self._post_cost(int(nbytes)), a, "recv")
+        self._add(rank, self._post_cost(self._nbytes(rank, a)), a, "recv")
 
     def _wait_messages(self, rank: int, a: Action) -> None:
         """Before ``F m`` / ``B m``: wait until every message posted for it has arrived."""

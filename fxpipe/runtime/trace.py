@@ -7,7 +7,7 @@ merged: ``pid`` is the rank, thread 0 holds compute (``F3``, ``B3``,
 ``RECV_B2<r2``) and thread 2 the time spent blocked waiting for a peer.
 Every event's ``args.cpu_us`` is the CPU time the rank's thread spent in it:
 wall time minus that is time the thread was blocked or waited for a core
-(with more ranks than cores, a forward that took 3 ms of wall for 1.9 ms of
+(with more ranks than cores, a forward that took 2.8 ms of wall for 1.9 ms of
 CPU was descheduled for the rest). A disabled tracer costs one attribute
 check per action.
 """

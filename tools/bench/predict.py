@@ -28,9 +28,10 @@ A fourth column, *compute CPU ÷ profile*, divides the CPU time the ranks'
 threads spent in their forwards and backwards (the trace's ``cpu_us``,
 medians per stage, summed) by the profile's compute for the same stages:
 above 1.00 the model's own work cost more CPU inside the pipeline than the
-profile measured alone (with more ranks than cores, each switch to another
-process costs the incoming one its caches). Workers that run several
-threads leave it out (``–``): the trace counts the calling thread only.
+profile measured alone, below it less (on a machine whose speed drifts
+between the profile and the run, either happens; the prediction's error
+follows it). Workers that run several threads leave it out (``–``): the
+trace counts the calling thread only.
 
 The ratio columns are predicted (or replayed) step time divided by measured
 step time: 1.00 is a perfect prediction; the target is within 15 %.
@@ -39,6 +40,7 @@ This is a benchmark, not a test: it prints a table, nothing asserts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -149,8 +151,6 @@ def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float
 
 def compute_cpu_ratio(folder: Path, schedule: str, M: int) -> float:
     """Σ over stages of the median forward + backward (+ ``W``) CPU seconds in the trace, over the profile's."""
-    import json
-
     data = load_input(str(folder))
     _sim, layout = simulate_input(data, schedule, M)
     costs, _links = costs_from_plan(data.plan, data.graph)
