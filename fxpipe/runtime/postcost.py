@@ -12,7 +12,7 @@ per message, halved, is one side's cost: a fixed part and a part per byte.
 
 Charging only the caller's posting time, as before, missed most of it: on the
 2-core build machine a 128-KiB message cost 310 µs of CPU through the
-posters (both sides) against the ~20 µs the post itself takes.
+posters (both sides) against the 9–14 µs the post itself takes.
 It takes under a second (three rounds of two sizes, ~0.1 s each, and a warm-up); repeated
 measurements on that machine spread by about ±15 % (128 KiB: 115–157 µs a side).
 """
