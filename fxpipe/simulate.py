@@ -130,8 +130,8 @@ def simulate(schedule: Mapping[int, Sequence[Action]], costs: Sequence[ActionCos
     stretch: Dict[Tuple[int, int], float] = {}
     shared = cores is not None and len(schedule) > cores
     for _ in range(sharing.ROUNDS if shared else 1):
-        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s,
-                     (post_s, post_per_byte_s), stretch)
+        sim = _Clock(schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s,
+                     post_per_byte_s, stretch)
         for step in order:
             if len(step.ranks) > 1 or step.action.kind is Kind.ALLREDUCE:
                 sim.barrier(step.ranks, step.action)
@@ -146,10 +146,10 @@ class _Clock:
     """Per-rank clocks, channel availability, message arrivals and memory."""
 
     def __init__(self, schedule, costs, layout, bandwidth, latency_s, overlap_comm, overhead_s, post_s,
-                 stretch) -> None:
+                 post_per_byte_s, stretch) -> None:
         self.costs, self.layout = costs, layout
         self.bandwidth, self.latency_s, self.overlap = bandwidth, latency_s, overlap_comm
-        self.overhead_s, (self.post_s, self.post_per_byte_s) = overhead_s, post_s
+        self.overhead_s, self.post_s, self.post_per_byte_s = overhead_s, post_s, post_per_byte_s
         self.split = {r for r, acts in schedule.items() if any(a.kind is Kind.W for a in acts)}
         self.posted: Dict[Tuple[int, bool, int], List[tuple]] = {}  # (rank, forward?, mb) -> message keys
         self.t = {r: 0.0 for r in schedule}

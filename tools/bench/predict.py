@@ -149,11 +149,17 @@ def measured_costs(trace: Trace, layout: Layout) -> Dict[int, Tuple[float, float
     return out
 
 
+def _setup(folder: Path, schedule: str, M: int):
+    """(the split's saved inputs, their simulation, its layout, the plan's costs and links) for ``folder``."""
+    data = load_input(str(folder))
+    sim, layout = simulate_input(data, schedule, M)
+    costs, links = costs_from_plan(data.plan, data.graph)
+    return data, sim, layout, costs, links
+
+
 def compute_cpu_ratio(folder: Path, schedule: str, M: int) -> float:
     """Σ over stages of the median forward + backward (+ ``W``) CPU seconds in the trace, over the profile's."""
-    data = load_input(str(folder))
-    _sim, layout = simulate_input(data, schedule, M)
-    costs, _links = costs_from_plan(data.plan, data.graph)
+    _data, _sim, layout, costs, _links = _setup(folder, schedule, M)
     events = [e for e in json.loads((folder / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     measured = 0.0
     for j in range(layout.num_stages):
@@ -168,10 +174,8 @@ def compute_cpu_ratio(folder: Path, schedule: str, M: int) -> float:
 
 def replay_rate(folder: Path, schedule: str, M: int) -> float:
     """Samples/s of the simulation replayed on the costs measured in the trace."""
-    data = load_input(str(folder))
-    sim, layout = simulate_input(data, schedule, M)
+    data, sim, layout, costs, links = _setup(folder, schedule, M)
     pick = (lambda r: r.steady_samples_per_s) if schedule == "1f1b-stash" else (lambda r: r.samples_per_s)
-    costs, links = costs_from_plan(data.plan, data.graph)
     trace = load_trace(str(folder / "trace.json"))
     med = measured_costs(trace, layout)  # compute, waits excluded
     costs = [replace(c, fwd_s=med[j][0], bwd_s=med[j][1] + med[j][3], step_s=med[j][2],
