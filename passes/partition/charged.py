@@ -7,6 +7,13 @@ that crosses nodes splits over them (so on the offset it starts at), and
 state (fewest devices per point and offset within a node) but tries each
 candidate count at every offset with the exact charge; ``solver_for`` picks
 between the two.
+
+With ``exact_cuts`` (``pow2`` only) the state also holds the class of the
+previous stage's replica count, so a stage added after it is charged the cut
+between the two as their ranks pay it (``offsets.cut_load_table``) rather than
+each side at the least any neighbour allows; a pass then keeps log2 K + 1
+times the states (``driver._cuts_exact`` runs it where the plain pass leaves
+more than 1 % open).
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
                                         stage_time_s, tied_floor_s)
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
-from passes.partition.offsets import EPS, cut_floors
+from passes.partition.offsets import EPS, cut_floors, cut_load_table
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
@@ -93,7 +100,7 @@ class ChargedChainSolver(PlacedChainSolver):
 
     SPLIT_HOLDERS = False  # its candidate windows assume every count of a stage is open
 
-    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
+    def __init__(self, units: Units, segments: List[Segment], opts: CostOptions, exact_cuts: bool = False) -> None:
         super().__init__(units, segments, opts)
         K, G = opts.devices, self.G
         if K >= _LOW:
@@ -110,6 +117,14 @@ class ChargedChainSolver(PlacedChainSolver):
         self._floor = NodeFloor(opts) if node_floor_applies(opts) else None
         # under PipeDream's charges with any count, pairs settle from some count on (``_settled``)
         self._settles = opts.cost_model == "pipedream" and opts.replication == "any"
+        if exact_cuts:  # the previous stage's count joins the state: cuts charged exactly
+            if opts.replication != "pow2":
+                raise FxpipeError("partition: exact cut charges need --replication pow2 (a state per count)")
+            allowed = opts.allowed_replicas()
+            self.R = len(allowed)
+            self._class = np.full(K + 1, -1, dtype=np.int64)
+            self._class[allowed] = np.arange(self.R)
+            self._cut_load = cut_load_table(tuple(allowed), G, float(opts.intra_bw), float(opts.bandwidth))
 
     def _stage_intervals(self, stages, T: float) -> _Charged:
         C, params, cut_in, cut_out, tied, first, last, shares, flags = stages
@@ -225,25 +240,26 @@ class ChargedChainSolver(PlacedChainSolver):
             & (exact[None, :] | (ch.hi - ch.lo >= span)[:, None])
         return cols, inside & (ch.lo[:, None] <= self.opts.devices), exact
 
-    def _charged_targets(self, rows, s, ch: _Charged, T: float, room=None, known=None):
-        """``_charged_best`` unpacked: per pair and end offset the fewest devices after the stage (> K:
-        none), the source offset and the replicas."""
-        best = self._charged_best(rows, s, ch, T, room, known)
+    def _charged_targets(self, rows, s, ch: _Charged, T: float, room=None, known=None, cuts=None):
+        """``_charged_best`` unpacked: per pair and end state the fewest devices after the stage (> K:
+        none), the source state and the replicas."""
+        best = self._charged_best(rows, s, ch, T, room, known, cuts)
         return best >> _VAL, best & _LOW, (best >> _REPS) & _LOW
 
-    def _charged_best(self, rows, s, ch: _Charged, T: float, room=None, known=None):
+    def _charged_best(self, rows, s, ch: _Charged, T: float, room=None, known=None, cuts=None):
         """For pairs (source row s of ``rows``, their ``_Charged``): per end offset (last axis) the fewest
         devices after the stage (> K: none), the replicas and the source offset, packed (``_packed``). ``room``: per
         pair, the most devices its end point may hold (K less what the compute after it needs at T:
         the pass drops more at once, ``PlacedChainSolver._needed``); counts past it are not tried.
         ``known``: whether each pair fits with each candidate count at each start offset, worked out
-        before (``_known_fits``), else worked out here for the counts tried."""
+        before (``_known_fits``), else worked out here for the counts tried. ``cuts``: the bytes cut
+        at each row's point, where the state holds the previous stage's count (``_column_loop``)."""
         K, G = self.opts.devices, self.G
         n = s.size
         room = np.full(n, K, dtype=np.int64) if room is None else room
         settled = self._settled(rows, s, ch)
         if settled is None:
-            return self._column_loop(rows, s, ch, T, room, known, None)
+            return self._column_loop(rows, s, ch, T, room, known, None, cuts)
         # those pairs' counts from ``first`` on are done: the loop tries those below, for the pairs that have any
         none = _packed(K + 1, 0, 0)
         done, got = settled
@@ -260,21 +276,25 @@ class ChargedChainSolver(PlacedChainSolver):
             best[loop] = np.minimum(best[loop], part)
         return best
 
-    def _column_loop(self, rows, s, ch, T: float, room, known, below):
+    def _column_loop(self, rows, s, ch, T: float, room, known, below, cuts=None):
         """``_charged_targets``'s candidate counts tried one column at a time, for pairs (source row s of
         ``rows``, their ``_Charged``; ``below``: per pair, counts from it on are settled already, or None):
-        per pair and end offset the best packed (devices, replicas, source offset)."""
+        per pair and end state the best packed (devices, replicas, source state).
+
+        Where the state holds the previous stage's count (``R`` classes, pow2: ``_entering``), a count of
+        class q reads, per source row and start offset, the fewest devices over the classes whose
+        cut into it (``cuts``, the row's bytes) meets T, and writes the states of class q."""
         K, G = self.opts.devices, self.G
         # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
         # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
         # tried, as the columns rise), whose source offset follows from it
-        best = np.full((s.size, G), _packed(K + 1, 0, 0), dtype=np.int64)
+        best = np.full((s.size, G * self.R), _packed(K + 1, 0, 0), dtype=np.int64)
         cols, inside, exact = self._candidates(ch)
         if below is not None:
             inside = inside & (cols < below[:, None])
         same = self.opts.replication == "pow2"  # one count per column: every pair shifts offsets alike
-        dev = rows[s]
-        least = dev.min(axis=1)
+        dev = rows[s] if self.R == 1 else None
+        least = rows.min(axis=1)[s]
         for w in range(cols.shape[1]):
             if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
                 raise DeadlineExceeded()
@@ -291,13 +311,34 @@ class ChargedChainSolver(PlacedChainSolver):
                 if not keep.size:
                     continue
                 live, r, fits = live[keep], (r if same else r[keep]), fits[keep]
-            after = np.take(dev, live, axis=0) + r
-            tot = np.where(fits & (after <= room[live, None]), after, K + 1)
             pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
             src = pay & _LOW
-            got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
-            best[live] = np.minimum(np.take(best, live, axis=0), (got << _VAL) | pay)
+            if self.R == 1:
+                after = np.take(dev, live, axis=0) + r
+                tot = np.where(fits & (after <= room[live, None]), after, K + 1)
+                got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
+                best[live] = np.minimum(np.take(best, live, axis=0), (got << _VAL) | pay)
+                continue
+            q = int(self._class[int(r[0, 0])])
+            entered, came = self._entering(rows, cuts, q, T)
+            after = entered[s[live]] + r
+            tot = np.where(fits & (after <= room[live, None]), after, K + 1)
+            got = tot[:, src[0]]
+            state = came[s[live]][:, src[0]] * G + src[0]  # the source state: class, then offset
+            band = slice(q * G, (q + 1) * G)
+            best[live, band] = np.minimum(best[live, band], (got << _VAL) | (pay & ~_LOW) | state)
         return best
+
+    def _entering(self, rows, cuts, q: int, T: float):
+        """Per source row and start offset, the fewest devices over the previous stage's classes whose
+        cut into a stage of class q meets T there (``offsets.cut_load_table``: both sides' ranks and
+        nodes known, so the cut is charged exactly), and that class."""
+        n, K = rows.shape[0], self.opts.devices
+        by_class = rows.reshape(n, self.R, self.G)
+        ok = cuts[:, None, None] * self._cut_load[None, :, q, :] <= T * (1 + EPS)
+        held = np.where(ok, by_class, K + 1)
+        came = held.argmin(axis=1)
+        return np.take_along_axis(held, came[:, None, :], axis=1)[:, 0, :], came
 
     def _settled(self, rows, s, ch: _Charged):
         """Under PipeDream's charges and any count, the pairs whose stage fits at every offset from some
@@ -344,7 +385,9 @@ class ChargedChainSolver(PlacedChainSolver):
         ch = self._pool_stages(pool, seg, T)
         rows = dev_all[ids]
         room = None if rest is None else np.broadcast_to(K - np.append(rest, 0)[None, :], (n, d + 1)).ravel()
-        best = self._charged_best(rows, np.repeat(np.arange(n), d + 1), ch, T, room).reshape(n, d + 1, -1)
+        cuts = np.where(ids == 0, 0.0, pool[4])  # no stage before the first: nothing cut into it
+        best = self._charged_best(rows, np.repeat(np.arange(n), d + 1), ch, T, room,
+                                  cuts=cuts).reshape(n, d + 1, -1)
         val = best >> _VAL  # the rest unpacked only where a source wins
         reach = (val[:, d, :] <= K).any(axis=1)
         row = val[:, :d].argmin(axis=0)  # (d, G)
@@ -361,11 +404,14 @@ class ChargedChainSolver(PlacedChainSolver):
         ``_charged_targets``."""
         j = seg.sub_j
         ch = self._near_intervals(seg, off, T)
+        cuts = np.asarray(seg.cut, dtype=float).copy()
+        if off == 0:
+            cuts[0] = 0.0  # no stage before the first: nothing cut into it
         for pairs, starts, targets in self._levels(seg):
             room = None if rest is None else self.opts.devices - rest[seg.sub_i[pairs]]
             some = ch.take(pairs)
             val, from_m, reps = self._charged_targets(dev, j[pairs], some, T, room,
-                                                      self._known_fits(ch, pairs, some, T))
+                                                      self._known_fits(ch, pairs, some, T), cuts)
             keyed = val * (1 << 32) + np.arange(pairs.size)[:, None]
             mins = np.minimum.reduceat(keyed, starts, axis=0)
             best_val, idx = mins >> 32, mins & ((1 << 32) - 1)
@@ -459,9 +505,11 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
     return np.where(fits, np.maximum(lo if grid is None else grid[np.minimum(lo, top)], 1), K + 1)
 
 
-def solver_for(units: Units, segments: List[Segment], opts: CostOptions) -> PlacedChainSolver:
+def solver_for(units: Units, segments: List[Segment], opts: CostOptions,
+               exact_cuts: bool = False) -> PlacedChainSolver:
     """The placed DP for ``opts``: interval look-ups where fxpipe's charges allow them (any count),
-    else every candidate count tried at every offset (``ChargedChainSolver``)."""
-    if opts.cost_model == "fxpipe" and opts.replication == "any":
+    else every candidate count tried at every offset (``ChargedChainSolver``); ``exact_cuts`` (pow2
+    only): with the previous stage's count in the state."""
+    if opts.cost_model == "fxpipe" and opts.replication == "any" and not exact_cuts:
         return PlacedChainSolver(units, segments, opts)
-    return ChargedChainSolver(units, segments, opts)
+    return ChargedChainSolver(units, segments, opts, exact_cuts)

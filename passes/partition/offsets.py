@@ -10,11 +10,13 @@ devices after the stage at every end offset with a handful of array look-ups.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import lru_cache
+from typing import NamedTuple, Tuple
 
 import numpy as np
 
 from passes.partition.costmodel import CostOptions, fastest_index
+from passes.partition.topology import span_load
 
 EPS = 1e-12
 
@@ -207,3 +209,17 @@ def targets(src: Sources, s, st: Stages, G: int, K: int, want_from: bool = False
     if not want_from:
         return val
     return val, from_m, val - src.dev[s[:, None], from_m]
+
+
+@lru_cache(maxsize=16)
+def cut_load_table(counts: Tuple[int, ...], G: int, intra: float, inter: float) -> np.ndarray:
+    """``[p, q, m]``: seconds per byte cut (forward and backward) between a stage of ``counts[p]``
+    replicas that ends at offset m of a node and the stage of ``counts[q]`` that starts there, under
+    the contiguous placement (``topology.span_load``; only the offsets within a node matter)."""
+    R = len(counts)
+    out = np.empty((R, R, G))
+    for p, rp in enumerate(counts):
+        for q, rq in enumerate(counts):
+            for m in range(G):
+                out[p, q, m] = 2.0 * span_load((m - rp) % G, rp, rq, G, intra, inter)
+    return out

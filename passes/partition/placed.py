@@ -23,7 +23,9 @@ than trying every offset pair.
 Each cut is charged the least any placement allows (``offsets.cut_floors``: B2 on a
 side with a rank whose partners all sit in other nodes, else B1): T
 infeasible is still a proof, and the plan found is scored placed by the
-caller (``costmodel.evaluate``). Where no cut limits the bottleneck
+caller (``costmodel.evaluate``). (``charged.py``'s ``exact_cuts`` puts the
+previous stage's count in the state, ``R`` classes of it beside the G offsets,
+and charges each cut exactly.) Where no cut limits the bottleneck
 (activations are small against the weights' all-reduce) the plan meets T and
 the bound is exact. A prefix that leaves more compute than its spare devices
 can run within T (every later stage needs compute / T replicas) is dropped,
@@ -99,6 +101,7 @@ class PlacedChainSolver(ChainSolver):
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions) -> None:
         super().__init__(units, segments, opts)
         self.G = int(opts.gpus_per_node)
+        self.R = 1  # classes of the previous stage's count in the state (``charged.py`` keeps them under pow2)
         self.flat = (flat_bound(opts, fast=True), flat_bound(opts, fast=False))  # every link at B1 / at B2
         self.end_offset = 0
         self._near_stages: Dict[int, tuple] = {}
@@ -268,17 +271,18 @@ class PlacedChainSolver(ChainSolver):
     def _needed(self, T: float, deadline: float = math.inf):
         """``devices_needed`` with the tied weight's holders held to ``holders``."""
         K, G = self.opts.devices, self.G
+        S = G * self.R  # states per point: offset within a node, and the previous stage's count class
         self.deadline = deadline  # a charged pass also checks it inside a segment (``charged.py``)
         total = self.offsets[-1]
-        dev_all = np.full((total, G), K + 1, dtype=np.int64)
-        back = np.zeros((total, G, 3), dtype=np.int64)
+        dev_all = np.full((total, S), K + 1, dtype=np.int64)
+        back = np.zeros((total, S, 3), dtype=np.int64)
         pool = None  # earlier points that may still start a stage (``_from_pool``)
         for a, seg in enumerate(self.segs):
             if time.monotonic() > deadline:
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
-            dev = np.full((d, G), K + 1, dtype=np.int64)
-            src_b = np.zeros((d, G, 3), dtype=np.int64)
+            dev = np.full((d, S), K + 1, dtype=np.int64)
+            src_b = np.zeros((d, S, 3), dtype=np.int64)
             if a == 0:
                 dev[0, 0] = 0
             rest = self._rest(seg, T)  # prefixes that cannot finish are dropped (``ChainSolver._rest``)
@@ -297,8 +301,8 @@ class PlacedChainSolver(ChainSolver):
         last = dev_all[-1]
         if self.opts.fewer_devices:
             self.end_offset = int(last.argmin())
-        else:
-            self.end_offset = 0
+        else:  # K devices end on a node boundary: offset 0, whatever the last stage's count
+            self.end_offset = int(last[::G].argmin()) * G
         return int(last[self.end_offset]), back
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):

@@ -44,7 +44,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
-           keep_dead: bool = False) -> Optional[PartitionResult]:
+           keep_dead: bool = False, exact_cuts: bool = False) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -72,13 +72,15 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     ``quiet``: where nodes that send nothing fold, times sum C / K, if not ``segment_dp``'s own;
     ``keep_dead``: their compute (and dead nodes') kept in the units they join, a restriction whose
     plans score as the DP charged them (``folded_units``): for a search that wants plans, not a bound.
+    ``exact_cuts``: the placed DP keeps the previous stage's replica count in its state (``pow2``;
+    ``charged.ChargedChainSolver``), so every cut is charged as the plan's ranks pay it.
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
     found = searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                     quiet=quiet)
+                     quiet=quiet, exact_cuts=exact_cuts)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -291,13 +293,13 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
-              pieces: int = 1):
+              pieces: int = 1, exact_cuts: bool = False):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                        quiet=quiet)
+                        quiet=quiet, exact_cuts=exact_cuts)
     if solved is None:
         return None
     units, found, margin = solved
@@ -311,7 +313,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
-                quiet: Optional[float] = None):
+                quiet: Optional[float] = None, exact_cuts: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
@@ -344,7 +346,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, stage_count.StageCountSolver(units, segs, opts),
                             bound_only=bound_only)
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
-        found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts),
+        found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts, exact_cuts),
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
                             bound_only=bound_only, plan_by=plan_by)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count

@@ -107,15 +107,15 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
     ideal = sum(units.compute) / opts.devices
     real, skipped = ChargedChainSolver._charged_best, []
 
-    def counting(self, rows, s, ch, T, room=None, known=None):
+    def counting(self, rows, s, ch, T, room=None, known=None, cuts=None):
         cols, inside, _ = self._candidates(ch)
         after = rows[s].min(axis=1)[:, None] + cols  # the fewest devices each tried count can end on
         tried = inside & (after <= self.opts.devices)
         skipped.append(0 if room is None else int((tried & (after > room[:, None])).sum()))
-        return real(self, rows, s, ch, T, room, known)
+        return real(self, rows, s, ch, T, room, known, cuts)
 
-    def every_count(self, rows, s, ch, T, room=None, known=None):
-        return real(self, rows, s, ch, T, known=known)
+    def every_count(self, rows, s, ch, T, room=None, known=None, cuts=None):
+        return real(self, rows, s, ch, T, known=known, cuts=cuts)
 
     answers = {}
     for name, targets in (("room", counting), ("all", every_count)):
@@ -254,3 +254,68 @@ def test_rising_over_allowed_counts_is_the_least_allowed_from_which_all_fit(mode
                         break
                     want[i] = counts[j]
             assert np.array_equal(got, want), (T, np.nonzero(got != want))
+
+
+def _crossing_chain():
+    """input -> s0 (1.8 ms, 8 MB of weights) -> a (4 ms) -> b (1 ms) -> c (1 ms) -> output, with 22.5
+    MB cut after ``a``: on 8 devices in nodes of 4 at 1 ms, 2 + 4 + 1 + 1 replicas are the only
+    counts (one stage of 8 syncs s0's weights across nodes: 2.1 ms), so ``a`` sits on ranks 2-5
+    across the node boundary and ``b``'s one rank receives from two ranks in each node (2.0 ms);
+    each side alone, at its cheapest, looks like 0.9 and 0.45 ms."""
+    from passes.costgraph import CostGraph, CostNode
+
+    spec = [("n0", 0.0, 1000, 0), ("s0", 1.8e-3, 1000, 8_000_000), ("a", 4e-3, 22_500_000, 0),
+            ("b", 1e-3, 1000, 0), ("c", 1e-3, 1000, 0), ("out", 0.0, 0, 0)]
+    nodes = {name: CostNode(name=name, op="placeholder" if name == "n0" else "output" if name == "out"
+                            else "call_module", target="t", fwd_s=c / 3, bwd_s=2 * c / 3, out_bytes=nb,
+                            param_bytes=pb, is_input=name == "n0") for name, c, nb, pb in spec}
+    names = [name for name, *_ in spec]
+    return CostGraph(nodes=nodes, edges=list(zip(names, names[1:])))
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+def test_exact_cuts_charge_a_rank_whose_partners_sit_in_two_nodes(model):
+    """With the previous stage's count in the state (``exact_cuts``) the pass charges the cut into
+    ``b`` as its ranks pay it: 1 ms is infeasible, and the fewest devices at the optimum (the placed
+    downset DP, exact for ``evaluate``) and just under it are what that DP says; the plain pass takes
+    1 ms for feasible (each side at its cheapest), so only the exact one proves the optimum."""
+    from tests.passes.test_placed import _exact
+
+    g = _crossing_chain()
+    opts = _opts(8, 4, cost_model=model, replication="pow2")
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    plain, exact = ChargedChainSolver(units, segs, opts), ChargedChainSolver(units, segs, opts, exact_cuts=True)
+    assert plain.devices_needed(1e-3 * (1 + 1e-9))[0] <= 8
+    assert exact.devices_needed(1e-3 * (1 + 1e-9))[0] > 8
+    best = _exact(g, opts)
+    assert best > 1.005e-3
+    assert exact.devices_needed(best * (1 + 1e-9))[0] <= 8
+    assert exact.devices_needed(best * (1 - 1e-6))[0] > 8
+
+
+def test_exact_cuts_refused_without_pow2():
+    opts = _opts(16, 4, replication="any")
+    units, _ = folded_units(_crossing_chain(), opts)
+    with pytest.raises(FxpipeError, match="pow2"):
+        ChargedChainSolver(units, build_segments(units), opts, exact_cuts=True)
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+@pytest.mark.parametrize("seed,K,G", [(s, K, G) for s in range(4) for K, G in ((8, 4), (16, 4), (8, 2), (16, 8))])
+def test_exact_cuts_bound_meets_the_placed_optimum_on_chains(model, seed, K, G):
+    """On weightless-enough chains with heavy cuts (nothing folds, no tied weight), the exact-cut pass's
+    feasibility flips at the optimum of the placed downset DP: never infeasible at it (the bound stays
+    a bound), never feasible just under it."""
+    import random
+
+    from tests.passes.test_partition import make_graph
+    from tests.passes.test_placed import _exact, _light_cuts
+
+    g = _light_cuts(make_graph(8, [(i, i + 1) for i in range(7)], random.Random(50 + seed), output=True), 4.0)
+    opts = _opts(K, G, cost_model=model, replication="pow2")
+    units, _ = folded_units(g, opts)
+    solver = ChargedChainSolver(units, build_segments(units), opts, exact_cuts=True)
+    best = _exact(g, opts)
+    assert solver.devices_needed(best * (1 + 1e-9))[0] <= K
+    assert solver.devices_needed(best * (1 - 1e-6))[0] > K

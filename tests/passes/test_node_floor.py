@@ -230,6 +230,8 @@ def test_pow2_any_dp_starts_from_the_floor(monkeypatch):
     monkeypatch.setattr(driver, "chain_plan", plan)
     monkeypatch.setattr(placed.PlacedChainSolver, "devices_needed", needed)
     monkeypatch.setattr(driver, "CHARGED_SHARE", 0.0)
+    monkeypatch.setattr(driver, "POW2_SHARE", 0.0)
+    monkeypatch.setattr(driver, "EXACT_SHARE", 0.0)
     driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
     assert floors and tried
     assert min(tried) > floors[0]

@@ -325,6 +325,8 @@ def test_pow2_floored_by_the_any_dp_when_the_charged_dp_is_cut_off(monkeypatch):
     proven = driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
     assert proven.status == "OPTIMAL"
     monkeypatch.setattr(driver, "CHARGED_SHARE", 0.0)
+    monkeypatch.setattr(driver, "POW2_SHARE", 0.0)
+    monkeypatch.setattr(driver, "EXACT_SHARE", 0.0)
     res = driver._placed_chain(g, opts, time.monotonic(), time.monotonic() + 60)
     relaxed = chain_plan(g, dataclasses.replace(opts, replication="any"), time.monotonic(), math.inf)
     bracket = driver._bracketed(g, opts, time.monotonic(), math.inf, plain=True)
@@ -348,7 +350,8 @@ def test_charged_pass_stops_at_the_deadline_inside_a_segment(model, replication)
     solver = ChargedChainSolver(units, segs, opts)
     seg = next(s for s in segs if s.sub_j.size)
     d, T = len(seg.compute), 1.5 * sum(units.compute) / opts.devices
-    dev, src = np.zeros((d, 8), dtype=np.int64), np.zeros((d, 8, 3), dtype=np.int64)
+    S = 8 * solver.R  # states per point: offset in a node (and, under pow2, the previous stage's count)
+    dev, src = np.zeros((d, S), dtype=np.int64), np.zeros((d, S, 3), dtype=np.int64)
     solver._inside(seg, 0, T, dev.copy(), src.copy())  # runs with no deadline set
     solver.deadline = time.monotonic() - 1.0
     with pytest.raises(DeadlineExceeded):
@@ -440,3 +443,24 @@ def test_an_unproven_answer_gets_a_pass_on_the_finer_lattice(monkeypatch, model,
     found.bound_s = found.bottleneck_s / 1.005  # proven within 1 % already: nothing runs
     widths.clear()
     assert driver._finer(g, opts, start, start + 30, found) is found and not widths
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+def test_exact_cut_pass_proves_what_the_plain_charged_dp_leaves_open(model):
+    """The plain charged DP charges each side of the cut into a one-replica stage fed from two nodes at
+    its cheapest, so its bound stays 1.2 % under its plan (``test_charged._crossing_chain``);
+    ``driver._cuts_exact`` (the previous stage's count in the state) proves the plan OPTIMAL, and
+    leaves an answer already within 1 %, or not under pow2, as it was."""
+    from passes.partition import driver
+    from tests.passes.test_charged import _crossing_chain
+
+    g = _crossing_chain()
+    opts = _opts(8, 4, cost_model=model, replication="pow2")
+    plain = chain_plan(g, opts, time.monotonic(), math.inf, plain=True)
+    assert plain.gap > 0.01
+    proven = driver._cuts_exact(g, opts, time.monotonic(), time.monotonic() + 30, dataclasses.replace(plain))
+    assert proven.status == "OPTIMAL" and proven.bottleneck_s <= plain.bottleneck_s
+    assert proven.bound_s <= _exact(g, opts) * (1 + 1e-9)
+    untouched = driver._cuts_exact(g, dataclasses.replace(opts, replication="any"), time.monotonic(),
+                                   time.monotonic() + 30, dataclasses.replace(plain))
+    assert untouched.bound_s == plain.bound_s

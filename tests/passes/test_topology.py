@@ -157,3 +157,34 @@ def test_memory_limit_with_a_topology():
     res = partition(g, 4, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=2, memory=limit, time_limit=10)
     assert max(s.memory_bytes for s in res.stages) <= limit
     assert res.bottleneck_s >= free.bottleneck_s * (1 - 1e-9)
+
+
+def test_span_load_is_pair_load_of_contiguous_stages():
+    """The O(r) count by residue class and node (``span_load``) against the pair matrix (``pair_load``)."""
+    import random
+
+    from passes.partition.topology import pair_load, span_load
+
+    rng = random.Random(3)
+    for _ in range(500):
+        G, ra, rb, first = rng.choice([1, 2, 3, 4, 8]), rng.randint(1, 40), rng.randint(1, 40), rng.randint(0, 50)
+        if rng.random() < 0.3:
+            ra, rb = 2 ** rng.randint(0, 6), 2 ** rng.randint(0, 6)
+        want = pair_load(list(range(first, first + ra)), list(range(first + ra, first + ra + rb)), G, 1e11, 1.25e10)
+        assert span_load(first, ra, rb, G, 1e11, 1.25e10) == pytest.approx(want, rel=1e-12)
+
+
+def test_cut_load_table_is_the_placed_cut_per_byte():
+    """Entry [p, q, m] of ``offsets.cut_load_table`` times the bytes is ``cut_at`` for a stage of
+    counts[p] replicas ending at offset m followed by one of counts[q]."""
+    from passes.partition.costmodel import CostOptions, cut_at
+    from passes.partition.offsets import cut_load_table
+
+    opts = CostOptions(devices=64, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
+    counts = (1, 2, 4, 8, 16, 32)
+    table = cut_load_table(counts, 8, 1e11, 1.25e10)
+    for p, rp in enumerate(counts):
+        for q, rq in enumerate(counts):
+            for m in range(8):
+                first = 8 * 8 + m - rp  # any node: only the offset matters
+                assert table[p, q, m] * 1e6 == pytest.approx(cut_at(1e6, first, rp, rq, opts), rel=1e-12)
