@@ -247,8 +247,9 @@ class ChargedChainSolver(PlacedChainSolver):
         return best >> _VAL, best & _LOW, (best >> _REPS) & _LOW
 
     def _charged_best(self, rows, s, ch: _Charged, T: float, room=None, known=None, cuts=None):
-        """For pairs (source row s of ``rows``, their ``_Charged``): per end offset (last axis) the fewest
-        devices after the stage (> K: none), the replicas and the source offset, packed (``_packed``). ``room``: per
+        """For pairs (source row s of ``rows``, their ``_Charged``): per end state (last axis: the offset,
+        times the previous count's classes with ``exact_cuts``) the fewest devices after the stage (> K:
+        none), the replicas and the source state, packed (``_packed``). ``room``: per
         pair, the most devices its end point may hold (K less what the compute after it needs at T:
         the pass drops more at once, ``PlacedChainSolver._needed``); counts past it are not tried.
         ``known``: whether each pair fits with each candidate count at each start offset, worked out

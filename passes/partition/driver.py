@@ -255,7 +255,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
     DP gets ``CHARGED_SHARE`` of the time left when the bracket does not prove its plan (CP-SAT the
-    rest); the better plan and the higher bound are kept (both are bounds of the placed model; the
+    rest; under ``pow2`` ``POW2_SHARE``, then the exact-cut pass of ``_cuts_exact`` where more than
+    1 % stays open); the better plan and the higher bound are kept (both are bounds of the placed model; the
     charged DP may answer a bound alone, when none of its passes found a faster plan). Under
     ``pow2`` with fxpipe's charges two bounds come first, and the higher is kept: the flat DP with
     each all-reduce floored at the nodes it must cross (``node_floor.py``, ``FLOOR_SHARE`` of the
