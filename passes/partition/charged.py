@@ -294,8 +294,8 @@ class ChargedChainSolver(PlacedChainSolver):
         if below is not None:
             inside = inside & (cols < below[:, None])
         same = self.opts.replication == "pow2"  # one count per column: every pair shifts offsets alike
-        dev = rows[s] if self.R == 1 else None
         least = rows.min(axis=1)[s]
+        entered, came = rows, None  # per source row and start offset, the fewest devices (and their class)
         for w in range(cols.shape[1]):
             if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
                 raise DeadlineExceeded()
@@ -314,20 +314,17 @@ class ChargedChainSolver(PlacedChainSolver):
                 live, r, fits = live[keep], (r if same else r[keep]), fits[keep]
             pay = self._payload[r[:, 0]]  # replicas and, per end offset, the offset the stage starts at
             src = pay & _LOW
-            if self.R == 1:
-                after = np.take(dev, live, axis=0) + r
-                tot = np.where(fits & (after <= room[live, None]), after, K + 1)
-                got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
-                best[live] = np.minimum(np.take(best, live, axis=0), (got << _VAL) | pay)
-                continue
-            q = int(self._class[int(r[0, 0])])
-            entered, came = self._entering(rows, cuts, q, T)
+            band = slice(None)
+            if self.R > 1:  # pow2: one count, so one class q, per column
+                q = int(self._class[int(r[0, 0])])
+                entered, came = self._entering(rows, cuts, q, T)
+                band = slice(q * G, (q + 1) * G)
             after = entered[s[live]] + r
             tot = np.where(fits & (after <= room[live, None]), after, K + 1)
-            got = tot[:, src[0]]
-            state = came[s[live]][:, src[0]] * G + src[0]  # the source state: class, then offset
-            band = slice(q * G, (q + 1) * G)
-            best[live, band] = np.minimum(best[live, band], (got << _VAL) | (pay & ~_LOW) | state)
+            got = tot[:, src[0]] if same else np.take_along_axis(tot, src, axis=1)
+            if came is not None:  # the source state: its class, then its offset
+                pay = (pay & ~_LOW) | (came[s[live]][:, src[0]] * G + src[0])
+            best[live, band] = np.minimum(best[live, band], (got << _VAL) | pay)
         return best
 
     def _entering(self, rows, cuts, q: int, T: float):

@@ -323,7 +323,7 @@ def _cuts_exact(graph: CostGraph, opts: CostOptions, start: float, deadline: flo
     one) its passes find "plans" that score far above their T, and no pass can prove the plan in hand
     (8 H100-profiled blocks on 256 devices: "plans" at 0.082 ms scoring 0.118 ms, 2.7 % left open).
     With the count in the state every cut is charged as its ranks pay it, for log2 K + 1 times the
-    states (a pass 1.5-3 times a plain one's cost on that profile). It runs after the plain DP, not
+    states (a pass about twice a plain one's cost on that profile). It runs after the plain DP, not
     instead of it: replacing it cost rows their plans (a pass's fewest devices more often fail to pad
     to K, and the restricted search that found the plans lost its time), so it only tries to prove or
     beat the plan found."""

@@ -16,7 +16,7 @@ from typing import NamedTuple, Tuple
 import numpy as np
 
 from passes.partition.costmodel import CostOptions, fastest_index
-from passes.partition.topology import span_load
+from passes.partition.topology import pair_load, span
 
 EPS = 1e-12
 
@@ -215,11 +215,12 @@ def targets(src: Sources, s, st: Stages, G: int, K: int, want_from: bool = False
 def cut_load_table(counts: Tuple[int, ...], G: int, intra: float, inter: float) -> np.ndarray:
     """``[p, q, m]``: seconds per byte cut (forward and backward) between a stage of ``counts[p]``
     replicas that ends at offset m of a node and the stage of ``counts[q]`` that starts there, under
-    the contiguous placement (``topology.span_load``; only the offsets within a node matter)."""
+    the contiguous placement (``topology.pair_load``; only the offsets within a node matter)."""
     R = len(counts)
     out = np.empty((R, R, G))
     for p, rp in enumerate(counts):
         for q, rq in enumerate(counts):
             for m in range(G):
-                out[p, q, m] = 2.0 * span_load((m - rp) % G, rp, rq, G, intra, inter)
+                first = (m - rp) % G
+                out[p, q, m] = 2.0 * pair_load(span(first, rp), span(first + rp, rq), G, intra, inter)
     return out

@@ -74,34 +74,6 @@ def span_nodes(first, r, gpus_per_node: int):
     return n, c
 
 
-def span_load(first: int, r_before: int, r_after: int, gpus_per_node: int, intra: float, inter: float) -> float:
-    """``pair_load`` for stages on ``span(first, r_before)`` and the ranks right after it, in
-    O(r_before + r_after) instead of a pair matrix (the placed DP tabulates it for every pair of
-    counts up to K, ``offsets.cut_load_table``).
-
-    Replica a of the first stage talks with replica b of the second iff
-    ``a = b (mod g)``, ``g = gcd``, each pair carrying ``1/L`` of the
-    microbatches; so a rank's load is ``(same/B1 + other/B2) / L`` over its
-    partners, and counting the partners of each residue class per node
-    gives every rank's ``same`` at once."""
-    G = int(gpus_per_node)
-    g = math.gcd(r_before, r_after)
-    period = r_before * r_after // g
-    a, b = np.arange(r_before), np.arange(r_after)
-    node_a, node_b = (first + a) // G, (first + r_before + b) // G
-    low = int(node_a[0])
-    width = int(node_b[-1]) - low + 1
-    count_a, count_b = np.zeros((g, width)), np.zeros((g, width))
-    np.add.at(count_a, (a % g, node_a - low), 1.0)
-    np.add.at(count_b, (b % g, node_b - low), 1.0)
-
-    def busiest(idx, nodes, partners, total):
-        same = partners[idx % g, nodes - low]
-        return float(((same / intra + (total - same) / inter) / period).max())
-
-    return max(busiest(a, node_a, count_b, r_after // g), busiest(b, node_b, count_a, r_before // g))
-
-
 def pair_load(before: Sequence[int], after: Sequence[int], gpus_per_node: Optional[int],
               intra: float, inter: float) -> float:
     """Seconds per byte per microbatch on the most loaded rank of a cut (see the module docstring).
@@ -109,13 +81,26 @@ def pair_load(before: Sequence[int], after: Sequence[int], gpus_per_node: Option
     ``before[a]`` is the rank of replica a of the stage before the cut. Over
     one period ``L = lcm(r_before, r_after)`` round robin pairs replica a with
     replica b exactly once when ``a = b (mod gcd)`` and never otherwise (the
-    Chinese remainder theorem), so each pair carries ``1/L`` of the microbatches.
+    Chinese remainder theorem), so each pair carries ``1/L`` of the microbatches,
+    and a rank's load is ``(same/B1 + other/B2) / L`` over its partners.
+    Counting each side's replicas per residue class and node gives every
+    rank's ``same`` at once, in O(r_before + r_after): the placed DP tabulates
+    this for every pair of counts up to K (``offsets.cut_load_table``).
     """
     rb, ra = len(before), len(after)
-    a = np.arange(rb)[:, None]
-    b = np.arange(ra)[None, :]
-    talks = (a - b) % math.gcd(rb, ra) == 0
-    src = np.asarray([node_of(x, gpus_per_node) for x in before])[:, None]
-    dst = np.asarray([node_of(x, gpus_per_node) for x in after])[None, :]
-    per = np.where(talks, 1.0 / np.where(src == dst, intra, inter), 0.0) / math.lcm(rb, ra)
-    return float(max(per.sum(axis=1).max(), per.sum(axis=0).max()))
+    g = math.gcd(rb, ra)
+    period = rb * ra // g
+    G = gpus_per_node or max(max(before), max(after)) + 1  # a flat machine: one node
+    node_a, node_b = np.asarray(before) // G, np.asarray(after) // G
+    low = int(min(node_a.min(), node_b.min()))
+    width = int(max(node_a.max(), node_b.max())) - low + 1
+    idx_a, idx_b = np.arange(rb) % g, np.arange(ra) % g
+    count_a, count_b = np.zeros((g, width)), np.zeros((g, width))
+    np.add.at(count_a, (idx_a, node_a - low), 1.0)
+    np.add.at(count_b, (idx_b, node_b - low), 1.0)
+
+    def busiest(idx, nodes, partners, total):
+        same = partners[idx, nodes - low]
+        return float(((same / intra + (total - same) / inter) / period).max())
+
+    return max(busiest(idx_a, node_a, count_b, ra // g), busiest(idx_b, node_b, count_a, rb // g))
