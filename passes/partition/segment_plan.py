@@ -309,6 +309,19 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
     return (assignment, found.replicas), found, margin, len(units)
 
 
+def _charge_left_out(units) -> None:
+    """``Units.hidden`` added to the compute of the unit that runs it (a restriction, for searches
+    whose plans must score as charged): a folded node's with the unit it joined, one left out like an
+    input with the first unit that reads it, where ``to_nodes`` places it when that unit's stage is
+    the earliest of its readers' (nodes such as an input's shape reads and ``arange``: on the
+    H100-profiled GPT 34 us a plan's first stage ran that its search had not charged)."""
+    for seconds, forcing, home in units.hidden:
+        at = home if home >= 0 else min(forcing, default=-1)
+        if at >= 0:
+            units.compute[at] += seconds
+            units.has_compute[at] = units.has_compute[at] or seconds > 0
+
+
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
@@ -332,7 +345,10 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                                 **fold)
     if placed_dp or opts.replication == "none":
         # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
-        # units (``ChainSolver._late``), so their plans must not be scored with it either
+        # units (``ChainSolver._late``), so their plans must not be scored with it either; a search for
+        # plans (``keep_dead``, a restriction) charges it to the unit whose stage runs it instead
+        if keep_dead:
+            _charge_left_out(units)
         units.hidden, units.hidden_sends = [], []
     if hidden is not None:
         units.hidden += hidden(units)
