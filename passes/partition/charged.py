@@ -286,7 +286,7 @@ class ChargedChainSolver(PlacedChainSolver):
         class q reads, per source row and start offset, the fewest devices over the classes whose
         cut into it (``cuts``, the row's bytes) meets T, and writes the states of class q."""
         K, G = self.opts.devices, self.G
-        # per pair and end offset the best (devices, replicas, source offset) packed in one integer, so one
+        # per pair and end state the best (devices, replicas, source state) packed in one integer, so one
         # minimum keeps it: the fewest devices, and among those the fewest replicas (the earliest count
         # tried, as the columns rise), whose source offset follows from it
         best = np.full((s.size, G * self.R), _packed(K + 1, 0, 0), dtype=np.int64)

@@ -7,6 +7,8 @@ weight's ring makes the time fall and then rise), and each cut needs at least
 stage may start from, the least devices over ranges of offsets within a node,
 so ``targets`` turns a batch of (start point, stage) pairs into the fewest
 devices after the stage at every end offset with a handful of array look-ups.
+``cut_load_table`` gives the exact-cut DP (``charged.py``) the placed cut per
+byte between two stages of given counts meeting at a given offset.
 """
 from __future__ import annotations
 

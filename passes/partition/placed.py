@@ -227,7 +227,8 @@ class PlacedChainSolver(ChainSolver):
         return floor
 
     def devices_needed(self, T: float, deadline: float = math.inf):
-        """(devices for the whole graph, back-pointers ``(point, offset, replicas)`` per point and offset).
+        """(devices for the whole graph, back-pointers ``(point, state, replicas)`` per point and state: the
+        offset within a node, and with ``charged.py``'s ``exact_cuts`` the previous stage's count class).
 
         A stage sharing a weight is charged the ring over its own ranks and only the fewest its partners
         can have, so where two stages on different nodes share a large weight (GPT's embedding and
