@@ -47,6 +47,15 @@ FINE_ABOVE = 0.01  # ... and the gap above which it runs (within 1 % it cost CPU
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
 
+def _chains(opts: CostOptions) -> bool:
+    """Whether the placed DPs chain the shape reads of one unit (``read_chains.py``): with any count and
+    under PipeDream's charges. Not under ``pow2`` with fxpipe's charges: the chained lattice is about
+    twice the plain one, and there the plain passes and the exact-cut pass that follows need the time
+    (H100-profiled GPT, 32 blocks on 1,024 devices: 0.99 -> 12 % with chains; on 128 devices
+    1.6 -> 1.3 %)."""
+    return opts.cost_model == "pipedream" or opts.replication == "any"
+
+
 def _cp_sat(units: Units, opts: CostOptions, minimise_memory: bool = False):
     """The CP-SAT model, imported here: OR-Tools loads pandas (most of a second), and plans
     the segment DP answers never need it."""
@@ -276,7 +285,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         # no plan by PLAN_SHARE of the time (passes of seconds each climbing from sum C / K: 32 blocks on
         # 1024 devices): the flat bracket finds one in the rest, above the bound proven so far
         found = chain_plan(graph, opts, start, deadline, bound_only=True,
-                           plan_by=start + PLAN_SHARE * (deadline - start))
+                           plan_by=start + PLAN_SHARE * (deadline - start), chain_reads=True)
         if found is None or found.replicas:
             return found
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
@@ -308,7 +317,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         return bracket
     share = POW2_SHARE if opts.replication == "pow2" else CHARGED_SHARE
     exact = chain_plan(graph, opts, start, time.monotonic() + share * (deadline - time.monotonic()),
-                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()))
+                       *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()),
+                       chain_reads=_chains(opts))
     return _finer(graph, opts, start, deadline, _cuts_exact(graph, opts, start, deadline, _merged(bracket, exact)))
 
 
@@ -360,7 +370,7 @@ def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
     if found is None or found.gap <= FINE_ABOVE or deadline - time.monotonic() < FINE_LEFT:
         return found
     return _merged(found, chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s,
-                                     quiet=QUIET, plain=True))
+                                     quiet=QUIET, plain=True, chain_reads=_chains(opts)))
 
 
 def _time_of(graph: CostGraph, layout, opts: Optional[CostOptions] = None) -> float:
@@ -399,6 +409,7 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     # one node: flat at B1; with a floor known, its bound (weaker on many nodes) is not worth its passes
     fast = chain_plan(graph, flat_bound(opts, fast=True), start, deadline, plain=plain,
                       machine=opts if node_floor.applies(opts) else None, ceiling=_time_of(graph, hand),
+                      chain_reads=_chains(opts),
                       settle_by=time.monotonic() + FAST_SHARE * (deadline - time.monotonic())
                       if hand is not None else math.inf, quiet=quiet) if floor <= 0 else None
     if fast is None and floor <= 0:

@@ -32,6 +32,10 @@ QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, th
 # with their compute dropped: on that profile 2.4 % of the compute at 64 devices, the bound 2.2 % under
 # the plan. The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_PLACED = math.inf
+CHAIN_ABOVE = 5e-3  # of sum C / K: shape reads of one unit chain where a cut could give up more (``read_chains``);
+# the H100-profiled GPT's reads are 2-250 % of it (a block's 45 us of reads against sum C / K), the CPU
+# profile's 0.004-6 %: on 96 CPU-profiled blocks at 64-256 devices chains only slowed the passes
+# (23 -> 21 of 24 rows OPTIMAL with every chain made)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
 # and HF GPT-2's tied head at 64 devices read 1.3 % above its bound with the stages before it half empty;
@@ -44,7 +48,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
-           keep_dead: bool = False, exact_cuts: bool = False) -> Optional[PartitionResult]:
+           keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -74,13 +78,17 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     plans score as the DP charged them (``folded_units``): for a search that wants plans, not a bound.
     ``exact_cuts``: the placed DP keeps the previous stage's replica count in its state (``pow2``;
     ``charged.ChargedChainSolver``), so every cut is charged as the plan's ranks pay it.
+    ``chain_reads``: the placed DPs' folded shape reads of one unit chained in the order they are needed,
+    so a cut gives up at most one of them (``read_chains.py``; where a chain is worth more than
+    ``CHAIN_ABOVE`` of sum C / K): a higher bound, and plans that run each read where the DP charged it,
+    for a lattice about twice as large.
     """
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
     found = searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                     quiet=quiet, exact_cuts=exact_cuts)
+                     quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
         found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
@@ -293,13 +301,13 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
-              pieces: int = 1, exact_cuts: bool = False):
+              pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                        quiet=quiet, exact_cuts=exact_cuts)
+                        quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     if solved is None:
         return None
     units, found, margin = solved
@@ -326,7 +334,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
-                quiet: Optional[float] = None, exact_cuts: bool = False):
+                quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
@@ -342,7 +350,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     quiet = quiet if quiet is not None else QUIET_PLACED if placed_dp else QUIET
     silent = math.inf if quiet == math.inf else quiet * ideal
     units, folded = folded_units(graph, opts, tiny_silent=silent, keep_dead=keep_dead, bridge=placed_dp,
-                                **fold)
+                                chain_above=CHAIN_ABOVE * ideal if chain_reads else None, **fold)
     if placed_dp or opts.replication == "none":
         # the placed, node-floor and stage-count DPs do not count the compute folding leaves out of the
         # units (``ChainSolver._late``), so their plans must not be scored with it either; a search for

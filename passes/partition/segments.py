@@ -34,10 +34,12 @@ from passes.costgraph import CostGraph
 from passes.partition.coarsen import Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
+from passes.partition import read_chains
 
 
 def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
-                 tiny_input: float = -1.0, keep_dead: bool = False, bridge: bool = False) -> Tuple[Units, List[float]]:
+                 tiny_input: float = -1.0, keep_dead: bool = False, bridge: bool = False,
+                 chain_above: Optional[float] = None) -> Tuple[Units, List[float]]:
     """Units with free nodes folded away (see the module docstring); also each unit's folded compute.
 
     A node folds into a producer's group u when it holds no weights, costs at
@@ -66,6 +68,9 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     DP still charges it to every stage that holds both (``Segment.start``):
     every plan runs it there. Only the compute of such nodes whose two units a
     cut separates is then lost to the bound, and such nodes may fold at any cost.
+    ``chain_above`` (seconds, with ``bridge``): the reads bridged from one unit, where they are worth
+    more than this to a cut, chained in the order they are needed, so a cut gives up at most one of
+    them (``read_chains.py``).
     """
     names = model_nodes(graph, opts)
     index = {n: i for i, n in enumerate(names)}
@@ -119,16 +124,19 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     unit_of = units.unit_of()
     units.hidden = dropped_compute(graph, names, consumers, loose, unit_of)
     if bridge and not keep_dead:
-        units.bridged = bridged_compute(graph, units, quiet, preds, consumers)
+        units.bridged, read_nodes = bridged_compute(graph, units, quiet, preds, consumers)
     units.hidden_sends = [(graph.nodes[n].out_bytes, readers) for n in names if n not in head
                           for readers in [sorted({unit_of[c] for c in consumers[n] if c in unit_of})]
                           if graph.nodes[n].out_bytes > 0 and readers]
+    if bridge and not keep_dead and chain_above is not None:
+        units, folded = read_chains.chain_reads(graph, opts, units, folded, read_nodes, index, chain_above)
     return units, folded
 
 
 def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str, List[str]],
-                    consumers: Dict[str, set]) -> List[Tuple[float, int, int, int]]:
-    """``Units.bridged`` for the folded nodes that send nothing (``quiet``): (seconds, the latest unit
+                    consumers: Dict[str, set]) -> Tuple[List[Tuple[float, int, int, int]], List[str]]:
+    """``Units.bridged`` for the folded nodes that send nothing (``quiet``), and the node of each entry
+    (``read_chains``): (seconds, the latest unit
     whose first node is an ancestor of the node, the earliest whose first node descends from it, the
     unit it joined). A unit's stage is its first node's (the bound maps a plan of the graph to one of
     the units that way, ``folded_units``), and a convex plan puts a node no earlier than any ancestor
@@ -150,7 +158,7 @@ def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str,
                 todo += step(m)
         return pick(found) if found else None
 
-    out = []
+    out, nodes = [], []
     for n in sorted(quiet, key=lambda m: unit_of[m]):
         before = nearest(n, lambda m: preds.get(m, ()), max)
         after = nearest(n, lambda m: consumers.get(m, ()), min)
@@ -158,7 +166,8 @@ def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str,
         # an input's unit sits in every downset: a node it feeds would straddle the first stage's start
         if before is not None and after is not None and seconds > 0 and not units.is_input[before]:
             out.append((seconds, before, after, unit_of[n]))
-    return out
+            nodes.append(n)
+    return out, nodes
 
 
 def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set], loose: set,
