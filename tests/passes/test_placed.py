@@ -413,8 +413,10 @@ def test_placed_dp_folds_cheap_shape_reads_where_the_lattice_is_wide(monkeypatch
 def test_an_unproven_answer_gets_a_pass_on_the_finer_lattice(monkeypatch, model, replication, K):
     """Where the DPs that fold every shape read leave a gap over 1 %, ``driver._finer`` runs the charged DP on the
     lattice that keeps them (wider than ``wide_blocks.WIDE`` here), between the answer's bound and
-    plan: given the best uniform layout and sum C / K, it comes back with a plan or a bound that
-    closes the gap, both on the right side of the exact placed optimum."""
+    plan, after a pass on the folded lattice with the reads chained where the DPs before it did not
+    chain them (``pow2`` with fxpipe's charges): given the best uniform layout and sum C / K, it comes
+    back with a plan or a bound that closes the gap, both on the right side of the exact placed
+    optimum."""
     from passes.partition import driver, segment_plan, uniform, wide_blocks
     from passes.partition.result import PartitionResult
 
@@ -436,7 +438,10 @@ def test_an_unproven_answer_gets_a_pass_on_the_finer_lattice(monkeypatch, model,
     start = time.monotonic()
     out = driver._finer(g, opts, start, start + 30, found)
     best = _exact(g, opts)
-    assert widths and min(widths) > wide_blocks.WIDE  # every pass on the lattice that keeps the reads
+    if driver._chains(opts):  # every pass on the lattice that keeps the reads
+        assert widths and min(widths) > wide_blocks.WIDE
+    else:  # first the folded lattice with the reads chained (the DPs before it did not chain them)
+        assert widths and widths[0] <= wide_blocks.WIDE and all(w > wide_blocks.WIDE for w in widths[1:])
     assert out.bound_s <= best * (1 + 1e-9) and best <= out.bottleneck_s * (1 + 1e-9)
     assert out.status == "OPTIMAL" and out.bottleneck_s < ev.bottleneck_s
     assert out.bottleneck_s == pytest.approx(evaluate(g, out.assignment, out.replicas, opts).bottleneck_s)
