@@ -136,8 +136,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
 def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str, List[str]],
                     consumers: Dict[str, set]) -> Tuple[List[Tuple[float, int, int, int]], List[str]]:
     """``Units.bridged`` for the folded nodes that send nothing (``quiet``), and the node of each entry
-    (``read_chains``): (seconds, the latest unit
-    whose first node is an ancestor of the node, the earliest whose first node descends from it, the
+    (for ``read_chains``). An entry is (seconds, the latest unit whose first node is an ancestor of the node, the earliest whose first node descends from it, the
     unit it joined). A unit's stage is its first node's (the bound maps a plan of the graph to one of
     the units that way, ``folded_units``), and a convex plan puts a node no earlier than any ancestor
     and no later than any descendant: so a stage holding both units holds the node in every plan. A
