@@ -5,7 +5,7 @@ compute to each stage that holds a unit before it and one after it (``Units.brid
 cut separates from their readers are charged nowhere. On a GPU profile, where a shape read costs a
 kernel launch, that is most of a block's reads (the benchmark GPT profiled on an H100: nine reads of
 4.6-8.3 us behind each block's first layer norm, 52 us a block), and the DPs put their cuts right
-behind that layer norm: their relaxed plans ran 5-15 % over their T once the reads ran somewhere, and
+behind that layer norm: their relaxed plans ran 5-16 % over their T once the reads ran somewhere, and
 no pass could prove the plan in hand.
 
 Here the reads bridged from one unit B whose readers lie on one line of descent become units of their
@@ -67,7 +67,7 @@ def chain_reads(graph: CostGraph, opts: CostOptions, units: Units, folded: List[
             chains.append((before, kept))
     if not chains:
         return units, folded
-    return _rebuilt(graph, opts, units, folded, read_nodes, chains, unit_of)
+    return _rebuilt(graph, opts, units, folded, read_nodes, chains)
 
 
 def _ancestors(units: Units) -> List[int]:
@@ -114,7 +114,7 @@ def _chain(before: int, ks: List[int], units: Units, anc: List[int], unit_of: Di
 
 
 def _rebuilt(graph: CostGraph, opts: CostOptions, units: Units, folded: List[float], read_nodes: Sequence[str],
-             chains: List[Tuple[int, List[int]]], unit_of: Dict[str, int]) -> Tuple[Units, List[float]]:
+             chains: List[Tuple[int, List[int]]]) -> Tuple[Units, List[float]]:
     """The units regrouped: each chained read in a unit of its own just before its first reader."""
     moved = {read_nodes[k]: k for _, ks in chains for k in ks}
     ahead: Dict[int, List[int]] = {}  # unit -> chained entries placed just before it, in chain order

@@ -33,8 +33,8 @@ QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, th
 # the plan. The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_PLACED = math.inf
 CHAIN_ABOVE = 5e-3  # of sum C / K: shape reads of one unit chain where a cut could give up more (``read_chains``);
-# the H100-profiled GPT's reads are 2-250 % of it (a block's 45 us of reads against sum C / K), the CPU
-# profile's 0.004-6 %: on 96 CPU-profiled blocks at 64-256 devices chains only slowed the passes
+# on the H100-profiled GPT a block's reads less the largest (45 us) are 0.2-250 % of it, on the CPU
+# profile 0.004-6 %: on 96 CPU-profiled blocks at 64-256 devices chains only slowed the passes
 # (23 -> 21 of 24 rows OPTIMAL with every chain made)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
