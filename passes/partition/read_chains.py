@@ -138,9 +138,10 @@ def _links(kept: List[int], ends: Dict[str, Optional[List[int]]], preds: Dict[st
            read_nodes: Sequence[str], within) -> List[List[int]]:
     """The chain's reads in links: a read joins the link before it when it reads that link's last read
     and their windows end together in every plan (each one's ends descend from the other's). One
-    unit per link keeps the lattice small (a unit of its own for the width's read of the shape and for
-    the scale's square root of its head size cost a 32 % larger lattice on 8 H100-profiled blocks and
-    more in time than it gave); a link's reads act as one fluid read, so the bound holds."""
+    unit per link keeps the lattice small (a unit per read, the shape apart from its width and the
+    scale's head size apart from its square root, made the lattice of 8 H100-profiled blocks 32 %
+    larger and cost more in time than it gave); a link's reads act as one fluid read, so the bound
+    holds."""
     same = lambda a, b: all(any(within(x, y) for y in b) for x in a)  # noqa: E731
     links: List[List[int]] = []
     for k in kept:
