@@ -165,14 +165,20 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
     best = np.full((D, K + 1, len(R)), np.inf)
     choice = np.zeros((D, K + 1, len(R), 2), dtype=np.int64)
     bound = upper * (1 + 1e-9)
+    fewest, most = _devices_within(comp, K, bound)
+    low = np.full(D, np.inf)  # each downset's best over its states, final once it is relaxed
+    low[0] = 0.0
     for i in range(1, D):
         if time.monotonic() > deadline:
             return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
+        js = js[low[js] <= bound]
         for ri, r in enumerate(R):
             keep = js[(comp[i] - comp[js]) / r <= bound]
-            if keep.size:
-                _relax_placed(i, ri, r, keep, comp, par, cut, coeff, load, best, choice, R, K)
+            if keep.size and max(r, fewest[i]) <= most[i]:
+                _relax_placed(i, ri, r, keep, comp, par, cut, coeff, load, best, choice, R, K,
+                              max(r, fewest[i]), most[i])
+        low[i] = best[i].min()
     last = D - 1
     devices = range(1, K + 1) if opts.fewer_devices else [K]
     m, ri = min(((d, q) for d in devices for q in range(len(R))), key=lambda x: best[last, x[0], x[1]])
@@ -209,9 +215,26 @@ def _placement_tables(opts: CostOptions, R: List[int]):
     return coeff, load
 
 
-def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K) -> None:
-    """Best ways to end a stage with r replicas at downset i, for every device total d (first rank d - r)."""
-    d = np.arange(r, K + 1)
+def _devices_within(comp, K: int, bound: float):
+    """Per downset, the fewest and most devices its stages can use in a plan no slower than ``bound``.
+
+    A stage takes at least its compute over its replicas (both cost models), so
+    stages holding compute C on m devices take at least C / m at their slowest:
+    the stages up to a downset need ``comp / bound`` devices, and those after it
+    ``(total - comp) / bound`` of the rest. With ``bound`` near the optimum this
+    leaves a few device totals per downset instead of K.
+    """
+    if not math.isfinite(bound):
+        return np.zeros(len(comp), dtype=np.int64), np.full(len(comp), K, dtype=np.int64)
+    before = np.ceil(comp / bound - 1e-9).clip(0).astype(np.int64)
+    after = np.ceil((comp[-1] - comp) / bound - 1e-9).clip(0).astype(np.int64)
+    return before, K - after
+
+
+def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K, d_lo, d_hi) -> None:
+    """Best ways to end a stage with r replicas at downset i, for every device total d from ``d_lo`` to
+    ``d_hi`` (first rank d - r)."""
+    d = np.arange(d_lo, d_hi + 1)
     first = d - r
     compute = (comp[i] - comp[js])[:, None]
     allreduce = coeff[first, ri][None, :] * (par[i] - par[js])[:, None] / r  # allreduce_at, per (j, first)
@@ -223,13 +246,14 @@ def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K)
     start = js == 0  # the first stage: no cut before it, and it starts at rank 0
     if start.any():
         cand[start, :, :] = np.inf
-        cand[start, 0, 0] = stage[start, 0]
+        if d_lo == r:
+            cand[start, 0, 0] = stage[start, 0]
     flat = cand.reshape(len(js), -1)
     arg = np.argmin(flat, axis=0)
     val = flat[arg, np.arange(flat.shape[1])].reshape(len(d), len(R))
     j_best = js[arg].reshape(len(d), len(R))
     p_best = np.argmin(val, axis=1)
     v = val[np.arange(len(d)), p_best]
-    better = v < best[i, r:, ri]
-    best[i, r:, ri][better] = v[better]
-    choice[i, r:, ri][better] = np.stack([j_best[np.arange(len(d)), p_best], p_best], axis=1)[better]
+    better = v < best[i, d, ri]
+    best[i, d[better], ri] = v[better]
+    choice[i, d[better], ri] = np.stack([j_best[np.arange(len(d)), p_best], p_best], axis=1)[better]

@@ -30,10 +30,13 @@ def _opts(K: int, G: int, **kw) -> CostOptions:
     return CostOptions(devices=K, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=G, **kw)
 
 
-def _exact(g: CostGraph, opts: CostOptions) -> float:
-    """The placed downset DP (state: devices used and the last stage's replicas): exact for evaluate."""
+def _exact(g: CostGraph, opts: CostOptions, upper: float = math.inf) -> float:
+    """The placed downset DP (state: devices used and the last stage's replicas): exact for evaluate.
+
+    ``upper``: the bottleneck of a plan in hand (the optimum is no slower), which lets the DP skip
+    what cannot beat it (the answer stays exact)."""
     units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
-    found = downset_dp(units, opts, limit=5000)
+    found = downset_dp(units, opts, limit=5000, upper=upper)
     assert found is not None
     return found[2]
 

@@ -11,7 +11,7 @@ import pytest
 from passes.costgraph import CostGraph
 from passes.errors import FxpipeError
 from passes.partition import CostOptions, evaluate, partition
-from passes.partition.coarsen import build_units, model_nodes
+from passes.partition.coarsen import build_units, model_nodes, to_nodes
 from passes.partition.costmodel import allreduce_at, cut_at
 from passes.partition.downsets import downset_dp
 from passes.partition.topology import node_counts, node_of, offsets, pair_load, stage_ranks
@@ -118,6 +118,25 @@ def test_exact_dp_matches_brute_force(model, seed):
     assert res.method in ("segment DP", "uniform layout, segment DP bound") and res.status == "OPTIMAL"
     assert best * (1 - 1e-9) <= res.bottleneck_s <= best * (1 + 1e-3) and res.bound_s <= best * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("model,replication", [("fxpipe", "any"), ("fxpipe", "pow2"), ("pipedream", "any")])
+@pytest.mark.parametrize("seed,K,G", [(1, 8, 4), (2, 8, 2), (3, 6, 3), (4, 16, 4)])
+def test_exact_dp_with_an_upper_bound_keeps_the_optimum(model, replication, seed, K, G):
+    """A known plan's bottleneck lets the DP skip device totals no plan that fast can use at a downset
+    (``_devices_within``); the optimum it finds is the same, from an upper bound at the optimum
+    itself too; below the optimum nothing faster is found."""
+    g = random_dag(10, seed) if seed % 2 else _chain(9, seed)
+    opts = _opts(K, G, model, replication=replication)
+    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+    free = downset_dp(units, opts, limit=5000)
+    assert free is not None
+    for upper in (free[2] * 1.5, free[2] * 1.01, free[2]):
+        bounded = downset_dp(units, opts, limit=5000, upper=upper)
+        assert bounded is not None and bounded[2] == pytest.approx(free[2], rel=1e-12)
+        assert evaluate(g, to_nodes(g, units, bounded[0]), bounded[1], opts).bottleneck_s == pytest.approx(free[2], rel=1e-9)
+    under = downset_dp(units, opts, limit=5000, upper=free[2] * 0.99)  # a wrong hint: still no faster plan
+    assert under is None or under[2] >= free[2] * (1 - 1e-12)
 
 
 def test_cpsat_bound_uses_the_faster_bandwidth():
