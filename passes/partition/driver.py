@@ -255,7 +255,7 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
         except InfeasibleError:
             if chained is None:
                 raise
-    result.hierarchical = _pipedream_levels(graph, opts)  # once, for the answer given
+    result.hierarchical = _pipedream_levels(graph, opts, deadline)  # once, for the answer given
     return result
 
 
@@ -609,15 +609,17 @@ def is_convex(graph: CostGraph, assignment: Dict[str, int]) -> bool:
 
 
 
-def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str, object]]:
+def _pipedream_levels(graph: CostGraph, opts: CostOptions, deadline: float) -> Optional[Dict[str, object]]:
     """What PipeDream's hierarchical optimizer answers for the same two-level machine, to compare with.
 
     Only under its own cost model and options (a two-level machine, no memory
-    limit, any replication, all devices); None where it does not apply or the
-    graph has too many downsets for the reproduction. A graph of n nodes has at
-    least n + 1 downsets (every topological prefix is one), so one of ``limit``
-    nodes or more is turned away before the reproduction spends most of a second
-    finding that out after the search's deadline.
+    limit, any replication, all devices); None where it does not apply, the
+    graph has too many downsets for the reproduction, or it does not finish by
+    the search's ``deadline`` (the time limit holds for the whole call: on
+    resnext101 it took 3.7 s after a search that used the limit). A graph of n
+    nodes has at least n + 1 downsets (every topological prefix is one), so one
+    of ``limit`` nodes or more is turned away before the reproduction spends
+    most of a second finding that out.
     """
     G, limit = opts.gpus_per_node, 1000
     if (opts.cost_model != "pipedream" or G is None or opts.memory is not None or opts.fewer_devices
@@ -628,7 +630,8 @@ def _pipedream_levels(graph: CostGraph, opts: CostOptions) -> Optional[Dict[str,
     from passes.partition.hierarchical import pipedream_hierarchical
 
     try:
-        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=limit)
+        h = pipedream_hierarchical(graph, [G, opts.devices // G], [opts.intra_bw, opts.bandwidth], limit=limit,
+                                   deadline=deadline)
     except FxpipeError:
         return None
     return {"time_s": h.time_s, "replicas": h.replicas, "ranks": h.ranks}

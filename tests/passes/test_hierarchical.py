@@ -2,11 +2,13 @@
 two-level search against it."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from passes.costgraph import CostGraph
 from passes.partition import CostOptions, evaluate, partition
-from passes.partition.hierarchical import pipedream_hierarchical
+from passes.partition.hierarchical import OutOfTime, pipedream_hierarchical
 from tests.profiles import PROFILES
 
 
@@ -63,3 +65,20 @@ def test_pipedreams_first_stage_discount():
     assert placed > h.time_s * 1.05
     res = _exact(g, 4, 4)
     assert res.bottleneck_s < placed and res.bottleneck_s <= h.time_s * 1.005
+
+
+def test_reproduction_stops_at_its_deadline():
+    """Past its deadline the reproduction raises (``partition`` then gives no comparison) instead of
+    finishing tables that grow with the square of the downsets."""
+    with pytest.raises(OutOfTime, match="time limit"):
+        pipedream_hierarchical(_load("vgg16"), [4, 4], [1e10, 1.25e9], deadline=time.monotonic())
+
+
+def test_time_limit_holds_with_the_comparison():
+    """resnext101 on 4 nodes of 4: the search uses its limit and the reproduction (about 1,000
+    downsets, 3.7 s on a slow day) ran after it, past the limit; now it gets what is left of it."""
+    start = time.monotonic()
+    res = partition(_load("resnext101"), 16, bandwidth=1.25e9, intra_bandwidth=1e10, gpus_per_node=4,
+                    cost_model="pipedream", time_limit=2.0)
+    assert time.monotonic() - start <= 3.0
+    assert res.bound_s <= res.bottleneck_s
