@@ -27,8 +27,9 @@ from passes.partition.costmodel import CostOptions, allreduce_coeff_at, combine_
 from passes.partition.heuristic import Solution
 
 
-def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
-    """Bitmasks of the downsets the DP may use, by size; None when there are more than ``limit``.
+def enumerate_downsets(units: Units, limit: int, deadline: float = math.inf) -> Optional[List[int]]:
+    """Bitmasks of the downsets the DP may use, by size; None when there are more than ``limit``
+    (or past ``deadline``).
 
     The smallest holds the inputs (they sit in stage 0); the output unit only
     appears in the full set (it must be in the last stage).
@@ -39,18 +40,22 @@ def enumerate_downsets(units: Units, limit: int) -> Optional[List[int]]:
         pred[b] |= 1 << a
     start = sum(1 << u for u in range(n) if units.is_input[u])
     outputs = sum(1 << u for u in range(n) if units.is_output[u])
-    return downsets_from(pred, start, outputs, limit)
+    return downsets_from(pred, start, outputs, limit, deadline)
 
 
-def downsets_from(pred: List[int], start: int, outputs: int, limit: int) -> Optional[List[int]]:
+def downsets_from(pred: List[int], start: int, outputs: int, limit: int,
+                  deadline: float = math.inf) -> Optional[List[int]]:
     """Every downset containing ``start`` (bitmasks over ``len(pred)`` nodes, ``pred[v]`` the mask of
     v's predecessors), smallest first, the full set last; a set holding an ``outputs`` node is
-    only the full one. None when there are more than ``limit`` or the full set is out of reach."""
+    only the full one. None when there are more than ``limit``, the full set is out of reach, or
+    ``deadline`` has passed (each step scans every node: a large limit on a large graph takes seconds)."""
     full = (1 << len(pred)) - 1
     seen, level, ordered = {start}, [start], [start]
     while level:
         nxt = []
         for s in level:
+            if time.monotonic() > deadline:
+                return None
             for v in range(len(pred)):
                 bit = 1 << v
                 if s & bit or pred[v] & ~s:
