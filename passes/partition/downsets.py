@@ -48,26 +48,40 @@ def downsets_from(pred: List[int], start: int, outputs: int, limit: int,
     """Every downset containing ``start`` (bitmasks over ``len(pred)`` nodes, ``pred[v]`` the mask of
     v's predecessors), smallest first, the full set last; a set holding an ``outputs`` node is
     only the full one. None when there are more than ``limit``, the full set is out of reach, or
-    ``deadline`` has passed (each step scans every node: a large limit on a large graph takes seconds)."""
-    full = (1 << len(pred)) - 1
-    seen, level, ordered = {start}, [start], [start]
+    ``deadline`` has passed."""
+    n, full = len(pred), (1 << len(pred)) - 1
+    succ: List[List[int]] = [[] for _ in range(n)]
+    for v in range(n):
+        rest = pred[v]
+        while rest:
+            bit = rest & -rest
+            rest ^= bit
+            succ[bit.bit_length() - 1].append(v)
+    # each downset keeps the mask of the nodes that can join it (every predecessor inside), updated
+    # from its parent's through the new member's successors: a step costs the antichain's width, not n
+    first = sum(1 << v for v in range(n) if not (start >> v) & 1 and not pred[v] & ~start)
+    seen, level, ordered = {start}, [(start, first)], [start]
     while level:
         nxt = []
-        for s in level:
+        for s, can in level:
             if time.monotonic() > deadline:
                 return None
-            for v in range(len(pred)):
-                bit = 1 << v
-                if s & bit or pred[v] & ~s:
-                    continue
+            rest = can
+            while rest:
+                bit = rest & -rest
+                rest ^= bit
                 t = s | bit
                 if t in seen or (t & outputs and t != full):
                     continue
                 seen.add(t)
-                nxt.append(t)
+                joins = can & ~bit
+                for w in succ[bit.bit_length() - 1]:
+                    if not pred[w] & ~t:
+                        joins |= 1 << w
+                nxt.append((t, joins))
                 if len(seen) > limit:
                     return None
-        ordered += nxt
+        ordered += [t for t, _ in nxt]
         level = nxt
     return ordered if full in seen else None
 

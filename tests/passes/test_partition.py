@@ -6,7 +6,6 @@ import functools
 import itertools
 import random
 import re
-from pathlib import Path
 
 import pytest
 
@@ -319,3 +318,27 @@ def test_tied_weight_with_replicas_is_charged_its_group_under_a_valid_bound(meth
                 best = min(best, min(tied_reference_cost(g, stage, v, model, "emb") for v in vectors))
     assert res.bound_s <= best * (1 + 1e-9) and res.bottleneck_s >= best * (1 - 1e-9)
     assert (res.status == "OPTIMAL") == (res.gap <= 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_downset_enumeration_equals_brute_force(seed):
+    """``downsets_from`` (each downset carries the nodes that can join it) against every subset of a
+    random DAG: the same downsets, smallest first, the start first and the full set last, a set
+    holding an output node only as the full one; None past the limit."""
+    from passes.partition.downsets import downsets_from
+    rng = random.Random(seed)
+    n = 11
+    pred = [0] * n
+    for v in range(1, n):
+        for u in range(v):
+            if rng.random() < 0.25:
+                pred[v] |= 1 << u
+    start, outputs, full = 1, 1 << (n - 1), (1 << n) - 1
+    pred[0] = 0
+    want = [m for m in range(1 << n) if m & start and all(not (m >> v) & 1 or not pred[v] & ~m for v in range(n))
+            and (not m & outputs or m == full)]
+    got = downsets_from(pred, start, outputs, 10 ** 6)
+    assert got is not None and sorted(got) == sorted(want) and len(got) == len(set(got))
+    assert got[0] == start and got[-1] == full
+    assert [bin(m).count("1") for m in got] == sorted(bin(m).count("1") for m in got)
+    assert downsets_from(pred, start, outputs, len(want) - 1) is None
