@@ -206,7 +206,8 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
         if warm is None:
             raise InfeasibleError(f"partition: no plan found within the time limit ({time_limit:g}s); "
                                   "raise --time-limit")
-        return _result(graph, units, opts, SolveResult("HEURISTIC", *warm, 0.0, 0.0),
+        # no search ran: the plan is the order DP's, bounded by sum C / K (every plan is at least that slow)
+        return _result(graph, units, opts, SolveResult("HEURISTIC", *warm, ideal_s(graph, opts), 0.0),
                        start, heuristic_s, "CP-SAT")
     model = _cp_sat(units, opts)
     if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
@@ -224,7 +225,7 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
     solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress, stop_at=stop_at)
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
-        solved = SolveResult("HEURISTIC", *warm, 0.0, solved.wall_s)
+        solved = SolveResult("HEURISTIC", *warm, ideal_s(graph, opts), solved.wall_s)
     elif len(units) < len(fine) and opts.memory is None:
         solved = _restricted(solved, ideal_s(graph, opts))
     return _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
