@@ -513,7 +513,8 @@ def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: flo
         return _result(graph, fine, opts, solved, start, exact.objective, "downset DP")
     if cheap is None:
         return _placed_cpsat(graph, opts, start, deadline, workers, coarsen_above, progress)
-    solved = SolveResult("FEASIBLE", cheap.stage_of, cheap.replicas, cheap.objective, 0.0, time.monotonic() - start)
+    solved = SolveResult("FEASIBLE", cheap.stage_of, cheap.replicas, cheap.objective, ideal_s(graph, opts),
+                         time.monotonic() - start)  # a restriction: its own bound is only sum C / K
     restricted = _result(graph, fine, opts, solved, start, None, "downset DP on the cheapest cuts")
     try:
         return _better(restricted, _placed_cpsat(graph, opts, start, deadline, workers, coarsen_above, progress))
