@@ -120,11 +120,13 @@ def cheap_cut_plan(units: Units, opts: CostOptions, masks: List[int], upper: flo
     boundaries all lie in it: a restriction, never a bound. Stage
     boundaries sit where little data crosses when communication matters
     (GNMT on 8 nodes of 2 GPUs: the optimum of its 6,820 downsets is among
-    the 300 with the smallest cuts, found in about a second instead of 90 s),
-    and where compute decides, the cheap cuts are where a plan can cut at all.
+    the 300 with the smallest cuts, found in about a second instead of 90 s);
+    where compute decides instead, the balanced boundaries may be left out, so
+    the plan is only a candidate beside the others.
     Sizes double from ``first`` up to ``most`` (default ``default_limit``) while the next run
     (about three times the last) fits before ``deadline``; each run starts
-    from the best plan so far as its upper bound. None when no run finished.
+    from the best plan so far as its upper bound. None when no run found a plan under ``upper``
+    in time.
     """
     lattice = _Lattice.of(units, masks)
     most = default_limit(units) if most is None else most

@@ -274,7 +274,7 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     exact DP, the segment DP gets ``EXACT_ROOM`` of the time, so that the exact
     DP has room when the segment DP cannot prove its plan (resnext101 on 4 nodes
     of 4 under PipeDream's charges: the charged segment DP took the whole 10 s
-    and left 6.5 % open; the exact DP proves a 2.2 % faster plan in 2 s).
+    and left 6.5 % open; the exact DP proves a 2.2 % faster plan in 2-4 s).
     """
     small = solver == "auto" and opts.memory is None and not fine.shared and enumerate_downsets(
         fine, default_limit(fine) if downset_limit is None else downset_limit, deadline) is not None
