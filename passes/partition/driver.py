@@ -19,7 +19,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 
 from passes.costgraph import CostGraph
@@ -46,8 +46,8 @@ FINE_LEFT = 0.5  # seconds left at least for the charged DP's pass on the lattic
 FINE_ABOVE = 0.01  # ... and the gap above which it runs (within 1 % it cost CPU rows 7 s and 500 MB for nothing)
 FINE_CPSAT_MAX = 600  # units up to which a coarsened CP-SAT run is followed by one on every node (``_general``)
 EXACT_ROOM = 0.5  # of the time, for the segment DP where the exact downset DP could follow (``_placed``)
-CHEAP_CUTS_CAP = 8  # lattices up to this many times the exact downset DP's limit get its restriction (``_placed_general``)
-CHEAP_CUTS_WORK = 1_000_000  # ... and within this many downset-unit pairs (the enumeration's Python steps)
+CHEAP_CUTS_CAP = 8  # lattices up to this many times the exact downset DP's limit get its restriction (``_placed``, ``_placed_general``)
+CHEAP_CUTS_WORK = 1_000_000  # ... and within this many downset-unit pairs (its per-downset tables are built in Python, a step per pair)
 CHEAP_CUTS_SHARE = 0.4  # ... and this share of the time left for it (CP-SAT gets the rest)
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 
@@ -276,15 +276,17 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     of 4 under PipeDream's charges: the charged segment DP took the whole 10 s
     and left 6.5 % open; the exact DP proves a 2.2 % faster plan in 2-4 s).
     """
-    small = solver == "auto" and opts.memory is None and not fine.shared and enumerate_downsets(
-        fine, default_limit(fine) if downset_limit is None else downset_limit, deadline) is not None
+    limit = default_limit(fine) if downset_limit is None else downset_limit
+    masks = enumerate_downsets(fine, max(limit, min(CHEAP_CUTS_CAP * limit, CHEAP_CUTS_WORK // len(fine))),
+                               deadline) if solver == "auto" else None  # once, for both DPs below
+    small = masks is not None and len(masks) <= limit and opts.memory is None and not fine.shared
     chained = _placed_chain(graph, opts, start, start + EXACT_ROOM * (deadline - start) if small else deadline) \
         if solver == "auto" else None
     result = chained
     if chained is None or (chained.status != "OPTIMAL" and deadline - time.monotonic() >= 0.5):
         try:
             result = _better(chained, _placed_general(graph, fine, opts, start, deadline, workers,
-                                                      coarsen_above, solver, downset_limit, progress))
+                                                      coarsen_above, solver, masks, limit, progress))
         except InfeasibleError:
             if chained is None:
                 raise
@@ -484,11 +486,12 @@ def _bracketed(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
 
 
 def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
-                    workers: int, coarsen_above: int, solver: str, downset_limit: Optional[int],
+                    workers: int, coarsen_above: int, solver: str, masks: Optional[List[int]], limit: int,
                     progress) -> PartitionResult:
     """The placement-aware downset DP on small lattices, else CP-SAT on the bracketing flat models.
 
-    A lattice past the exact DP's limit but within ``CHEAP_CUTS_CAP`` times it gets the same DP
+    ``masks``: the lattice as ``_placed`` enumerated it (None where it is past ``CHEAP_CUTS_CAP``
+    times ``limit``). A lattice past the exact DP's limit but within ``CHEAP_CUTS_CAP`` times it gets the same DP
     on its cheapest cuts first (``downsets.cheap_cut_plan``, ``CHEAP_CUTS_SHARE`` of the time
     left): CP-SAT cannot see placement, and on GNMT over 8 nodes of 2 GPUs its plans stayed 11.8 %
     above the optimum that restriction finds in about a second. Its plan competes with CP-SAT's; the
@@ -500,9 +503,6 @@ def _placed_general(graph: CostGraph, fine: Units, opts: CostOptions, start: flo
         quick = best_order_dp(fine, slow, deadline) if len(fine) <= coarsen_above else None
         upper = evaluate(graph, to_nodes(graph, fine, quick.stage_of), quick.replicas, opts).bottleneck_s \
             if quick else math.inf
-        limit = default_limit(fine) if downset_limit is None else downset_limit
-        masks = enumerate_downsets(fine, max(limit, min(CHEAP_CUTS_CAP * limit, CHEAP_CUTS_WORK // len(fine))),
-                                   deadline)
         if masks is not None and len(masks) <= limit:
             exact = downset_dp(fine, opts, upper=upper, deadline=deadline, masks=masks)
         elif masks is not None and opts.memory is None:  # its plans do not check memory
