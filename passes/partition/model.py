@@ -47,6 +47,7 @@ from ortools.sat.python import cp_model
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
 from passes.partition.memory_guard import MemoryGuard
+from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs
 from passes.partition.result import SolveResult
 
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
@@ -72,9 +73,14 @@ class _Callback(cp_model.CpSolverSolutionCallback):
 class PartitionModel:
     """Builds the model once; ``solve`` runs CP-SAT on it."""
 
-    def __init__(self, units: Units, opts: CostOptions, minimise_memory: bool = False) -> None:
+    def __init__(self, units: Units, opts: CostOptions, minimise_memory: bool = False,
+                 machine: Optional[CostOptions] = None) -> None:
+        """``machine``: a two-level machine that ``opts`` (its flat model at the faster bandwidth)
+        bounds; the model then also charges what crossing a node boundary costs (``model_nodes.py``)."""
         self.units, self.opts, self.m = units, opts, cp_model.CpModel()
         self.minimise_memory = minimise_memory
+        self.crossing = crossing_coeffs(machine, opts.allowed_replicas()) if machine is not None else {}
+        self.wall_bw = machine.bandwidth if machine is not None else opts.bandwidth
         n_work = sum(units.has_compute)
         self.S = min(opts.devices, n_work) if opts.replication != "none" or opts.fewer_devices else opts.devices
         self.R = opts.allowed_replicas()
@@ -85,6 +91,8 @@ class PartitionModel:
         self._variables()
         self._structure()
         self._times()
+        if machine is not None:
+            charge_node_boundaries(self, machine)
         if opts.memory is not None or minimise_memory:
             self._memory()
 
@@ -156,8 +164,10 @@ class PartitionModel:
         """
         m, u_, S, q, opts = self.m, self.units, self.S, self.q, self.opts
         total = sum(self._round(c / q) for c in u_.compute)
-        amax = max(allreduce_coeff(r, opts) for r in self.R)
-        hi = total + sum(self._round(2 * nb / (opts.bandwidth * q)) for _, nb, _ in u_.producers)
+        amax = max([allreduce_coeff(r, opts) for r in self.R] + list(self.crossing.values()))
+        self.amax = amax
+        slowest = min(opts.bandwidth, self.wall_bw)  # a cut on a node boundary runs at the machine's B2
+        hi = total + sum(self._round(2 * nb / (slowest * q)) for _, nb, _ in u_.producers)
         hi += sum(self._round(amax * p / q) for p in u_.param_bytes) + sum(self._round(amax * nb / q) for nb, _ in u_.shared.values())
         extra = {r: tied_floor_coeff(r, opts) - allreduce_coeff(r, opts) for r in self.R}  # >= 0
         emax = max(extra.values()) if u_.shared else 0.0
@@ -177,7 +187,8 @@ class PartitionModel:
             cut = m.NewIntVar(0, hi + 1, f"cut{b}")
             m.Add(cut == sum(terms))
             self.cuts.append(cut)
-        F = 10_000
+        F = self.F = 100_000 if self.crossing else 10_000  # crossing coefficients make the flat ones' ratios small
+        self.compute, self.params, self.tied_b, self.emax, self.extra = [], [], [], emax, extra
         for b in range(S):
             compute = self._sum_var(b, [c / q for c in u_.compute], {}, "C")
             if amax > 0:
@@ -185,6 +196,9 @@ class PartitionModel:
                 params = self._sum_var(b, pw, {p: amax * nb / q for p, (nb, _) in u_.shared.items()}, "P")
             if emax > 0:
                 tied = self._tied_var(b, emax)
+            self.compute.append(compute)
+            self.params.append(params if amax > 0 else None)
+            self.tied_b.append(tied if emax > 0 else None)
             for r, y in self.y[b].items():
                 k = self._round(F * allreduce_coeff(r, opts) / amax) if amax > 0 else 0
                 kt = self._round(F * extra[r] / emax) if emax > 0 else 0
