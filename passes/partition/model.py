@@ -160,7 +160,8 @@ class PartitionModel:
 
         P_b counts weights in units of ``q / a_max`` seconds of all-reduce, so
         its rounding obeys the same per-term bound as compute; ``F = 10^4``
-        keeps the rounding of the ratio ``a_r / a_max`` below 0.01%.
+        keeps the rounding of the ratio ``a_r / a_max`` below 0.01% (``10^5`` on a two-level machine,
+        where a_max is the crossing all-reduce's, up to B1 / B2 times the flat ratios).
         """
         m, u_, S, q, opts = self.m, self.units, self.S, self.q, self.opts
         total = sum(self._round(c / q) for c in u_.compute)
