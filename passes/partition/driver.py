@@ -555,8 +555,8 @@ def _placed_cpsat(graph: CostGraph, fine: Units, opts: CostOptions, start: float
         runs = [(slow, None, 2 / 3), (fast, opts, 1.0)]
     else:
         runs = [(fast, opts, 1.0)]
-    warm = {id(f): best_order_dp(units, f, deadline) for f in (slow, fast)}
-    plans = [w for w in warm.values() if w is not None and opts.memory is None]  # they do not check memory
+    warm = [best_order_dp(units, flat, deadline) for flat in (slow, fast)]
+    plans = [w for w in warm if w is not None and opts.memory is None]  # they do not check memory
     score = lambda p: evaluate(graph, to_nodes(graph, units, p.stage_of), p.replicas, opts).bottleneck_s
     heuristic = min(score(p) for p in plans) if plans else None
     wall, trace = 0.0, []
@@ -564,7 +564,7 @@ def _placed_cpsat(graph: CostGraph, fine: Units, opts: CostOptions, start: float
         if not _time_for_cpsat(units, flat, deadline):
             continue
         model = _cp_sat(units, flat, machine=machine)
-        start_from = min(plans, key=score) if machine is not None and plans else warm[id(flat)]
+        start_from = min(plans, key=score) if machine is not None and plans else warm[flat is fast]
         if start_from is not None:
             model.hint(start_from.stage_of, start_from.replicas)
             if opts.memory is None and not units.shared:  # its time in this model, which the optimum beats

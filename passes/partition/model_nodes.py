@@ -59,47 +59,61 @@ def walls_modelled(machine: CostOptions, slots: int) -> bool:
 def charge_node_boundaries(pm, machine: CostOptions) -> None:
     """Add the charges of the module docstring to ``pm`` (a ``model.PartitionModel`` built on the
     faster flat model of ``machine``, with ``pm.crossing = crossing_coeffs(machine, ...)``)."""
-    m, S, K, G = pm.m, pm.S, machine.devices, int(machine.gpus_per_node)
-    walls = list(range(G, K, G))
-    modelled = walls_modelled(machine, S)
-    across = [m.NewBoolVar(f"across{b}") for b in range(S)] if modelled else None
-    on_wall = [m.NewBoolVar(f"onwall{b}") for b in range(S - 1)] if modelled else None
-    if modelled:
-        ends = []  # ranks used by the slots up to b: the next slot's first rank
-        for b in range(S):
-            end = m.NewIntVar(0, K, f"end{b}")
-            m.Add(end == (ends[-1] if ends else 0) + sum(r * y for r, y in pm.y[b].items()))
-            ends.append(end)
-        for t in walls:
-            reach = [_at_least(m, end, t, f"r{t}_{b}") for b, end in enumerate(ends)]  # end_b >= t
-            past = [_at_least(m, end, t + 1, f"p{t}_{b}") for b, end in enumerate(ends)]  # end_b > t
-            for b in range(S):
-                # slot b starts before t (the slots before it end under t) and ends past it
-                m.AddBoolOr(([reach[b - 1]] if b else []) + [past[b].Not(), across[b]])
-                if b + 1 < S:  # slot b ends exactly at t and slot b + 1 is a stage: the cut is on the wall
-                    m.AddBoolOr([reach[b].Not(), past[b], pm.used[b + 1].Not(), on_wall[b]])
+    walls = _walls(pm, machine) if walls_modelled(machine, pm.S) else None
     if pm.amax > 0:
+        _crossing_allreduce(pm, int(machine.gpus_per_node), walls[0] if walls else None)
+    if walls:
+        _cuts_on_walls(pm, machine, walls[1])
+
+
+def _walls(pm, machine: CostOptions):
+    """Per slot, a boolean forced true where the slot spans a node boundary, and one where the cut
+    after it sits on a boundary (the next slot a stage)."""
+    m, S, K, G = pm.m, pm.S, machine.devices, int(machine.gpus_per_node)
+    across = [m.NewBoolVar(f"across{b}") for b in range(S)]
+    on_wall = [m.NewBoolVar(f"onwall{b}") for b in range(S - 1)]
+    ends = []  # ranks used by the slots up to b: the next slot's first rank
+    for b in range(S):
+        end = m.NewIntVar(0, K, f"end{b}")
+        m.Add(end == (ends[-1] if ends else 0) + sum(r * y for r, y in pm.y[b].items()))
+        ends.append(end)
+    for t in range(G, K, G):
+        reach = [_at_least(m, end, t, f"r{t}_{b}") for b, end in enumerate(ends)]  # end_b >= t
+        past = [_at_least(m, end, t + 1, f"p{t}_{b}") for b, end in enumerate(ends)]  # end_b > t
         for b in range(S):
-            for r, y in pm.y[b].items():
-                coeff = pm.crossing.get(r)
-                if coeff is None or (r <= G and not modelled):
-                    continue
-                k = pm._round(pm.F * coeff / pm.amax)
-                kt = pm._round(pm.F * pm.extra[r] / pm.emax) if pm.emax > 0 else 0
-                rhs = pm.F * pm.compute[b] + k * pm.params[b] + (kt * pm.tied_b[b] if kt else 0)
-                m.Add(pm.F * r * pm.T >= rhs).OnlyEnforceIf([y] if r > G else [y, across[b]])
-    if not modelled:
-        return
-    at = {}
+            # slot b starts before t (the slots before it end under t) and ends past it
+            m.AddBoolOr(([reach[b - 1]] if b else []) + [past[b].Not(), across[b]])
+            if b + 1 < S:  # slot b ends exactly at t and slot b + 1 is a stage: the cut is on the wall
+                m.AddBoolOr([reach[b].Not(), past[b], pm.used[b + 1].Not(), on_wall[b]])
+    return across, on_wall
+
+
+def _crossing_allreduce(pm, G: int, across) -> None:
+    """``r·T >= C_b + a_cross(r)·P_b`` (with the base model's tied term) where slot b's r replicas
+    cross nodes: always for r > G, else where ``across[b]`` (None: boundaries not modelled)."""
+    for b in range(pm.S):
+        for r, y in pm.y[b].items():
+            coeff = pm.crossing.get(r)
+            if coeff is None or (r <= G and across is None):
+                continue
+            k = pm._round(pm.F * coeff / pm.amax)
+            kt = pm._round(pm.F * pm.extra[r] / pm.emax) if pm.emax > 0 else 0
+            rhs = pm.F * pm.compute[b] + k * pm.params[b] + (kt * pm.tied_b[b] if kt else 0)
+            pm.m.Add(pm.F * r * pm.T >= rhs).OnlyEnforceIf([y] if r > G else [y, across[b]])
+
+
+def _cuts_on_walls(pm, machine: CostOptions, on_wall) -> None:
+    """Both sides of a cut on a boundary pay its bytes at B2: ``r·T >= 2A/B2`` for either slot."""
+    terms = {}
     for k, b, z in pm.z:
         nbytes = pm.units.producers[k][1]
-        at.setdefault(b, []).append(pm._round(2 * nbytes / (machine.bandwidth * pm.q)) * z)
-    for b in range(S - 1):
-        cut = m.NewIntVar(0, pm.t_hi, f"wallcut{b}")
-        m.Add(cut == sum(at.get(b, [])))
+        terms.setdefault(b, []).append(pm._round(2 * nbytes / (machine.bandwidth * pm.q)) * z)
+    for b in range(pm.S - 1):
+        cut = pm.m.NewIntVar(0, pm.t_hi, f"wallcut{b}")
+        pm.m.Add(cut == sum(terms.get(b, [])))
         for slot in (b, b + 1):
             for r, y in pm.y[slot].items():
-                m.Add(r * pm.T >= cut).OnlyEnforceIf([y, on_wall[b]])
+                pm.m.Add(r * pm.T >= cut).OnlyEnforceIf([y, on_wall[b]])
 
 
 def _at_least(m, var, t: int, name: str):
