@@ -47,7 +47,7 @@ from ortools.sat.python import cp_model
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
 from passes.partition.memory_guard import MemoryGuard
-from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs
+from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs, slots_of
 from passes.partition.result import SolveResult
 
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
@@ -81,8 +81,7 @@ class PartitionModel:
         self.minimise_memory = minimise_memory
         self.crossing = crossing_coeffs(machine, opts.allowed_replicas()) if machine is not None else {}
         self.wall_bw = machine.bandwidth if machine is not None else opts.bandwidth
-        n_work = sum(units.has_compute)
-        self.S = min(opts.devices, n_work) if opts.replication != "none" or opts.fewer_devices else opts.devices
+        self.S = slots_of(units, opts)
         self.R = opts.allowed_replicas()
         lb = max(sum(units.compute) / opts.devices, 1e-12)
         n_terms = max(2 * len(units) + 2 * len(units.shared), len(units.producers), 1)

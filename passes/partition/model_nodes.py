@@ -49,6 +49,13 @@ def crossing_coeffs(machine: CostOptions, counts: Sequence[int]) -> Dict[int, fl
     return out
 
 
+def slots_of(units, opts: CostOptions) -> int:
+    """The CP-SAT model's stage slots (``model.PartitionModel.S``): at most one per unit with compute,
+    unless every stage holds one replica and all K must be used."""
+    n_work = sum(units.has_compute)
+    return min(opts.devices, n_work) if opts.replication != "none" or opts.fewer_devices else opts.devices
+
+
 def walls_modelled(machine: CostOptions, slots: int) -> bool:
     """Whether the model of ``slots`` stage slots charges every node boundary (each adds two booleans
     per slot); past ``MOST_WALLS`` only counts above G pay their crossing, wherever they sit."""

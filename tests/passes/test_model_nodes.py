@@ -4,10 +4,9 @@ from __future__ import annotations
 import pytest
 
 from passes.partition.coarsen import build_units, model_nodes, to_nodes
-from passes.partition.costmodel import evaluate, flat_bound
+from passes.partition.costmodel import allreduce_at, evaluate, flat_bound
 from passes.partition.driver import _cp_sat
 from passes.partition.model_nodes import crossing_coeffs
-from passes.partition.costmodel import allreduce_at
 from tests.passes.test_partition import random_dag
 from tests.passes.test_placed import _exact, _light_cuts, _opts
 
