@@ -45,13 +45,14 @@ def stage_step_s(stage: nn.Module, cfg: TrainConfig, repeats: int = 5, warmup: i
 
 def _time_step(params: List[torch.Tensor], cfg: TrainConfig, repeats: int, warmup: int) -> float:
     copies = nn.ParameterList([nn.Parameter(p.detach().clone()) for p in params])
-    for p in copies:
-        p.grad = torch.zeros_like(p)
     stashing = cfg.schedule in STASHING
     opt = make_optimizer(cfg, copies, copy_free=stashing and cfg.weight_stash == "copy-free")
     stash = stashing and not is_out_of_place(opt)  # a copying stash clones the weights once per update
     times = []
     for i in range(warmup + repeats):
+        # gradients afresh every time: a copy-free step consumes them (SGD writes the weights over them)
+        for p in copies:
+            p.grad = torch.zeros_like(p)
         start = time.perf_counter()
         opt.step()
         if stash:

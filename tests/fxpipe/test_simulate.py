@@ -201,6 +201,30 @@ def test_stage_step_cost_is_timed_on_copies():
     assert all(p.grad is None for p in stage.parameters())
 
 
+def test_every_timed_step_updates_every_parameter(monkeypatch):
+    """A copy-free SGD step consumes the gradients it reads (it writes the weights over them): each
+    timed step must find them set again, or every step after the first times an empty update."""
+    import torch
+
+    from fxpipe.runtime import stepcost
+    from fxpipe.runtime.loop import TrainConfig, make_optimizer
+
+    stage = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with_grads = []
+
+    def counting(cfg, params, copy_free=False):
+        opt = make_optimizer(cfg, params, copy_free=copy_free)
+        step = opt.step
+        opt.step = lambda *a: with_grads.append(sum(p.grad is not None for p in params)) or step(*a)
+        return opt
+
+    monkeypatch.setattr(stepcost, "make_optimizer", counting)
+    for kind in ("1f1b-stash", "1f1b-flush"):
+        with_grads.clear()
+        stepcost.stage_step_s(stage, TrainConfig(schedule=kind, optimizer="sgd"), repeats=3, warmup=1)
+        assert with_grads == [4] * 4, kind
+
+
 @pytest.mark.parametrize("replicas", [(1, 2, 1), (3, 2, 1), (2, 3, 1), (1, 1, 2), (4, 2, 1)])
 def test_flush_keeps_replicated_pipelines_at_full_rate(replicas):
     # stage j is r_j times slower, so every stage serves one microbatch per 3 s

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fxpipe.runtime import optim
 from fxpipe.runtime.optim import CopyFreeAdamW, CopyFreeSGD, allow_in_place, copy_free_optimizer, is_out_of_place
 from fxpipe.runtime.stash import WeightStash
 
@@ -31,6 +32,14 @@ CASES = [
 CASES += [(name, {**options, "fused": True}) for name, options in CASES if not options.get("maximize")]
 
 
+@pytest.fixture(params=["into-grad", "new-tensors"])
+def sgd_writes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """SGD's two ways to write the new weights: over the gradient (every tensor of the small test
+    model qualifies once the size floor is 0), or into new tensors (a floor above every tensor)."""
+    monkeypatch.setattr(optim, "INTO_GRAD_NUMEL", 0 if request.param == "into-grad" else 1 << 62)
+    return request.param
+
+
 def _model() -> nn.Module:
     torch.manual_seed(3)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
@@ -43,7 +52,7 @@ def _grads(model: nn.Module, step: int) -> None:
 
 
 @pytest.mark.parametrize("name,options", CASES)
-def test_matches_torch_bit_for_bit(name: str, options: Dict[str, Any]) -> None:
+def test_matches_torch_bit_for_bit(name: str, options: Dict[str, Any], sgd_writes: str) -> None:
     ref_model, got_model = _model(), _model()
     torch_cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
     ref = torch_cls(ref_model.parameters(), **({} if options.get("fused") else {"foreach": False}), **options)
@@ -64,7 +73,8 @@ def test_matches_torch_bit_for_bit(name: str, options: Dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("cls,options", [(CopyFreeSGD, {}), (CopyFreeSGD, {"momentum": 0.9}), (CopyFreeAdamW, {})])
-def test_a_stashed_version_survives_updates_and_backpropagates(cls: type, options: Dict[str, Any]) -> None:
+def test_a_stashed_version_survives_updates_and_backpropagates(cls: type, options: Dict[str, Any],
+                                                               sgd_writes: str) -> None:
     """A forward on a copy-free version, two updates, then its backward: the gradient of the old weights."""
     model = _model()
     params = list(model.parameters())
@@ -92,7 +102,8 @@ def test_a_stashed_version_survives_updates_and_backpropagates(cls: type, option
 
 @pytest.mark.parametrize("name,options", [("sgd", {"lr": 0.1}), ("sgd", {"lr": 0.1, "momentum": 0.9}),
                                           ("adamw", {"lr": 0.01, "fused": True})])
-def test_in_place_steps_where_allowed_keep_torchs_arithmetic(name: str, options: Dict[str, Any]) -> None:
+def test_in_place_steps_where_allowed_keep_torchs_arithmetic(name: str, options: Dict[str, Any],
+                                                              sgd_writes: str) -> None:
     """Steps allowed in place (no version holds the weights) write the same tensors, the others new
     ones, and any mix of the two stays bit-identical to torch's optimizer."""
     ref_model, got_model = _model(), _model()
@@ -110,6 +121,31 @@ def test_in_place_steps_where_allowed_keep_torchs_arithmetic(name: str, options:
         assert all(same) if step % 2 == 0 else not any(same)
     for a, b in zip(ref_model.parameters(), got_model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_sgd_writes_over_a_gradient_of_its_own_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The new weights take the gradient's storage where the gradient is a tensor of its own, and a
+    new tensor where it is a view of a buffer shared with other gradients (a replica all-reduce's) or
+    below the size floor; the old weights are never written either way."""
+    monkeypatch.setattr(optim, "INTO_GRAD_NUMEL", 10)  # the 5x7 weight qualifies, the 7 bias not
+    model = _model()
+    w, b = model[0].weight, model[0].bias
+    flat = torch.randn(21 + 3, dtype=torch.float64)
+    opt = CopyFreeSGD([w, b, model[2].weight], lr=0.1)
+    _grads(model, 0)
+    model[2].weight.grad = flat[:21].view(3, 7)  # a view: its buffer holds another gradient too
+    old = [p.detach().clone() for p in (w, b, model[2].weight)]
+    ptrs = [p.data_ptr() for p in (w, b, model[2].weight)]
+    grad_ptrs = [p.grad.data_ptr() for p in (w, b, model[2].weight)]
+    views_before = flat.clone()
+    opt.step()
+    assert w.data_ptr() == grad_ptrs[0]  # over its own gradient
+    assert b.data_ptr() not in (ptrs[1], grad_ptrs[1])  # too small: a new tensor
+    assert model[2].weight.data_ptr() not in (ptrs[2], grad_ptrs[2])  # a view: a new tensor
+    assert torch.equal(flat, views_before)  # the shared buffer is untouched
+    assert all(p.grad is None for p in (w, b, model[2].weight))
+    for p, o in zip((w, b, model[2].weight), old):
+        assert not torch.equal(p, o)
 
 
 def test_state_dict_round_trips_with_torch() -> None:

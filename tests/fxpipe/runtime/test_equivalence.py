@@ -1,6 +1,7 @@
 """Pipelined training over gloo equals single-process training (float64, several steps)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fxpipe.layout import Layout
@@ -42,9 +43,19 @@ def test_gpipe_with_skip_link_and_non_tensor_value() -> None:
     assert len(results[2]["losses"]) == 3
 
 
-def test_stash_equals_pipedream_reference_four_stages() -> None:
+def _train_over_grads(rank: int, *args: object) -> object:
+    """``cases.train_case`` with SGD writing every parameter's update over its gradient (the test
+    models' tensors are all under the size from which it does so by default)."""
+    from fxpipe.runtime import optim
+
+    optim.INTO_GRAD_NUMEL = 0
+    return cases.train_case(rank, *args)
+
+
+@pytest.mark.parametrize("train", [cases.train_case, _train_over_grads], ids=["new-tensors", "over-grads"])
+def test_stash_equals_pipedream_reference_four_stages(train) -> None:
     cfg = _cfg(schedule="1f1b-stash", microbatches=4, steps=2, optimizer="sgd", lr=0.1)
-    results = spawn(cases.train_case, 4, ("chain4", (1, 1, 1, 1), cfg)).ok()
+    results = spawn(train, 4, ("chain4", (1, 1, 1, 1), cfg)).ok()
     got = cases.merged_state("chain4", results)
     layout = Layout.of((1, 1, 1, 1))
     links = [(0, 1), (1, 2), (2, 3)]
