@@ -49,7 +49,7 @@ from fxpipe.layout import Layout
 from fxpipe.loader import loss_problem
 from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
-from fxpipe.runtime.optim import allow_in_place
+from fxpipe.runtime.optim import allow_in_place, run_step
 from fxpipe.runtime.precision import LossScaler, autocast, wire_value
 from fxpipe.runtime.recompute import recomputed
 from fxpipe.runtime.stash import WeightStash
@@ -290,7 +290,7 @@ class Executor:
         self.stash.before_update()
         if apply:
             allow_in_place(self.optimizer, not self.stash.holds_master)
-            self.optimizer.step()
+            run_step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.stash.stepped()
         if self.on_step is not None:

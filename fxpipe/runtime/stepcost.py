@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from fxpipe.runtime.loop import STASHING, TrainConfig, make_optimizer
-from fxpipe.runtime.optim import is_out_of_place
+from fxpipe.runtime.optim import is_out_of_place, run_step
 
 SAMPLE_NUMEL = 16 * 2**20  # 64 MiB of fp32
 
@@ -54,7 +54,7 @@ def _time_step(params: List[torch.Tensor], cfg: TrainConfig, repeats: int, warmu
         for p in copies:
             p.grad = torch.zeros_like(p)
         start = time.perf_counter()
-        opt.step()
+        run_step(opt)  # as the executor steps
         if stash:
             for p in copies:
                 p.detach().clone()

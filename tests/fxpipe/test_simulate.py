@@ -207,18 +207,17 @@ def test_every_timed_step_updates_every_parameter(monkeypatch):
     import torch
 
     from fxpipe.runtime import stepcost
-    from fxpipe.runtime.loop import TrainConfig, make_optimizer
+    from fxpipe.runtime.loop import TrainConfig
+    from fxpipe.runtime.optim import run_step
 
     stage = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
     with_grads = []
 
-    def counting(cfg, params, copy_free=False):
-        opt = make_optimizer(cfg, params, copy_free=copy_free)
-        step = opt.step
-        opt.step = lambda *a: with_grads.append(sum(p.grad is not None for p in params)) or step(*a)
-        return opt
+    def counting(opt):
+        with_grads.append(sum(p.grad is not None for group in opt.param_groups for p in group["params"]))
+        run_step(opt)
 
-    monkeypatch.setattr(stepcost, "make_optimizer", counting)
+    monkeypatch.setattr(stepcost, "run_step", counting)
     for kind in ("1f1b-stash", "1f1b-flush"):
         with_grads.clear()
         stepcost.stage_step_s(stage, TrainConfig(schedule=kind, optimizer="sgd"), repeats=3, warmup=1)

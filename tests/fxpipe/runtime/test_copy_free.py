@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from fxpipe.runtime import optim
-from fxpipe.runtime.optim import CopyFreeAdamW, CopyFreeSGD, allow_in_place, copy_free_optimizer, is_out_of_place
+from fxpipe.runtime.optim import (CopyFreeAdamW, CopyFreeSGD, allow_in_place, copy_free_optimizer, is_out_of_place,
+                                  run_step)
 from fxpipe.runtime.stash import WeightStash
 
 CASES = [
@@ -146,6 +147,29 @@ def test_sgd_writes_over_a_gradient_of_its_own_only(monkeypatch: pytest.MonkeyPa
     assert all(p.grad is None for p in (w, b, model[2].weight))
     for p, o in zip((w, b, model[2].weight), old):
         assert not torch.equal(p, o)
+
+
+@pytest.mark.parametrize("name,options", [("sgd", {"lr": 0.1}), ("sgd", {"lr": 0.1, "momentum": 0.9}),
+                                          ("adamw", {"lr": 0.01})])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_run_step_is_step(name: str, options: Dict[str, Any], in_place: bool, sgd_writes: str) -> None:
+    """The executor's ``run_step`` (torch's wrapper skipped) updates exactly as ``step``, for the
+    out-of-place optimizers either way and for torch's own."""
+    models = [_model() for _ in range(3)]
+    via_step = copy_free_optimizer(name, list(models[0].parameters()), options)
+    via_run = copy_free_optimizer(name, list(models[1].parameters()), options)
+    torch_cls = torch.optim.SGD if name == "sgd" else torch.optim.AdamW
+    plain = torch_cls(models[2].parameters(), foreach=False, **options)
+    allow_in_place(via_step, in_place)
+    allow_in_place(via_run, in_place)
+    for step in range(3):
+        for m in models:
+            _grads(m, step)
+        via_step.step()
+        run_step(via_run)
+        run_step(plain)
+    for a, b, c in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def test_state_dict_round_trips_with_torch() -> None:
