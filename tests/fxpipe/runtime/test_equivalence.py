@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fxpipe.layout import Layout
 from fxpipe.runtime.loop import TrainConfig
