@@ -135,11 +135,11 @@ def _sgd_over_grad(p: torch.Tensor, neg_lr: float, decay: float, maximize: bool)
 def _into_grad(p: torch.Tensor, g: Optional[torch.Tensor]) -> bool:
     """Whether SGD may write ``p``'s new weights over its gradient ``g`` and make that its tensor.
 
-    A new tensor per parameter per update is what made a ``1f1b-stash`` step
-    cost more than the in-place step it replaces: allocating it, and a fourth
-    stream of memory traffic (the MLP stage of ``tools.bench.runtime``, 2.1 MB of
-    weights: 0.38 ms out of place, 0.18 ms over the gradient, 0.13 ms in
-    place). The gradient is dead after the update, and autograd hands each
+    A new tensor per parameter per update is what made the copy-free step cost
+    more than torch's in-place one: allocating it, and a fourth stream of memory
+    traffic (the MLP stage of ``tools.bench.runtime``, 2.1 MB of weights, one
+    thread on a slow day of a 2-core machine: 0.38 ms into new tensors, 0.18 ms
+    over the gradients, 0.13-0.15 ms torch's in place). The gradient is dead after the update, and autograd hands each
     parameter a tensor of its own (it copies one that something else holds),
     so writing over it changes nothing anyone can see. Not where ``g`` is a view
     (a replica all-reduce's flat buffer, whose other parts are other
@@ -175,9 +175,9 @@ def run_step(optimizer: torch.optim.Optimizer) -> None:
     ``1f1b-stash`` steps after every microbatch, and on the runtime bench's MLP
     stage that wrapper cost 0.15–0.19 ms a call on a slow day of a 2-core
     machine (0.64–0.83 ms a step through it, 0.49–0.61 ms without), 3 % of a
-    microbatch. fxpipe
-    registers no optimizer hooks; global ones (``register_optimizer_step_pre_hook``)
-    are skipped for these optimizers, as torch's profiler span is."""
+    microbatch. fxpipe registers no optimizer hooks; global ones
+    (``register_optimizer_step_pre_hook``) are skipped for these optimizers,
+    as torch's profiler span is."""
     if is_out_of_place(optimizer):
         _OutOfPlace.step(optimizer)  # type: ignore[arg-type]  # the method itself, not the class's wrapped attribute
     else:
