@@ -19,9 +19,13 @@ One small handler per action kind (as a flat instruction interpreter):
   collected for ``SEND_B``: no Python autograd Function per message). After it, ``m``'s
   graph, loss and outputs are dropped: activations live from ``F m`` to
   ``B m`` only; the mailbox stays until its gradients are sent.
-- In a list with ``W`` actions (``zb-h1``), ``B m`` computes only the
-  gradients of the received values (``fxpipe.runtime.wgrad``) and keeps the
-  graph; ``W m`` computes the parameters' gradients and drops it.
+- In a list with ``W`` actions (``zb-h1``), ``B m`` leaves the weight
+  gradients to ``W m``. A stage of Linear and convolution layers (and norms,
+  embeddings) runs one ordinary backward in ``B m`` with those layers'
+  weight products deferred (``fxpipe.runtime.deferred``: each call's input
+  and output gradient kept, ``dy^T x`` computed in ``W m``); any other stage computes
+  only the received values' gradients in ``B m`` and keeps the graph for
+  ``W m`` (``fxpipe.runtime.wgrad``).
 - ``SEND_F m`` / ``SEND_B m`` ship the mailbox contents (asynchronously).
   A send holds its tensor until it is waited; ``B g`` first waits the sends
   of microbatches ``<= g - lag`` (see ``send_lag``), so a long run (one
@@ -39,7 +43,7 @@ message tags unique across steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -47,6 +51,7 @@ import torch.nn as nn
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.loader import loss_problem
+from fxpipe.runtime.deferred import Deferred, WeightGradDeferral, defer_weight_grads
 from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.optim import allow_in_place, run_step
@@ -74,7 +79,7 @@ class _InFlight:
     box: comm.MailboxTransport
     loss: Optional[torch.Tensor] = None
     forwarded: bool = False
-    wgrad: Optional[WeightGrad] = None  # between B m and W m of a split backward
+    wgrad: Optional[Union[WeightGrad, Deferred]] = None  # between B m and W m of a split backward
 
     @property
     def holds_graph(self) -> bool:
@@ -115,6 +120,9 @@ class Executor:
                           Kind.RECV_F: self._recv_f, Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv_b,
                           Kind.ALLREDUCE: self._allreduce, Kind.STEP: self._step, Kind.W: self._weight_grad}
         self._compiled: Optional[_Program] = None  # the last action list's, reused while the list is the same
+        # a split backward's Linear and convolution weight gradients deferred to W (set up at the first
+        # split list; False: the stage does not qualify, ``defer_weight_grads``)
+        self._deferral: Union[None, bool, WeightGradDeferral] = None
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
         self.recompute, self.scaler = recompute, scaler
@@ -127,6 +135,13 @@ class Executor:
         compiled = self._program(actions)
         self._versioned = {base + m for m in compiled.updated}
         self._split = compiled.split  # zb-h1 (TrainConfig refuses it with recomputation)
+        if self._split and self._deferral is None:
+            # a stage that receives no gradient-carrying value has no input half: its whole backward
+            # waits for W as it is, nothing to defer
+            receives = any(w.dst_stage == self.stage and w.carries_grad for w in self.p2p.wires)
+            self._deferral = (receives and defer_weight_grads(self.module)) or False
+        if self._deferral:
+            self._deferral.enabled = self._split
         self._input_done: set = set()  # microbatches past B and before W
         tracing = self.tracer.enabled
         for handler, a in compiled.steps:
@@ -230,7 +245,13 @@ class Executor:
         grads = ([torch.ones_like(state.loss)] if state.loss is not None else []) + sent_grads
         if self._split:
             self._input_done.add(g)
-        if roots and self._split:
+        if roots and self._split and self._deferral:
+            self._deferral.collect()  # one whole backward, the layers' weight products left for W
+            try:
+                torch.autograd.backward(roots, grads)
+            finally:
+                state.wgrad = self._deferral.done()
+        elif roots and self._split:
             self._backward_input(state, roots, grads)
         elif roots:
             torch.autograd.backward(roots, grads)

@@ -33,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,10 +44,21 @@ from tools.bench.runtime import MODELS, Stack, _fxpipe_split, bounds
 M = 8  # microbatches per step in the loop measurement
 
 
-def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
-    """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
-    from passes import comm
+class Cut(NamedTuple):
+    """A runtime-benchmark model cut into stages: its pieces, data, cuts, fxpipe's split, and the
+    activation at each stage boundary (``acts[j]`` enters stage j; ``acts[0]`` is the input)."""
 
+    pieces: List[nn.Module]
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable
+    cuts: List[int]
+    split: Any
+    acts: List[torch.Tensor]
+
+
+def cut_model(model: str, stages: int) -> Cut:
+    """``model`` (``tools.bench.runtime.MODELS``) split evenly into ``stages``, with its boundary activations."""
     pieces, x, y, loss_fn = MODELS[model]()
     cuts = bounds(len(pieces), stages)
     split = _fxpipe_split(pieces, x, cuts)
@@ -58,13 +69,28 @@ def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None
             for p in pieces[cuts[j]:cuts[j + 1]]:
                 h = p(h)
             acts.append(h)
+    return Cut(pieces, x, y, loss_fn, cuts, split, acts)
+
+
+def wire_tags(gm: nn.Module) -> Tuple[List[str], List[str]]:
+    """The tags a stage graph receives and sends (``passes.comm`` calls)."""
+    from passes import comm
+
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [n.args[0] for n in nodes if n.target is comm.recv], [n.args[1] for n in nodes if n.target is comm.send]
+
+
+def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
+    """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
+    from passes import comm
+
+    pieces, x, y, loss_fn, cuts, split, acts = cut_model(model, stages)
     runs = []
     for j in range(stages):
         last = j == stages - 1
         sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
         gm = split.stages[j]
-        recv = [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is comm.recv]
-        sent = [n.args[1] for n in gm.graph.nodes if n.op == "call_function" and n.target is comm.send]
+        recv, sent = wire_tags(gm)
         args = [x] if split.stage_inputs[j] else []
 
         def bare(j=j, sub=sub, last=last) -> None:

@@ -1,0 +1,172 @@
+"""Benchmark: a zero-bubble split backward (B, then W) against one whole backward, per stage.
+
+    python -m tools.bench.split_backward [--models mlp,gpt] [--stages 2,4] [--repeats 100] [--rounds 3]
+
+``zb-h1`` pays off only if splitting a stage's backward in an input half
+(``B``) and a weight half (``W``) costs about what the whole backward costs.
+One process, one thread, the runtime benchmark's models and splits; per stage
+of each split, median milliseconds of a forward and its backward:
+
+- ``whole``: fxpipe's stage (its ``GraphModule`` and mailbox, as the executor
+  runs it under ``1f1b-flush``), one backward;
+- ``deferred``: the same stage split as ``zb-h1`` now runs it where the
+  stage qualifies (``fxpipe.runtime.deferred``: one backward with the Linear
+  layers' weight products left for ``W``; a first stage, which receives
+  nothing, runs its whole backward in ``W`` instead);
+- ``engine``: the same stage split on its autograd graph
+  (``fxpipe.runtime.wgrad``, what ``zb-h1`` ran before, and still runs for
+  stages that do not qualify);
+- ``torch whole`` / ``torch split``: the same layers as a bare
+  ``nn.Sequential``, one backward, and split by torch.distributed.pipelining's
+  ``stage_backward_input`` / ``stage_backward_weight`` (what its zero-bubble
+  schedules run).
+
+Each split is divided by its own side's whole backward. Rounds alternate the
+variants and the best round of each is kept. Not a test: the machine may be
+shared.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.nn as nn
+
+from tools.bench.procmem import load_note
+from tools.bench.stage_overhead import cut_model, wire_tags
+
+VARIANTS = ("whole", "deferred", "engine", "torch whole", "torch split")
+
+
+def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
+    """Per stage: each variant as a no-argument forward + backward (+ weight half)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from fxpipe.runtime.deferred import defer_weight_grads
+    from fxpipe.runtime.wgrad import backward_input
+    from passes import comm
+
+    pieces, x, y, loss_fn, cuts, split, acts = cut_model(model, stages)
+    runs = []
+    for j in range(stages):
+        last = j == stages - 1
+        bare = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
+        gms = {v: copy.deepcopy(split.stages[j]) for v in ("whole", "deferred", "engine")}
+        linear = defer_weight_grads(gms["deferred"])
+        if linear is None:
+            raise SystemExit(f"{model} stage {j} does not qualify for deferred weight gradients")
+        linear.enabled = j > 0  # as the executor: a first stage (it receives nothing) defers nothing
+        recv, sent = wire_tags(gms["whole"])
+        args = [x] if split.stage_inputs[j] else []
+
+        def forward(gm: nn.Module, j=j, last=last, recv=recv, sent=sent, args=args):
+            box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)  # the executor's mailbox
+            for tag in recv:
+                box.inbox[tag] = acts[j].clone()
+            for tag in sent:
+                box.grad_in[tag] = torch.ones_like(acts[j + 1])
+            with comm.bind(box), torch.enable_grad():
+                outputs, _ = gm(*args)
+            if last:
+                loss = loss_fn(split.unflatten_outputs(outputs), y)
+                return box, [loss], [torch.ones_like(loss)]
+            roots, grads = box.backward_roots()
+            return box, list(roots), list(grads)
+
+        def whole(gm=gms["whole"], forward=forward) -> None:
+            box, roots, grads = forward(gm)
+            torch.autograd.backward(roots, grads)
+            box.collect_grads()
+
+        def deferred(gm=gms["deferred"], linear=linear, forward=forward) -> None:
+            box, roots, grads = forward(gm)
+            if not box.received:  # as the executor: no input half, the whole backward waits for W
+                backward_input(roots, grads, [])[1].run()
+                return
+            linear.collect()
+            torch.autograd.backward(roots, grads)
+            weights = linear.done()
+            box.collect_grads()
+            weights.run()
+
+        def engine(gm=gms["engine"], forward=forward) -> None:
+            box, roots, grads = forward(gm)
+            tags = list(box.received)
+            _, weights = backward_input(roots, grads, [box.received[t] for t in tags])
+            weights.run()
+
+        def bare_forward(bare=bare, j=j, last=last):
+            inp = acts[j].clone().requires_grad_() if j > 0 else acts[0]
+            out = bare(inp)
+            if last:
+                loss = loss_fn(out, y)
+                return inp, [loss], [torch.ones_like(loss)]
+            return inp, [out], [torch.ones_like(out)]
+
+        def torch_whole(bare_forward=bare_forward) -> None:
+            _, roots, grads = bare_forward()
+            torch.autograd.backward(roots, grads)
+
+        def torch_split(bare_forward=bare_forward, bare=bare, j=j) -> None:
+            inp, roots, grads = bare_forward()
+            if j == 0:  # no input half: the whole backward is the weight half (as fxpipe's first stages)
+                torch.autograd.backward(roots, grads)
+                return
+            _, groups = stage_backward_input(roots, grads, [inp], bare.parameters())
+            stage_backward_weight(bare.parameters(), groups)
+
+        runs.append({"whole": whole, "deferred": deferred, "engine": engine, "torch whole": torch_whole,
+                     "torch split": torch_split})
+    return runs
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,gpt")
+    p.add_argument("--stages", default="2,4", help="splits measured (every stage of each)")
+    p.add_argument("--repeats", type=int, default=100, help="microbatches timed per variant and round")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(list(argv) or None)
+    from tabulate import tabulate
+
+    torch.set_num_threads(1)
+    load0 = os.getloadavg()
+    rows = []
+    for model in args.models.split(","):
+        for stages in (int(s) for s in args.stages.split(",")):
+            for j, fns in enumerate(_stage_runs(model, stages)):
+                best: Dict[str, float] = {}
+                for _ in range(args.rounds):
+                    for v in VARIANTS:
+                        best[v] = min(best.get(v, float("inf")), _median_ms(fns[v], args.repeats))
+                rows.append([model, stages, j] + [f"{best[v]:.3f}" for v in VARIANTS] +
+                            [f"{best['deferred'] / best['whole']:.3f}", f"{best['engine'] / best['whole']:.3f}",
+                             f"{best['torch split'] / best['torch whole']:.3f}"])
+                print(f"  {model} {stages} stages, stage {j}: deferred {rows[-1][-3]}, engine {rows[-1][-2]}, "
+                      f"torch {rows[-1][-1]} x whole", file=sys.stderr, flush=True)
+    print(tabulate(rows, headers=["model", "stages", "stage"] + [f"{v} ms" for v in VARIANTS] +
+                   ["deferred ÷ whole", "engine ÷ whole", "torch split ÷ torch whole"]))
+    print(f"1 thread, {os.cpu_count()} cores; {load_note(load0)}; forward + backward per microbatch, "
+          f"best of {args.rounds} interleaved rounds of {args.repeats}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
