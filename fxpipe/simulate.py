@@ -307,9 +307,10 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int
     """``ActionCosts`` per stage and the links, from a ``Plan`` (and its profile if known).
 
     Times, all-reduce (tied weights included) and the weight copies besides
-    the versions are the plan's. With the profile, bytes per link and
-    activation bytes come from the graph; without it, each stage's
-    ``send_bytes`` goes to the next stage and the activations are the plan's.
+    the versions are the plan's. With the profile, bytes per link,
+    activation bytes and ``W``'s share of each backward (``weight_grad_s``)
+    come from the graph; without it, each stage's ``send_bytes`` goes to the
+    next stage, the activations are the plan's and ``W`` is half a backward.
     """
     extra = 1.0 + plan_options(plan).optimizer_state  # a gradient buffer and the optimizer state
     S = len(plan.stages)
@@ -324,9 +325,24 @@ def costs_from_plan(plan, graph=None) -> Tuple[List[ActionCosts], List[Tuple[int
         sends = {b: n for (a, b), n in per_link.items() if a == j}
         costs.append(ActionCosts(fwd_s=float(s.fwd_s), bwd_s=float(s.bwd_s), send_bytes=sends,
                                  allreduce_s=float(s.allreduce_s), param_bytes=int(s.param_bytes),
-                                 activation_bytes=int(acts[j]), extra_copies=extra))
+                                 activation_bytes=int(acts[j]), extra_copies=extra,
+                                 wgrad_s=None if graph is None else weight_grad_s(graph, s.nodes, j, per_link)))
     links = sorted(per_link) if per_link or S == 1 else [(j, j + 1) for j in range(S - 1)]
     return costs, links
+
+
+def weight_grad_s(graph, nodes: Sequence[str], stage: int, links: Mapping[Tuple[int, int], int]) -> float:
+    """The share of a stage's backward that ``W`` runs under a split backward (``zb-h1``), from its profile.
+
+    A node using parameters spends about half its backward on their gradients
+    (a matmul's dX and dW cost the same flops); a node without any, none (the
+    attention scores, activations, norms' input path run in ``B``). A stage
+    that receives nothing has no input half: its whole backward is ``W``
+    (``fxpipe.runtime.wgrad``).
+    """
+    if not any(b == stage for _, b in links):
+        return sum(graph.nodes[n].bwd_s for n in nodes)
+    return sum(graph.nodes[n].bwd_s for n in nodes if graph.nodes[n].param_bytes or graph.nodes[n].params) / 2
 
 
 def plan_options(plan) -> CostOptions:

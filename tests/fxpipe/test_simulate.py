@@ -388,3 +388,16 @@ def test_each_message_side_is_charged_its_bytes_cpu():
     assert base < sim.step_s <= base + 2 * M * 2 * 1e-3
     fixed = simulate(sched, costs, lay, post_s=1e-3)
     assert charged(fixed, "post") == pytest.approx(charged(sim, "post"))
+
+
+def test_w_is_the_parameter_nodes_half_of_the_backward_and_a_first_stage_whole() -> None:
+    g = tiny_graph()  # a, b hold parameters (backward 2.0 each), c does not (0.5)
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 1, "out": 1}, [1, 1])
+    costs, _ = costs_from_plan(plan, g)
+    assert costs[0].w_s == pytest.approx(2.0)  # receives nothing: its whole backward waits for W
+    assert costs[1].w_s == pytest.approx(1.0)  # half of b's backward, nothing of c's
+    no_graph, _ = costs_from_plan(plan)
+    assert no_graph[1].w_s == pytest.approx(2.5 / 2)
+    res, _ = simulate_plan(plan, schedule="zb-h1", microbatches=4, graph=g)
+    w = [e.end - e.start for e in res.events[1] if e.action.kind.name == "W"]
+    assert w and all(t == pytest.approx(1.0) for t in w)
