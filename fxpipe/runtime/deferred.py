@@ -2,12 +2,12 @@
 
 ``fxpipe.runtime.wgrad`` splits any stage's backward on its autograd graph:
 ``B`` asks the engine for the received values' gradients only, ``W``
-restarts the engine once per node that leads to parameters. Measured on the
-runtime benchmark's stages (one process, one thread), that costs 1.4-1.6x
-the whole backward (GPT stage of 4 blocks: 22.6-22.9 ms against 14.8-15.6;
-the MLP's 8 layers: 5.2-5.3 against 3.6): a Python walk of the graph in
-``B``, and in ``W`` one engine start per node, each walking everything
-below it again. That is more than the bubble the schedule removes.
+restarts the engine once per node that leads to parameters. That costs a
+Python walk of the graph in ``B``, and in ``W`` one engine start per node,
+each walking everything below it again: on the runtime benchmark's stages
+(``tools.bench.split_backward``, one process, one thread), forward + ``B`` +
+``W`` took 1.16-1.34x forward + one whole backward, more than the bubble the
+schedule removes.
 
 A Linear layer's weight gradient needs nothing from autograd: it is
 ``dy^T x`` (and ``dy`` summed for the bias), from the layer's input ``x`` and
@@ -24,10 +24,10 @@ without the engine's help:
 - ``W`` computes each recorded call's weight product and accumulates it into
   the weight's ``.grad`` (and ``dy`` summed into the bias's).
 
-On the same stages ``B`` + ``W`` cost what the whole backward costs (GPT
-14.3-15.2 ms, MLP 3.8-3.9), against 22-24 and 5.2-5.6 for the generic split,
-and ``W`` keeps each layer's input and output gradient alive instead of the
-whole graph. Megatron-LM's zero-bubble schedules defer Linear weight
+On the same stages that takes 0.94-1.09x (``B`` + ``W`` cost what the
+whole backward does; what remains is a pre-hook and detached views per layer
+call in the forward), and ``W`` keeps each call's input and output gradient
+alive instead of the whole graph. Megatron-LM's zero-bubble schedules defer Linear weight
 gradients the same way. Stages holding other weights (parameters used
 directly by the graph, attention modules with their own projections) keep
 the generic split: computing their weight gradients in ``B`` would put the

@@ -26,15 +26,15 @@ wait. Both halves use the ordinary autograd graph of the forward:
   second time (known limitation; it costs what the split saved).
 
 A stage that receives no value needing a gradient (the first stage) has no
-input half: ``W`` is its whole backward.
-
-Cost: the walk in ``B`` and one engine start per node in ``W`` (each
-walking the graph below it) made a split backward 1.3x a whole one on the
-runtime benchmark's stages, so the executor splits stages made of Linear
-layers (and norms, embeddings) the cheaper way ``fxpipe.runtime.deferred``
-describes, and only the others here. The sum over both halves equals
+input half: ``W`` is its whole backward. The sum over both halves equals
 ``torch.autograd.backward`` of the same roots up to summation order (a test
 compares whole training runs in float64).
+
+Cost: the walk in ``B`` and one engine start per node in ``W`` (each
+walking the graph below it) made forward + split backward 1.16-1.34x forward
++ a whole backward on the runtime benchmark's stages, so the executor splits
+stages made of Linear and convolution layers (and norms, embeddings) the
+cheaper way ``fxpipe.runtime.deferred`` describes, and only the others here.
 """
 from __future__ import annotations
 

@@ -30,16 +30,14 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Sequence
 
 import torch
 import torch.nn as nn
 
 from tools.bench.procmem import load_note
-from tools.bench.stage_overhead import cut_model, wire_tags
+from tools.bench.stage_overhead import cut_model, median_ms, wire_tags
 
 VARIANTS = ("whole", "deferred", "engine", "torch whole", "torch split")
 
@@ -126,17 +124,6 @@ def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
     return runs
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,gpt")
@@ -155,7 +142,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 best: Dict[str, float] = {}
                 for _ in range(args.rounds):
                     for v in VARIANTS:
-                        best[v] = min(best.get(v, float("inf")), _median_ms(fns[v], args.repeats))
+                        best[v] = min(best.get(v, float("inf")), median_ms(fns[v], args.repeats, warmup=5))
                 rows.append([model, stages, j] + [f"{best[v]:.3f}" for v in VARIANTS] +
                             [f"{best['deferred'] / best['whole']:.3f}", f"{best['engine'] / best['whole']:.3f}",
                              f"{best['torch split'] / best['torch whole']:.3f}"])

@@ -119,8 +119,9 @@ def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None
     return runs
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    for _ in range(10):
+def median_ms(fn: Callable[[], None], repeats: int, warmup: int = 10) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
@@ -190,7 +191,7 @@ def main(argv: Sequence[str] = ()) -> int:
                 best: Dict[str, float] = {}
                 for _ in range(args.rounds):
                     for side, fn in fns.items():
-                        value = _median_ms(fn, args.repeats) if unit == "ms" else fn()
+                        value = median_ms(fn, args.repeats) if unit == "ms" else fn()
                         keep = min if unit == "ms" else max
                         best[side] = keep(best.get(side, value), value)
                 # fxpipe's cost over the bare side's: time ratio, or rate ratio inverted
