@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from tools.bench.procmem import load_note
-from tools.bench.stage_overhead import cut_model, median_ms, wire_tags
+from tools.bench.stage_overhead import cut_model, median_ms, stage_forward
 
 VARIANTS = ("whole", "deferred", "engine", "torch whole", "torch split")
 
@@ -48,9 +48,9 @@ def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
 
     from fxpipe.runtime.deferred import defer_weight_grads
     from fxpipe.runtime.wgrad import backward_input
-    from passes import comm
 
-    pieces, x, y, loss_fn, cuts, split, acts = cut_model(model, stages)
+    cut = cut_model(model, stages)
+    pieces, x, y, loss_fn, cuts, split, acts = cut
     runs = []
     for j in range(stages):
         last = j == stages - 1
@@ -60,22 +60,7 @@ def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
         if linear is None:
             raise SystemExit(f"{model} stage {j} does not qualify for deferred weight gradients")
         linear.enabled = j > 0  # as the executor: a first stage (it receives nothing) defers nothing
-        recv, sent = wire_tags(gms["whole"])
-        args = [x] if split.stage_inputs[j] else []
-
-        def forward(gm: nn.Module, j=j, last=last, recv=recv, sent=sent, args=args):
-            box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)  # the executor's mailbox
-            for tag in recv:
-                box.inbox[tag] = acts[j].clone()
-            for tag in sent:
-                box.grad_in[tag] = torch.ones_like(acts[j + 1])
-            with comm.bind(box), torch.enable_grad():
-                outputs, _ = gm(*args)
-            if last:
-                loss = loss_fn(split.unflatten_outputs(outputs), y)
-                return box, [loss], [torch.ones_like(loss)]
-            roots, grads = box.backward_roots()
-            return box, list(roots), list(grads)
+        forward = stage_forward(cut, j)
 
         def whole(gm=gms["whole"], forward=forward) -> None:
             box, roots, grads = forward(gm)

@@ -80,18 +80,42 @@ def wire_tags(gm: nn.Module) -> Tuple[List[str], List[str]]:
     return [n.args[0] for n in nodes if n.target is comm.recv], [n.args[1] for n in nodes if n.target is comm.send]
 
 
-def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
-    """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
+def stage_forward(cut: Cut, j: int) -> Callable[[nn.Module], Tuple[Any, List[torch.Tensor], List[torch.Tensor]]]:
+    """A function running stage j's graph (or a copy of it) forward the way the executor runs it: its
+    mailbox holding the received activation (and the sent value's gradient), under grad. It returns
+    the mailbox and the backward's roots with their gradients (the loss on the last stage, else the
+    sent values). The stage's wires are read once, here, not in the timed call."""
     from passes import comm
 
-    pieces, x, y, loss_fn, cuts, split, acts = cut_model(model, stages)
+    recv, sent = wire_tags(cut.split.stages[j])
+    args = [cut.x] if cut.split.stage_inputs[j] else []
+    last = j == len(cut.cuts) - 2
+
+    def run(gm: nn.Module) -> Tuple[Any, List[torch.Tensor], List[torch.Tensor]]:
+        box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)  # the executor's mailbox
+        for tag in recv:
+            box.inbox[tag] = cut.acts[j].clone()
+        for tag in sent:
+            box.grad_in[tag] = torch.ones_like(cut.acts[j + 1])
+        with comm.bind(box), torch.enable_grad():
+            outputs, _ = gm(*args)
+        if last:
+            loss = cut.loss_fn(cut.split.unflatten_outputs(outputs), cut.y)
+            return box, [loss], [torch.ones_like(loss)]
+        roots, grads = box.backward_roots()
+        return box, list(roots), list(grads)
+
+    return run
+
+
+def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
+    """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
+    cut = cut_model(model, stages)
+    pieces, x, y, loss_fn, cuts, split, acts = cut
     runs = []
     for j in range(stages):
         last = j == stages - 1
         sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
-        gm = split.stages[j]
-        recv, sent = wire_tags(gm)
-        args = [x] if split.stage_inputs[j] else []
 
         def bare(j=j, sub=sub, last=last) -> None:
             inp = acts[j].clone().requires_grad_() if j > 0 else acts[0]
@@ -101,18 +125,9 @@ def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None
             else:
                 out.backward(torch.ones_like(out))
 
-        def fxpipe(j=j, gm=gm, last=last, recv=recv, sent=sent, args=args) -> None:
-            box = comm.MailboxTransport(owns_inbox=True, sent_as_roots=True)  # the executor's mailbox
-            for tag in recv:
-                box.inbox[tag] = acts[j].clone()
-            for tag in sent:
-                box.grad_in[tag] = torch.ones_like(acts[j + 1])
-            with comm.bind(box), torch.enable_grad():
-                outputs, _ = gm(*args)
-            if last:
-                loss_fn(split.unflatten_outputs(outputs), y).backward()
-            else:
-                torch.autograd.backward(*box.backward_roots())  # from the sent value, as the executor does
+        def fxpipe(gm=split.stages[j], forward=stage_forward(cut, j)) -> None:
+            box, roots, grads = forward(gm)
+            torch.autograd.backward(roots, grads)  # from the loss or the sent value, as the executor does
             box.collect_grads()  # the received value's gradient, as the executor collects it
 
         runs.append({"fxpipe": fxpipe, "bare": bare})
