@@ -336,9 +336,10 @@ def weight_grad_s(graph, nodes: Sequence[str], stage: int, links: Mapping[Tuple[
 
     A node using parameters spends about half its backward on their gradients
     (a matmul's dX and dW cost the same flops); a node without any, none (the
-    attention scores, activations, norms' input path run in ``B``). A stage
-    that receives nothing has no input half: its whole backward is ``W``
-    (``fxpipe.runtime.wgrad``).
+    attention scores and activations run in ``B``). An estimate: a norm's or
+    an embedding's weight gradient, which ``fxpipe.runtime.deferred`` leaves
+    in ``B``, is charged here like a matmul's. A stage that receives nothing
+    has no input half: its whole backward is ``W`` (``fxpipe.runtime.wgrad``).
     """
     if not any(b == stage for _, b in links):
         return sum(graph.nodes[n].bwd_s for n in nodes)

@@ -148,7 +148,7 @@ def _deferrable(sub: nn.Module) -> bool:
         return False
     if isinstance(sub, nn.Linear):
         return True
-    return sub.padding_mode == "zeros" and not isinstance(sub.padding, str) and not sub.transposed
+    return sub.padding_mode == "zeros" and not isinstance(sub.padding, str)
 
 
 class _Defers:
@@ -213,7 +213,7 @@ _DEFERRING = {nn.Linear: _DeferringLinear, nn.Conv1d: _DeferringConv1d, nn.Conv2
 def _accumulate(entry: Entry) -> None:
     layer, weight, bias, x, version, dy = entry
     if x._version != version:
-        grads, name = layer._fxpipe_deferral
+        _, name = layer._fxpipe_deferral
         raise DeferredGradError(
             f"the input of layer '{name}' ({type(layer).__bases__[-1].__name__}) was written in place after "
             "the layer read it, so its deferred weight gradient would be wrong; write the model without that "

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from tools.bench.procmem import load_note
-from tools.bench.stage_overhead import cut_model, median_ms, stage_forward
+from tools.bench.stage_overhead import bare_forward, cut_model, median_ms, stage_forward
 
 VARIANTS = ("whole", "deferred", "engine", "torch whole", "torch split")
 
@@ -50,16 +50,14 @@ def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
     from fxpipe.runtime.wgrad import backward_input
 
     cut = cut_model(model, stages)
-    pieces, x, y, loss_fn, cuts, split, acts = cut
     runs = []
     for j in range(stages):
-        last = j == stages - 1
-        bare = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
-        gms = {v: copy.deepcopy(split.stages[j]) for v in ("whole", "deferred", "engine")}
-        linear = defer_weight_grads(gms["deferred"])
-        if linear is None:
+        bare = nn.Sequential(*[copy.deepcopy(p) for p in cut.pieces[cut.cuts[j]:cut.cuts[j + 1]]])
+        gms = {v: copy.deepcopy(cut.split.stages[j]) for v in ("whole", "deferred", "engine")}
+        deferral = defer_weight_grads(gms["deferred"])
+        if deferral is None:
             raise SystemExit(f"{model} stage {j} does not qualify for deferred weight gradients")
-        linear.enabled = j > 0  # as the executor: a first stage (it receives nothing) defers nothing
+        deferral.enabled = j > 0  # as the executor: a first stage (it receives nothing) defers nothing
         forward = stage_forward(cut, j)
 
         def whole(gm=gms["whole"], forward=forward) -> None:
@@ -67,37 +65,27 @@ def _stage_runs(model: str, stages: int) -> List[Dict[str, Callable[[], None]]]:
             torch.autograd.backward(roots, grads)
             box.collect_grads()
 
-        def deferred(gm=gms["deferred"], linear=linear, forward=forward) -> None:
+        def deferred(gm=gms["deferred"], deferral=deferral, forward=forward) -> None:
             box, roots, grads = forward(gm)
             if not box.received:  # as the executor: no input half, the whole backward waits for W
                 backward_input(roots, grads, [])[1].run()
                 return
-            linear.collect()
+            deferral.collect()
             torch.autograd.backward(roots, grads)
-            weights = linear.done()
+            weights = deferral.done()
             box.collect_grads()
             weights.run()
 
         def engine(gm=gms["engine"], forward=forward) -> None:
             box, roots, grads = forward(gm)
-            tags = list(box.received)
-            _, weights = backward_input(roots, grads, [box.received[t] for t in tags])
-            weights.run()
+            backward_input(roots, grads, list(box.received.values()))[1].run()
 
-        def bare_forward(bare=bare, j=j, last=last):
-            inp = acts[j].clone().requires_grad_() if j > 0 else acts[0]
-            out = bare(inp)
-            if last:
-                loss = loss_fn(out, y)
-                return inp, [loss], [torch.ones_like(loss)]
-            return inp, [out], [torch.ones_like(out)]
-
-        def torch_whole(bare_forward=bare_forward) -> None:
-            _, roots, grads = bare_forward()
+        def torch_whole(j=j, bare=bare) -> None:
+            _, roots, grads = bare_forward(cut, j, bare)
             torch.autograd.backward(roots, grads)
 
-        def torch_split(bare_forward=bare_forward, bare=bare, j=j) -> None:
-            inp, roots, grads = bare_forward()
+        def torch_split(j=j, bare=bare) -> None:
+            inp, roots, grads = bare_forward(cut, j, bare)
             if j == 0:  # no input half: the whole backward is the weight half (as fxpipe's first stages)
                 torch.autograd.backward(roots, grads)
                 return

@@ -108,24 +108,29 @@ def stage_forward(cut: Cut, j: int) -> Callable[[nn.Module], Tuple[Any, List[tor
     return run
 
 
+def bare_forward(cut: Cut, j: int, layers: nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
+    """Stage j's layers as plain torch code (``layers``: a copy of its pieces) run forward on its boundary
+    activation; returns the input and the backward's roots with their gradients (the loss, or the output)."""
+    inp = cut.acts[j].clone().requires_grad_() if j > 0 else cut.acts[0]
+    out = layers(inp)
+    if j == len(cut.cuts) - 2:
+        loss = cut.loss_fn(out, cut.y)
+        return inp, [loss], [torch.ones_like(loss)]
+    return inp, [out], [torch.ones_like(out)]
+
+
 def _stage_runs(model: str, stages: int = 2) -> List[Dict[str, Callable[[], None]]]:
     """Per stage: the fxpipe stage and the bare layers, each a no-argument forward + backward."""
     cut = cut_model(model, stages)
-    pieces, x, y, loss_fn, cuts, split, acts = cut
     runs = []
     for j in range(stages):
-        last = j == stages - 1
-        sub = nn.Sequential(*[copy.deepcopy(p) for p in pieces[cuts[j]:cuts[j + 1]]])
+        sub = nn.Sequential(*[copy.deepcopy(p) for p in cut.pieces[cut.cuts[j]:cut.cuts[j + 1]]])
 
-        def bare(j=j, sub=sub, last=last) -> None:
-            inp = acts[j].clone().requires_grad_() if j > 0 else acts[0]
-            out = sub(inp)
-            if last:
-                loss_fn(out, y).backward()
-            else:
-                out.backward(torch.ones_like(out))
+        def bare(j=j, sub=sub) -> None:
+            _, roots, grads = bare_forward(cut, j, sub)
+            torch.autograd.backward(roots, grads)
 
-        def fxpipe(gm=split.stages[j], forward=stage_forward(cut, j)) -> None:
+        def fxpipe(gm=cut.split.stages[j], forward=stage_forward(cut, j)) -> None:
             box, roots, grads = forward(gm)
             torch.autograd.backward(roots, grads)  # from the loss or the sent value, as the executor does
             box.collect_grads()  # the received value's gradient, as the executor collects it
