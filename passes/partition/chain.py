@@ -646,7 +646,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           score, solver: Optional[ChainSolver] = None, tolerance: float = TOLERANCE,
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
-          plan_by: float = math.inf, trust_ceiling: bool = False) -> Optional[ChainSolution]:
+          plan_by: float = math.inf, trust_ceiling: bool = False,
+          settle_above: Optional[float] = None) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -674,7 +675,10 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     never tried: no plan is faster than it, so that pass would only confirm
     what is known. ``settle_by``: past this time the bisection stops once it
     holds a plan (a caller that wants a plan soon and has better uses for the
-    rest of the time; ``deadline`` still bounds the search for a first plan).
+    rest of the time; ``deadline`` still bounds the search for a first plan); with ``settle_above``,
+    only while the best plan scores more than that fraction above the bisection's upper end, which a
+    pass that finds a plan scoring above its T lowers to that T (a relaxation whose passes find plans
+    that score far above their T: ``driver._resumed``).
     ``bound_only``: cut off before any plan, answer the bound proven so far
     (``stage_of`` None) rather than None, for a caller that wants the bound
     alone (a relaxation whose plans it does not use). ``plan_by``: past this
@@ -708,7 +712,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
         first_wide = wide
         while hi > lo * (1 + tolerance):
-            if best is not None and time.monotonic() > settle_by:
+            if best is not None and time.monotonic() > settle_by and \
+                    (settle_above is None or best.objective > hi * (1 + settle_above)):
                 break
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)

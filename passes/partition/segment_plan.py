@@ -32,6 +32,8 @@ QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, th
 # with their compute dropped: on that profile 2.4 % of the compute at 64 devices, the bound 2.2 % under
 # the plan. The flat DP keeps its exact lattice and starts from a coarse one instead (``wide_blocks.py``)
 QUIET_PLACED = math.inf
+RESTRICT_SHARE = 0.5  # of the time left, for the two-level search that keeps the reads' compute after a bisection
+# settled early (``settle_by``): the resumed bisection that may prove its plan needs the rest (``driver._resumed``)
 CHAIN_ABOVE = 5e-3  # of sum C / K: shape reads of one unit chain where a cut could give up more (``read_chains``);
 # on the H100-profiled GPT a block's reads less the largest (45 us) are 0.2-250 % of it, on the CPU
 # profile 0.004-6 %: on 96 CPU-profiled blocks at 64-256 devices chains only slowed the passes
@@ -129,7 +131,13 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         # score, searched between the bound and the best plan (the placed DPs' plans may split a node
         # from its readers where the DP charged it nowhere, ``Units.bridged``)
         near = {} if flat else dict(floor=max(bound, floor_s), quiet=quiet)
-        for again in (searched(graph, opts, deadline, c, keep_dead=True, **near)
+        # a caller that settled the bisection early (``driver._resumed``) wants time left after this search,
+        # which then bisects under the best plan rather than climbing from the bound
+        settled = not flat and settle_by < math.inf
+        until = time.monotonic() + RESTRICT_SHARE * (deadline - time.monotonic()) if settled else deadline
+        if settled:
+            near["ceiling"] = min(e.bottleneck_s for e, _, _ in scored)
+        for again in (searched(graph, opts, until, c, keep_dead=True, **near)
                       for c in ([] if exact is not None else [[]]) + ([masks] if masks else [])):
             scored += [(evaluate(graph, *again[0], judge), *again[0])] if again and again[0] else []
         # the folding above placed those branches like model inputs, so the bound forgot their compute:
@@ -372,7 +380,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     elif opts.gpus_per_node is not None:  # placed.supports(opts): the offset within a node joins the state
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts, exact_cuts),
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
-                            bound_only=bound_only, plan_by=plan_by)
+                            settle_by=settle_by, bound_only=bound_only, plan_by=plan_by,
+                            settle_above=placed.SETTLE_ABOVE)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),

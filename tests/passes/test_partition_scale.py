@@ -457,6 +457,59 @@ def test_settle_by_stops_the_bisection_once_a_plan_is_in_hand():
     assert not found.complete and full.complete
 
 
+@pytest.mark.parametrize("inflate", [1.0, 3.0])
+def test_settle_above_stops_only_where_plans_score_far_above_their_t(inflate):
+    """With ``settle_above`` the bisection stops past ``settle_by`` only while its best plan scores
+    more than that above the bisection's upper end, as a relaxation's "plans" do on a two-level
+    machine (here: every plan scored ``inflate`` times its time). Plans that score as found (1.0):
+    the search runs to the end, as without ``settle_by``; tripled: it stops at the first pass of the
+    bisection that finds a plan (that pass lowers the upper end to its T), long before the full
+    search, its bound still under the full search's."""
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    scored = lambda stage_of, reps: score(stage_of, reps) * inflate  # noqa: E731
+    full = solve(units, segs, opts, float("inf"), scored, recording)
+    passes = len(asked)
+    asked.clear()
+    found = solve(units, segs, opts, float("inf"), scored, recording, settle_by=0.0, settle_above=0.04)
+    if inflate == 1.0:
+        assert len(asked) == passes and (found.stage_of, found.replicas, found.bound) == \
+            (full.stage_of, full.replicas, full.bound)
+    else:
+        assert 1 < len(asked) < passes and found.stage_of is not None and found.bound <= full.bound
+
+
+def test_resumed_bisection_proves_the_plan_of_the_search_that_keeps_the_reads():
+    """On a two-level machine under fxpipe's charges with any count, the interval DP's passes on the
+    H100-profiled GPT find "plans" at T that score far above T (8 blocks, 512 devices: 1.06-1.17 T),
+    so its bisection settles at ``BOUND_SHARE`` of the time (here: at once), the search that keeps the
+    shape reads' compute finds the plan, and the bisection resumes under it (``driver._resumed``).
+    The answer is scored as ``evaluate`` scores it, its bound is no lower than the settled search's
+    and under the plan, and the resumed search ran between the two."""
+    from passes.partition import driver
+    from tools.bench.partition_scale import deep_gpt
+
+    g = deep_gpt(8, CostGraph.load(Path(__file__).resolve().parents[2] / "tools" / "bench" / "data" / "h100"
+                                   / "gpt-2block-profile.json"))
+    machine = dict(gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
+    resumed, original = [], driver._resumed
+
+    def recorded(graph, opts, start, deadline, found):
+        settled = dataclasses.replace(found)
+        resumed.append((settled, original(graph, opts, start, deadline, found)))
+        return resumed[-1][1]
+
+    import unittest.mock as mock
+    with mock.patch.object(driver, "BOUND_SHARE", 0.0), mock.patch.object(driver, "_resumed", recorded):
+        res = partition(g, 512, time_limit=4, **machine)
+    (settled, answer), = resumed
+    assert settled.replicas and settled.gap > driver.FINE_ABOVE  # settled with a plan not proven
+    assert answer.bound_s >= settled.bound_s and answer.bottleneck_s <= settled.bottleneck_s * (1 + 1e-12)
+    assert res.bound_s <= res.bottleneck_s * (1 + 1e-9)
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s)
+
+
 def test_bound_only_answers_the_bound_when_cut_before_any_plan():
     """Cut off before its first plan, the search answers None, or with ``bound_only`` the bound it
     proved (no plan): what a caller that wants the bound alone keeps (the relaxed ``any`` DP before a
