@@ -61,9 +61,10 @@ PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just u
 POOL_PAIRS = 1 << 20  # about the most pool stages one pass keeps for equal blocks to read (``_pool_stages``, ~100 B each)
 TIE_PASSES = 6  # passes per T the search over a tied weight's holders may take (``devices_needed``)
 SETTLE_ABOVE = 0.04  # past ``settle_by`` the bisection stops only while its best plan scores this far above
-# the bisection's upper end (a pass whose plan scores above its T lowers that end to T): its plans then come from elsewhere (``driver._resumed``). H100-profiled GPT, 32 blocks,
-# two-level: the plans found at T scored 1.06-1.18 T on 256 and 512 devices (settling there: 4.3 -> 1.0 % and
-# 9.9 -> 1.0 %), 1.02-1.03 T on 128 and up to 1.002 T on 16, where the bisection's bound needs the time
+# the bisection's upper end (a pass whose plan scores above its T lowers that end to T): its plans then come
+# from elsewhere (``driver._resumed``). H100-profiled GPT, 32 blocks, two-level: the plans found at T scored
+# 1.06-1.18 T on 256 and 512 devices (settling there: 4.3 -> 1.0 % and 9.9 -> 1.0 %), 1.02-1.03 T on 128
+# and up to 1.002 T on 16, where the bisection's bound needs the time
 LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3, 1.6)  # first T tried, times sum C / K: optima sit close above it,
 # and a T far below one fails fast (prefixes that cannot finish are dropped)
 
