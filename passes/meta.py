@@ -156,7 +156,7 @@ class ProfileInfo:
     torch_version: str
     whole_fwd_s: float = 0.0
     whole_bwd_s: float = 0.0
-    clock: str = ""  # what timed the nodes: "thread CPU time", "wall time" or "cuda events"
+    clock: str = ""  # what timed the nodes: "thread CPU time", "wall time" or "cuda events (host clock for ...)"
 
 
 Record = Union[ModuleInfo, ValueMeta, NodeCost, StageAssign, CommInfo, CaptureInfo, ProfileInfo]
