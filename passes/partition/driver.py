@@ -51,7 +51,7 @@ CHEAP_CUTS_CAP = 8  # lattices up to this many times the exact downset DP's limi
 CHEAP_CUTS_WORK = 1_000_000  # ... and within this many downset-unit pairs (its per-downset tables are built in Python, a step per pair)
 CHEAP_CUTS_SHARE = 0.4  # ... and this share of the time left for it (CP-SAT gets the rest)
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
-BOUND_SHARE = 0.45  # ... past which its bisection stops if its plans score far above their T (``_resumed``)
+BOUND_SHARE = 0.3  # ... past which its bisection stops if its plans score far above their T (``_resumed``)
 
 
 def _chains(opts: CostOptions) -> bool:
