@@ -71,7 +71,10 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     two-level machine, the DP floors each stage's all-reduce at the nodes it must touch
     (``node_floor.py``: a higher bound under PipeDream's charges), and plans are scored on that machine
     (a plan's time under ``opts`` may lie below this bound, so it could not cap it); ``settle_by``: past
-    this time the bisection stops once it holds a plan (``chain.solve``); ``bound_only``: cut off
+    this time the bisection stops once it holds a plan (``chain.solve``; the placed DP only while its
+    plans score far above their T, ``placed.SETTLE_ABOVE``, and then its search that keeps the reads'
+    compute is given a share of the time and the best plan as its ceiling, for ``driver._resumed``);
+    ``bound_only``: cut off
     before any plan, answer the bound proven so far with no plan (status ``BOUND``) rather than None;
     ``plan_by``: the placed DP stops there if it holds no plan yet (``chain.solve``); ``tolerance``: where
     the bisection stops, if not each DP's own (a bound wanted before the charged DP stops sooner);
