@@ -161,7 +161,21 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
         upstream = _ancestors(x, set(members), preds) - {x}
         seconds = sum(graph.nodes[n].compute_s for n in members if n in upstream)
         if seconds > 0:
-            out.append((seconds, _placed_below(x, unit_of, succ), -1))
+            out.append((seconds, placed_below(x, unit_of, succ), -1))
+    return out
+
+
+def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tuple[float, List[int], int]]:
+    """``Units.hidden`` for nodes a relaxation made free: each one's compute (in ``graph``), forced into
+    any prefix that holds one of its readers (every plan runs a node before its readers; a reader in no
+    unit is stood for by the units below it)."""
+    unit_of = units.unit_of()
+    succ = graph.successors()
+    out = []
+    for n in nodes:
+        holding = sorted({u for r in succ[n] for u in placed_below(r, unit_of, succ)})
+        if graph.nodes[n].compute_s > 0 and holding:
+            out.append((graph.nodes[n].compute_s, holding, -1))
     return out
 
 
@@ -176,7 +190,7 @@ def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:
     return seen
 
 
-def _placed_below(n: str, unit_of: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
+def placed_below(n: str, unit_of: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
     """The unit holding ``n``, or those holding the first nodes downstream of it that sit in a unit."""
     if n in unit_of:
         return [unit_of[n]]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition import branches, charged, node_floor, placed, retie, stage_count, wide_blocks
+from passes.partition import (anchors, branches, charged, node_floor, placed, retie, stage_count, wide_blocks,
+                               wide_segments)
 from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
@@ -38,6 +39,10 @@ CHAIN_ABOVE = 5e-3  # of sum C / K: shape reads of one unit chain where a cut co
 # on the H100-profiled GPT a block's reads less the largest (45 us) are 0.2-250 % of it, on the CPU
 # profile 0.004-6 %: on 96 CPU-profiled blocks at 64-256 devices chains only slowed the passes
 # (23 -> 21 of 24 rows OPTIMAL with every chain made)
+DEEP = 600  # nodes above which a flat graph whose segments do not build, or are too wide to search
+# (``wide_segments.LIMIT``), gets the rotary reads anchored and its wide segments narrowed (``anchors.py``,
+# ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
+# inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
 # and HF GPT-2's tied head at 64 devices read 1.3 % above its bound with the stages before it half empty;
@@ -94,9 +99,20 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     found = searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
+    exits: List[anchors.Exit] = []
+    wide = False  # the plan came from whole wide segments (``wide_segments.py``): no bound of its own
+    plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
-        cones = branches.input_only_cones(graph, opts)  # an attention mask beside the embeddings
-        found = searched(graph, opts, deadline, cones, keep_dead=True) if cones else None
+        # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
+        deep = not plain and not bound_only and machine is None and _deep(graph, opts)
+        exits = anchors.exits(graph, opts) if deep else []  # each layer's read of the rotary tables, in its layer
+        plan_graph = anchors.anchored(graph, exits)
+        cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
+        found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
+        if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
+            wide = True  # units with the rest folded into them, or the block whole (``wide_segments.py``)
+            found = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.narrowed) \
+                or searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
     if found is None:
         return None
     plan, solution, margin, size = found
@@ -105,12 +121,16 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                status="BOUND", objective_s=math.inf, bound_s=max(0.0, solution.bound - margin),
                                wall_s=time.monotonic() - start, units=size, method="segment DP")
     plans, bound = [plan], solution.bound - margin
-    if cones:  # the plan came from a restriction: the bound from the relaxation (branches.py)
+    if wide:  # the block whole too: on a 24-layer HF Llama its plans were the faster on 512 devices
+        whole = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
+        plans += [whole[0]] if whole and whole[0] else []
+    if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
+        # anchors.py), which has no lattice either where the plan's came from whole wide segments
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
-        lower = relaxation(graph, opts, deadline, cones)
+        lower = relaxation(graph, opts, deadline, cones, exits, wide)
         if lower is not None:
             plans.append(lower[0])
-            unfolded = searched(graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            unfolded = searched(plan_graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
             plans += [unfolded[0]] if unfolded else []
             bound = lower[1]
     ideal = ideal_s(graph, opts)
@@ -120,7 +140,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
     masks: List[branches.Cone] = []
-    if not cones and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, floor_s) * (1 + OPTIMAL_GAP):
+    if not cones and not exits and not plain and min(e.bottleneck_s for e, _, _ in scored) > max(bound, floor_s) * (1 + OPTIMAL_GAP):
         # plans that pay for dead nodes, and for a cheap input-only value read by many stages (an
         # attention mask folded away like an input, whose bytes then cross every boundary unseen)
         masks = branches.input_only_cones(graph, opts) if opts.gpus_per_node is None else []
@@ -153,12 +173,14 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     finish = lambda e, a, reps: _finished(graph, loose, a, reps, e, judge)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if cones or masks:
-        _in_pieces(graph, opts, deadline, cones or masks, scored, max(bound, floor_s), judge, finish)
+        _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
+                   max(bound, floor_s), judge, finish, wide_segments.narrowed if wide else None)
     ev, assignment, replicas = min(scored, key=lambda x: x[0].bottleneck_s)
     bound = max(bound, floor_s)
     if machine is None and opts.gpus_per_node is None and not plain and tied_weights(graph, assignment):
         better = retie.recharged(graph, opts, ev.bottleneck_s, ev.stages,
-                                 lambda heavier: (searched(heavier, opts, deadline, cones, True, settle_by=settle_by) or [None])[0],
+                                 lambda heavier: (searched(anchors.anchored(heavier, exits), opts, deadline, cones, True,
+                                                           settle_by=settle_by) or [None])[0],
                                  bound * (1 + OPTIMAL_GAP), deadline)
         if better is not None:
             (assignment, replicas), ev = better
@@ -168,6 +190,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _deep(graph: CostGraph, opts: CostOptions) -> bool:
+    """Whether ``graph`` has more than ``DEEP`` nodes to place (see there)."""
+    return len(model_nodes(graph, opts)) > DEEP
 
 
 def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, bound: float, ideal: float,
@@ -185,16 +212,18 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
     return proven
 
 
-def _in_pieces(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-               scored: list, bound: float, judge: CostOptions, finish: Callable) -> None:
+def _in_pieces(graph: CostGraph, plan_graph: CostGraph, opts: CostOptions, deadline: float,
+               cones: List["branches.Cone"], scored: list, bound: float, judge: CostOptions, finish: Callable,
+               widen: Optional[Callable[[Units], Optional[Units]]] = None) -> None:
     """Where the plans in ``scored`` are not proven, more: each cone in ``CONE_PIECES`` pieces (the DP may
-    then run its first pieces in stages before the exit's), added to ``scored``, until one proves. Only
-    then: their lattices are several times the one-piece one. ``finish``: (evaluation, plan, replicas)
-    to the entry ``scored`` holds (``loose_ends``)."""
+    then run its first pieces in stages before the exit's), searched on ``plan_graph`` (``graph`` or its
+    restriction), scored on ``graph`` and added to ``scored``, until one proves. Only then: their
+    lattices are several times the one-piece one. ``finish``: (evaluation, plan, replicas) to the entry
+    ``scored`` holds (``loose_ends``); ``widen``: as ``segment_dp``'s."""
     for pieces in CONE_PIECES:
         if min(e.bottleneck_s for e, _, _ in scored) <= bound * (1 + OPTIMAL_GAP):
             return
-        again = searched(graph, opts, deadline, cones, keep_dead=True, pieces=pieces)
+        again = searched(plan_graph, opts, deadline, cones, keep_dead=True, pieces=pieces, widen=widen)
         if again is not None and again[0] is not None:
             scored.append(finish(evaluate(graph, *again[0], judge), *again[0]))
 
@@ -205,12 +234,28 @@ def _tiny_input(opts: CostOptions, ideal: float) -> float:
     return 0.02 * ideal if opts.cost_model == "fxpipe" else -1.0
 
 
-def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]):
-    """(plan, bound) from the segment DP on the graph with every cone node but its exit free, the cones'
-    compute still counted in the devices of each prefix that must run it (``branches.py``); None if cut
-    off by the deadline. Any plan of ``graph`` is a plan there and no slower, so the bound holds."""
-    lower = segment_dp(branches.relaxed(graph, cones), opts, deadline,
-                        hidden=lambda units: branches.hidden_compute(graph, units, cones))
+def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+               exits: Sequence[anchors.Exit] = (), wide: bool = False):
+    """(plan, bound) from the segment DP on the graph with every cone node but its exit free, every
+    anchored exit free in its anchor's stage and, with ``wide``, the weightless nodes of segments too
+    wide for their lattice free, their compute still counted in the devices of each prefix that must
+    run it (``branches.py``, ``anchors.py``, ``wide_segments.relaxed``); None if cut off by the
+    deadline or a lattice is still too wide. Any plan of ``graph`` maps to a plan there no slower, so
+    the bound holds."""
+    held = anchors.relaxed(graph, list(exits))
+    loose = branches.relaxed(held, cones)
+    freed: List[str] = []
+    if wide:
+        widened = wide_segments.relaxed(loose, opts, deadline=deadline)
+        if widened is None:
+            return None
+        relaxed_graph, freed = widened
+    else:
+        relaxed_graph = loose
+    lower = segment_dp(relaxed_graph, opts, deadline,
+                        hidden=lambda units: branches.hidden_compute(held, units, cones)
+                        + anchors.hidden_compute(graph, units, list(exits))
+                        + branches.forced_compute(loose, units, freed))
     if lower is None:
         return None
     units, found, margin = lower
@@ -312,13 +357,14 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               keep_dead: bool = False, floor: float = 0.0, ceiling: float = math.inf,
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
-              pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False):
+              pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False,
+              widen: Optional[Callable[[Units], Optional[Units]]] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                        quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
+                        quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads, widen=widen)
     if solved is None:
         return None
     units, found, margin = solved
@@ -345,8 +391,11 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
-                quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False):
+                quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
+                widen: Optional[Callable[[Units], Optional[Units]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
+    ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
+    them instead (``wide_segments.narrowed`` or ``merged``, restrictions: the answer's bound is then none);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -372,7 +421,12 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     if hidden is not None:
         units.hidden += hidden(units)
     segs = build_segments(units, deadline=deadline)
-    if segs is None:
+    if widen is not None and (segs is None or wide_segments.too_wide(segs)) and not placed_dp \
+            and opts.replication != "none":
+        coarse = widen(units)
+        segs = build_segments(coarse, deadline=deadline) if coarse is not None else None
+        units = coarse if segs is not None else units
+    if segs is None or (widen is not None and wide_segments.too_wide(segs)):
         return None
     score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, machine or opts)  # noqa: E731
     if opts.replication == "none" and not opts.fewer_devices:
@@ -398,6 +452,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
                                 ceiling=first.real_s, settle_by=settle_by, trust_ceiling=True)
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
+        if wide_segments.too_wide(segs) and widen is None and _deep(graph, opts):
+            return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
                             ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
     if found is None:

@@ -1,0 +1,172 @@
+"""Per-layer reads of a value computed from the inputs alone (Llama's rotary tables), anchored in their
+layer (``passes/partition/anchors.py``); wide segments narrowed for plans and relaxed for the bound
+(``passes/partition/wide_segments.py``). Checked against brute force on small graphs, and on the
+bundled 24-layer HF Llama profile, where the segment DP had no lattice before."""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from passes.costgraph import CostGraph, CostNode
+from passes.partition import CostOptions, evaluate, is_convex, partition, uniform
+from passes.partition import anchors, branches, segment_plan, wide_segments
+from passes.partition.chain import solve as chain_solve, unit_bottleneck
+from passes.partition.coarsen import to_nodes
+from passes.partition.segments import build_segments, folded_units, separators
+from tests.passes.test_partition import B, BAR, brute_force
+
+LLAMA = Path(__file__).resolve().parents[2] / "tools" / "bench" / "data" / "hf-llama-24-profile.json"
+
+
+def _node(name, cost, out, pbytes=0, is_input=False, op="call_function"):
+    return CostNode(name=name, op=op, target=name, fwd_s=cost / 3, bwd_s=2 * cost / 3, out_bytes=out,
+                    param_bytes=pbytes, is_input=is_input)
+
+
+def rotary_graph(seed: int, exit_bytes: int = 10**6) -> CostGraph:
+    """Two layers reading one table computed from the inputs (``rot``), each through its own read
+    (``e1``, ``e2``: listed with the table, as export lists them), ``emb -> q1 -> a1 -> q2 -> a2 -> head``."""
+    rng = random.Random(seed)
+    c = lambda: rng.uniform(1e-3, 1e-2)  # noqa: E731
+    nb = lambda: rng.randint(1, 9) * 10**6  # noqa: E731
+    w = lambda: rng.choice([0, 10**6, 10**7])  # noqa: E731
+    spec = [("x", [], dict(cost=0, out=10**5, is_input=True, op="placeholder")),
+            ("rot", ["x"], dict(cost=c(), out=10**6)),
+            ("e1", ["rot"], dict(cost=c(), out=10**6)), ("e2", ["rot"], dict(cost=c(), out=exit_bytes)),
+            ("emb", ["x"], dict(cost=c(), out=nb(), pbytes=10**7)),
+            ("q1", ["emb"], dict(cost=c(), out=nb(), pbytes=w())), ("a1", ["q1", "e1"], dict(cost=c(), out=nb())),
+            ("q2", ["a1"], dict(cost=c(), out=nb(), pbytes=w())), ("a2", ["q2", "e2"], dict(cost=c(), out=nb())),
+            ("head", ["a2"], dict(cost=c(), out=nb(), pbytes=10**6))]
+    nodes = {n: _node(n, **kw) for n, _, kw in spec}
+    return CostGraph(nodes=nodes, edges=[(p, n) for n, ps, _ in spec for p in ps])
+
+
+def _opts(K: int) -> CostOptions:
+    return CostOptions(devices=K, bandwidth=B, allreduce_bandwidth=BAR)
+
+
+def _topological(g: CostGraph) -> bool:
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    return all(pos[u] < pos[v] for u, v in g.edges)
+
+
+def test_exit_anchored_at_latest_common_ancestor_of_its_readers():
+    g = rotary_graph(0)
+    found = anchors.exits(g, _opts(2))
+    # e1's reader descends from nothing that descends from the table: no anchor; e2's readers all
+    # descend from q2, which descends from the table through layer 1
+    assert found == [("e2", "q2")]
+    held = anchors.anchored(g, found)
+    assert ("q2", "e2") in held.edges and _topological(held) and set(held.nodes) == set(g.nodes)
+    loose = anchors.relaxed(g, found)
+    assert loose.nodes["e2"].compute_s == 0 and loose.nodes["e2"].out_bytes == 0
+    assert g.nodes["e2"].compute_s > 0  # the graph itself untouched
+
+
+def test_exit_that_sends_less_than_it_reads_is_not_anchored():
+    # moving it later could then send more than any plan did: the relaxation would not hold
+    assert anchors.exits(rotary_graph(0, exit_bytes=10**5), _opts(2)) == []
+
+
+@pytest.mark.parametrize("seed,K", [(0, 2), (1, 3), (2, 3), (3, 2), (4, 3)])
+def test_anchored_plan_and_relaxed_bound_bracket_brute_force(seed, K):
+    g = rotary_graph(seed)
+    opts = _opts(K)
+    found = anchors.exits(g, opts)
+    best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
+    units, lower, margin = segment_plan.segment_dp(anchors.relaxed(g, found), opts, math.inf,
+                                                   hidden=lambda u: anchors.hidden_compute(g, u, found))
+    assert lower.bound - margin <= best * (1 + 1e-9)
+    (assignment, replicas), *_ = segment_plan.searched(anchors.anchored(g, found), opts, math.inf, [])
+    assert is_convex(g, assignment) and sum(replicas) == K
+    assert assignment["e2"] >= assignment["q2"]  # the restriction held
+    assert evaluate(g, assignment, replicas, opts).bottleneck_s >= best * (1 - 1e-9)
+
+
+def wide_graph(seed: int) -> CostGraph:
+    """``x -> emb -> norm``, then three projections side by side, each followed by two weightless
+    reshapes, meeting in ``att``, then ``out`` and ``head``: a wide segment between ``norm`` and ``att``."""
+    rng = random.Random(seed)
+    c = lambda: rng.uniform(1e-3, 1e-2)  # noqa: E731
+    nb = lambda: rng.randint(1, 9) * 10**6  # noqa: E731
+    spec = [("x", [], dict(cost=0, out=10**5, is_input=True, op="placeholder")),
+            ("emb", ["x"], dict(cost=c(), out=nb(), pbytes=10**7)),
+            ("norm", ["emb"], dict(cost=c(), out=nb(), pbytes=10**6))]
+    for b in "qkv":
+        spec += [(b, ["norm"], dict(cost=c(), out=nb(), pbytes=10**6)),
+                 (f"{b}_view", [b], dict(cost=c(), out=nb())), (f"{b}_t", [f"{b}_view"], dict(cost=c(), out=nb()))]
+    spec += [("att", ["q_t", "k_t", "v_t", "emb"], dict(cost=c(), out=nb())),
+             ("head", ["att"], dict(cost=c(), out=nb(), pbytes=10**6))]
+    nodes = {n: _node(n, **kw) for n, _, kw in spec}
+    return CostGraph(nodes=nodes, edges=[(p, n) for n, ps, _ in spec for p in ps])
+
+
+def test_merge_groups_keeps_totals_and_owns_a_weight_whose_users_merge():
+    g = wide_graph(0)
+    units, _ = folded_units(g, _opts(2), keep_dead=True)
+    units.shared = {"tied": (5 * 10**6, [1, 2])}
+    merged = wide_segments.merge_runs(units, [range(1, len(units) - 1)])
+    assert len(merged) == 3
+    assert math.isclose(sum(merged.compute), sum(units.compute))
+    assert sum(merged.param_bytes) == sum(units.param_bytes) + 5 * 10**6 and not merged.shared
+    assert all(a < b for a, b in merged.edges)
+    assert merged.members[1] == [n for m in units.members[1:-1] for n in m]
+
+
+@pytest.mark.parametrize("seed,K", [(0, 2), (1, 3), (2, 2)])
+def test_narrowed_and_merged_plans_are_plans_and_relaxed_bound_holds(seed, K):
+    g = wide_graph(seed)
+    opts = _opts(K)
+    best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
+    units, _ = folded_units(g, opts, keep_dead=True)
+    assert wide_segments.wide_runs(units, limit=20) == [range(2, 12)]  # q .. att: 4 x 4 x 4 + 1 downsets
+    narrow = wide_segments.narrowed(units, limit=20)
+    # each view and transpose joins its projection: norm, q, k, v, att alone
+    assert len(narrow) == len(units) - 6 and ["q", "q_view", "q_t"] in narrow.members
+    whole = wide_segments.merged(units, limit=20)
+    assert len(whole) < len(narrow)
+    for restricted in (narrow, whole):
+        segs = build_segments(restricted)
+        solved = chain_solve(restricted, segs, opts, math.inf,
+                             lambda so, r, u=restricted: unit_bottleneck(u, so, r, opts))
+        assignment = to_nodes(g, restricted, solved.stage_of)
+        assert is_convex(g, assignment) and sum(solved.replicas) == K
+        assert evaluate(g, assignment, solved.replicas, opts).bottleneck_s >= best * (1 - 1e-9)
+    loose, freed = wide_segments.relaxed(g, opts, limit=20)
+    assert sorted(freed) == sorted(f"{b}_{s}" for b in "qkv" for s in ("view", "t"))
+    _, lower, margin = segment_plan.segment_dp(loose, opts, math.inf,
+                                               hidden=lambda u: branches.forced_compute(g, u, freed))
+    assert lower.bound - margin <= best * (1 + 1e-9)
+
+
+@pytest.fixture(scope="module")
+def llama() -> CostGraph:
+    return CostGraph.load(LLAMA)
+
+
+def test_llama_rotary_reads_block_every_separator_until_anchored(llama):
+    opts = CostOptions(devices=512)
+    plain, _ = folded_units(llama, opts, keep_dead=True)
+    found = anchors.exits(llama, opts)
+    assert len(found) == 46  # layers 1-23, cos and sin (layer 0's reads have nothing of the table upstream)
+    assert all(e.endswith(("self_attn_unsqueeze", "self_attn_unsqueeze_1")) and a.endswith("input_layernorm_mul_1")
+               for e, a in found)
+    held, _ = folded_units(anchors.anchored(llama, found), opts, keep_dead=True)
+    assert len(separators(held)) > 20 * len(separators(plain))
+
+
+@pytest.mark.parametrize("K", [8, 512])
+def test_llama_planned_by_the_segment_dp_faster_than_the_uniform_layout(llama, K):
+    start = time.monotonic()
+    res = partition(llama, K, time_limit=10)
+    assert time.monotonic() - start < 11.5
+    assert res.method.startswith("segment DP")
+    assert is_convex(llama, res.assignment) and sum(res.replicas) == K
+    assert res.bound_s <= res.bottleneck_s
+    assert res.bound_s >= llama.total_compute_s() / K * (1 - 1e-9)
+    layout = uniform.best_layout(llama, res.options)
+    assert res.bottleneck_s < layout[0].bottleneck_s
