@@ -100,7 +100,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     exits: List[anchors.Exit] = []
-    wide = False  # the plan came from whole wide segments (``wide_segments.py``): no bound of its own
+    wide = False  # the plan came from narrowed or merged wide segments (``wide_segments.py``): no bound of its own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
@@ -121,16 +121,17 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                status="BOUND", objective_s=math.inf, bound_s=max(0.0, solution.bound - margin),
                                wall_s=time.monotonic() - start, units=size, method="segment DP")
     plans, bound = [plan], solution.bound - margin
-    if wide:  # the block whole too: on a 24-layer HF Llama its plans were the faster on 512 devices
+    if wide:  # the block whole too: on a first profile of the 24-layer HF Llama its plan was the faster on 512
         whole = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
         plans += [whole[0]] if whole and whole[0] else []
     if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
-        # anchors.py), which has no lattice either where the plan's came from whole wide segments
+        # anchors.py, wide_segments.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
         lower = relaxation(graph, opts, deadline, cones, exits, wide)
         if lower is not None:
             plans.append(lower[0])
             unfolded = searched(plan_graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
+            # (no plan where the segments are wide: the narrowed search above stands for it)
             plans += [unfolded[0]] if unfolded else []
             bound = lower[1]
     ideal = ideal_s(graph, opts)
