@@ -43,6 +43,7 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # (``wide_segments.LIMIT``), gets the rotary reads anchored and its wide segments narrowed (``anchors.py``,
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
+SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
 # and HF GPT-2's tied head at 64 devices read 1.3 % above its bound with the stages before it half empty;
@@ -111,6 +112,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
             wide = True  # units with the rest folded into them, or the block whole (``wide_segments.py``)
+            deadline -= _scoring_reserve(graph, opts)
             found = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.narrowed) \
                 or searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
     if found is None:
@@ -191,6 +193,16 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
+    """Seconds the wide path keeps back for what follows its searches: scoring and finishing its
+    plans (``_finished``, several evaluations each) and the driver's uniform layouts (two a divisor of
+    K), ``SCORING_EVALUATIONS`` times one evaluation of the graph. On a 96-layer HF Llama (6,000 nodes,
+    0.04 s an evaluation) they took 1.4 s past the search's deadline at 1,024 devices."""
+    t = time.monotonic()
+    evaluate(graph, {n: 0 for n in graph.nodes}, [opts.devices], opts)
+    return SCORING_EVALUATIONS * (time.monotonic() - t)
 
 
 def _deep(graph: CostGraph, opts: CostOptions) -> bool:
