@@ -199,7 +199,7 @@ def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
     """Seconds the wide path keeps back for what follows its searches: scoring and finishing its
     plans (``_finished``, several evaluations each) and the driver's uniform layouts (two a divisor of
     K), ``SCORING_EVALUATIONS`` times one evaluation of the graph. On a 96-layer HF Llama (6,000 nodes,
-    0.04 s an evaluation) they took 1.4 s past the search's deadline at 1,024 devices."""
+    0.02-0.04 s an evaluation) they took 1.4 s past the search's deadline at 1,024 devices."""
     t = time.monotonic()
     evaluate(graph, {n: 0 for n in graph.nodes}, [opts.devices], opts)
     return SCORING_EVALUATIONS * (time.monotonic() - t)
