@@ -45,9 +45,9 @@ from passes.partition.segments import Segment, _Lattices, folded_units, separato
 LIMIT = 2000  # a segment of more downsets is wide here: a flat DP pass over 24 Llama layers of 3,220 each
 # (the rotary reads left out like inputs) took the whole 10 s and 1.6 GB; the H100-profiled GPT's 1,588 are
 # narrowed by ``wide_blocks.first_plan`` and proven in seconds
-NARROW = 400  # ``relaxed`` frees the segments wider than this, as ``wide_blocks.WIDE``: the same Llama
-# block with only the rotary reads anchored has 3,220 downsets, and a DP pass over 24 of them took the whole
-# 10 s
+NARROW = 400  # ``relaxed`` frees the segments wider than this, as ``wide_blocks.WIDE``: freeing only those
+# over ``LIMIT`` left the Llama blocks of the relaxed graph (rotary reads free) at 3,220 downsets each, and
+# its DP took the whole 10 s
 
 
 def merged(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Optional[Units]:
@@ -148,8 +148,9 @@ def merge_groups(units: Units, group_of: List[int]) -> Units:
 def narrowed(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Optional[Units]:
     """``units`` with, in every segment whose downsets exceed ``limit``, each unit that holds no weights
     merged into its latest producer's group in that segment (a restriction, like ``merged``, whose
-    lattice is about that of the weighted units alone); None where no segment is wide, or past the
-    deadline (the groups form a DAG: each unit joins an earlier one's group, and a cycle is checked for)."""
+    lattice is about that of the weighted units alone); None where no segment is wide, past the
+    deadline, or where the groups' graph has a cycle (checked, not expected: each unit joins the group
+    of an earlier one)."""
     runs = wide_runs(units, limit, deadline)
     if not runs:
         return None
