@@ -162,8 +162,8 @@ def test_llama_rotary_reads_block_every_separator_until_anchored(llama):
 @pytest.mark.parametrize("K", [8, 512])
 def test_llama_planned_by_the_segment_dp_faster_than_the_uniform_layout(llama, K):
     start = time.monotonic()
-    res = partition(llama, K, time_limit=10)
-    assert time.monotonic() - start < 11.5
+    res = partition(llama, K, time_limit=4)  # the plans come in 1-2 s; 4 keeps the suite short
+    assert time.monotonic() - start < 5.5
     assert res.method.startswith("segment DP")
     assert is_convex(llama, res.assignment) and sum(res.replicas) == K
     assert res.bound_s <= res.bottleneck_s
