@@ -39,8 +39,8 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition.branches import forced_compute
-from passes.partition.coarsen import Units, model_nodes
+from passes.partition.branches import forced_compute, input_only
+from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
 
 Exit = Tuple[str, str]  # (exit node, its anchor)
@@ -48,21 +48,11 @@ Exit = Tuple[str, str]  # (exit node, its anchor)
 
 def exits(graph: CostGraph, opts: CostOptions) -> List[Exit]:
     """Every exit with an anchor (see the module docstring), in graph order."""
-    names = model_nodes(graph, opts)
-    placed = set(names)
+    names, producers, readers, free = input_only(graph, opts)
     pos = {n: i for i, n in enumerate(names)}
-    preds: Dict[str, List[str]] = {n: [] for n in names}
-    readers: Dict[str, List[str]] = {n: [] for n in names}
-    for u, v in graph.edges:
-        if u in placed and v in placed:
-            preds[v].append(u)
-            readers[u].append(v)
-    free: Dict[str, bool] = {}
+    preds = {n: [p for p in producers[n] if p in pos] for n in names}  # the placed ones
     below: Dict[str, int] = {}  # strict ancestors among the placed nodes, as a bitset over ``pos``
     for n in names:
-        node = graph.nodes[n]
-        free[n] = (not node.params and node.param_bytes == 0 and node.op != "output"
-                   and all(free[p] for p in preds[n]))
         mask = 0
         for p in preds[n]:
             mask |= below[p] | (1 << pos[p])

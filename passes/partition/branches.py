@@ -45,8 +45,10 @@ from passes.partition.costmodel import CostOptions
 Cone = Tuple[str, List[str]]  # exit node, the cone's nodes in graph order (exit last)
 
 
-def input_only_cones(graph: CostGraph, opts: CostOptions) -> List[Cone]:
-    """The cones (see the module docstring) of more than one node."""
+def input_only(graph: CostGraph, opts: CostOptions):
+    """(the placed nodes in graph order, each one's producers (model inputs included), its placed
+    readers, whether it is computed from the inputs alone: no weights, neither the output nor an input,
+    reading only inputs and such nodes). Shared by the cones here and ``anchors.exits``."""
     names = model_nodes(graph, opts)
     placed = set(names)
     preds: Dict[str, List[str]] = {n: [] for n in names}
@@ -61,6 +63,12 @@ def input_only_cones(graph: CostGraph, opts: CostOptions) -> List[Cone]:
         node = graph.nodes[n]
         free[n] = (not node.params and node.param_bytes == 0 and node.op != "output" and not node.is_input
                    and all(free.get(p, False) or graph.nodes[p].is_input for p in preds[n]))
+    return names, preds, readers, free
+
+
+def input_only_cones(graph: CostGraph, opts: CostOptions) -> List[Cone]:
+    """The cones (see the module docstring) of more than one node."""
+    names, preds, readers, free = input_only(graph, opts)
     dead = {n for n in names if free[n] and not readers[n]}  # checks whose result nobody reads
     exits = [n for n in names if free[n] and any(not free[r] for r in readers[n])]
     taken = set(exits)
