@@ -12,7 +12,9 @@ accept either, so this pass normalises what they share:
   ``call_module`` target or torch's ``nn_module_stack``;
 - export graphs get names tied to module paths (``blocks_0_qkv_linear``
   instead of ``linear_4``), as symbolic tracing already gives;
-- the graph carries ``meta.CaptureInfo`` (which method, and why fx failed).
+- the graph carries ``meta.CaptureInfo`` (which method, and why fx failed);
+- export's ``_assert_tensor_metadata`` checks are removed (see
+  ``_drop_metadata_asserts``).
 
 torch.nn's transformer modules and ``MultiheadAttention`` are traced into
 (``passes.trace_nn``) so that their layers can go to different stages; every
@@ -125,6 +127,7 @@ def capture(
             gm = torch.export.export(model, inputs, strict=False).module()
     except Exception as exc:  # noqa: BLE001
         raise _as_capture_error(fx_failure, exc) from exc
+    _drop_metadata_asserts(gm)
     _rename_export_nodes(gm)
     if check:
         check_capture(model, gm, inputs, method="export")
@@ -327,6 +330,38 @@ def _op_name(node: torch.fx.Node) -> str:
     if hasattr(target, "_opname"):
         name = target._opname  # aten.linear.default -> linear
     return name.split(".")[0].strip("_") or "op"
+
+
+_METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
+    """Erase export's ``_assert_tensor_metadata`` nodes; how many there were.
+
+    Export puts one beside every ``.to(dtype)`` of the model: it checks that
+    the tensor still has the dtype and device it had when traced, and returns
+    nothing. The cast after it converts whatever it is given, so the check
+    changes no value. Kept, it would be a second reader of what it checks:
+    a norm weight cast in the forward (HF Gemma) would look used twice, i.e.
+    tied across stages if the check and the cast were placed apart, and a
+    residual stream checked before each norm gets a reader the split must
+    send it to. Higher-order regions (``torch.autocast`` or ``no_grad``
+    blocks of the model) are submodules with their own checks; those go too.
+    ``check_capture`` then compares the graph without them to the model.
+    """
+    dropped = 0
+    for sub in list(gm.modules()):  # higher-order ops (autocast / no_grad regions) keep theirs in submodules
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        here = [n for n in sub.graph.nodes
+                if n.op == "call_function" and n.target is _METADATA_ASSERT and not n.users]
+        for node in here:
+            sub.graph.erase_node(node)
+        if here:
+            sub.graph.lint()
+            sub.recompile()
+        dropped += len(here)
+    return dropped
 
 
 def _rename_export_nodes(gm: torch.fx.GraphModule) -> None:

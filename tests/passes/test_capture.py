@@ -130,3 +130,44 @@ def test_concrete_args_are_folded_so_placeholders_are_the_inputs():
     gm = capture(model, (x,), method="fx", concrete_args={"double": False})
     assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["x"]
     torch.testing.assert_close(gm(x), model(x))
+
+
+class _CastNorm(nn.Module):
+    """Gemma's RMSNorm shape: the weight is cast in the forward, so export checks its dtype beside the cast."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim) * 0.1)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
+class _CastNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.n1, self.fc, self.n2 = _CastNorm(8), nn.Linear(8, 8), _CastNorm(8)
+
+    def forward(self, x):
+        return self.n2(x + self.fc(self.n1(x)))
+
+
+def test_export_metadata_checks_are_dropped_so_cast_weights_have_one_reader():
+    from passes.profile import profile, to_cost_graph
+
+    model, x = _CastNormNet(), torch.randn(4, 8)
+    gm = capture(model, (x,), method="export")  # checked against the model inside
+    checks = [n for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule) for n in sub.graph.nodes
+              if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert not checks
+    profile(gm, (x,), repeats=1, warmup=0)
+    graph = to_cost_graph(gm)
+    readers = {}
+    for node in graph.nodes.values():
+        for p in node.params:
+            readers.setdefault(p, []).append(node.name)
+    assert {"n1.weight", "n2.weight"} <= set(readers)
+    assert all(len(r) == 1 for r in readers.values()), readers  # no weight looks tied
+    torch.testing.assert_close(gm(x), model(x))

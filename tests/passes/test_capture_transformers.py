@@ -25,6 +25,8 @@ CONFIGS = {
             "intermediate_size=64, max_position_embeddings=32))",
     "llama": "T.LlamaForCausalLM(T.LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, "
              "num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32))",
+    "gemma": "T.GemmaForCausalLM(T.GemmaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, "
+             "num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=32))",
 }
 
 
@@ -56,6 +58,12 @@ def test_transformers_capture_through_export_and_profile(tmp_path, name):
     with_params = [n for n in graph.nodes.values() if n.params]
     assert with_params and all(n.bwd_s > 0 for n in with_params)
     assert any(n.module_path.endswith("attn") or "attention" in n.module_path for n in graph.nodes.values())
+    readers = {}
+    for node in graph.nodes.values():
+        for p in node.params:
+            readers[p] = readers.get(p, 0) + 1
+    shared = {p for p, count in readers.items() if count > 1}
+    assert all("embed" in p or p.endswith("wte.weight") for p in shared), shared  # only the tied input embedding
     out = gm(*spec.example_inputs)
     assert spec.loss_fn(out, spec.example_targets).dim() == 0  # the HF output type survives capture
 
