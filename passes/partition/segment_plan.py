@@ -124,8 +124,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                wall_s=time.monotonic() - start, units=size, method="segment DP")
     plans, bound = [plan], solution.bound - margin
     if wide:  # the block whole too: on a first profile of the 24-layer HF Llama its plan was the faster on 512
-        whole = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
-        plans += [whole[0]] if whole and whole[0] else []
+        for widen in (wide_segments.merged, wide_segments.chained):  # and a stage boundary anywhere in it
+            whole = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
+            plans += [whole[0]] if whole and whole[0] else []
     if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
         # anchors.py, wide_segments.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below

@@ -9,7 +9,7 @@ the segment DP had no lattice, or none it could search in time, and the
 planner fell back to CP-SAT on coarsened units (24 layers on 512 devices: no
 plan in 10 s, the uniform layout answered, 41 % open).
 
-Two restrictions give plans (each a plan of the graph, scored there; their
+Three restrictions give plans (each a plan of the graph, scored there; their
 DP bound is no bound, and the caller drops it):
 
 * ``narrowed``: in every wide segment each unit without weights joins its
@@ -17,7 +17,10 @@ DP bound is no bound, and the caller drops it):
   lattice is about that of the weighted units: a Llama block's norm, its three
   projections with their reshapes and rotary products, then attention;
 * ``merged``: every wide segment one unit, cut only at its separators (the
-  residual stream before and after it).
+  residual stream before and after it);
+* ``chained``: every wide segment a chain of its units in their order, so a
+  stage may end between any two of them, inside a branch too (with it the
+  24-layer Llama's plans came out 0.1-2.4 % faster on 8-1,024 devices).
 
 ``relaxed`` is the bound's side: in every segment of more than ``NARROW``
 downsets the weightless nodes (reshapes, rotary products, the norm's
@@ -143,6 +146,20 @@ def merge_groups(units: Units, group_of: List[int]) -> Units:
         hidden_sends=[(nbytes, sorted({new[u] for u in readers})) for nbytes, readers in units.hidden_sends],
         bridged=[(s, new[a], new[b], new[j]) for s, a, b, j in units.bridged],
     )
+
+
+def chained(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Optional[Units]:
+    """``units`` with every segment whose downsets exceed ``limit`` made a chain in the units' order (an
+    edge from each of its units to the next): a restriction whose stages are runs of that order, so a
+    stage boundary may fall between any two of its nodes, inside a branch too, where ``narrowed`` cuts only
+    between groups; what a cut sends is still what crosses it in the graph. None where no segment is
+    wide, or past the deadline."""
+    runs = wide_runs(units, limit, deadline)
+    if not runs:
+        return None
+    known = set(units.edges)
+    extra = [(u, u + 1) for run in runs for u in run[:-1] if (u, u + 1) not in known]
+    return dataclasses.replace(units, edges=sorted(set(units.edges) | set(extra)))
 
 
 def narrowed(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Optional[Units]:

@@ -118,7 +118,7 @@ def test_merge_groups_keeps_totals_and_owns_a_weight_whose_users_merge():
 
 
 @pytest.mark.parametrize("seed,K", [(0, 2), (1, 3), (2, 2)])
-def test_narrowed_and_merged_plans_are_plans_and_relaxed_bound_holds(seed, K):
+def test_narrowed_merged_and_chained_plans_are_plans_and_relaxed_bound_holds(seed, K):
     g = wide_graph(seed)
     opts = _opts(K)
     best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
@@ -129,7 +129,10 @@ def test_narrowed_and_merged_plans_are_plans_and_relaxed_bound_holds(seed, K):
     assert len(narrow) == len(units) - 6 and ["q", "q_view", "q_t"] in narrow.members
     whole = wide_segments.merged(units, limit=20)
     assert len(whole) < len(narrow)
-    for restricted in (narrow, whole):
+    chain = wide_segments.chained(units, limit=20)  # every unit a point: one segment per unit of the run
+    assert chain.members == units.members and separators(chain) == list(range(1, len(units)))
+    assert len(separators(units)) < len(units) - 1 - 8
+    for restricted in (narrow, whole, chain):
         segs = build_segments(restricted)
         solved = chain_solve(restricted, segs, opts, math.inf,
                              lambda so, r, u=restricted: unit_bottleneck(u, so, r, opts))
