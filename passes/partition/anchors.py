@@ -110,5 +110,5 @@ def relaxed(graph: CostGraph, found: List[Exit]) -> CostGraph:
 
 def hidden_compute(graph: CostGraph, units: Units, found: List[Exit]) -> List[Tuple[float, List[int], int]]:
     """``Units.hidden`` for ``units`` of ``relaxed(graph, found)``: each exit's compute, forced into any
-    prefix that holds one of its readers (``branches.forced_compute``)."""
+    prefix that holds a unit running after it (``branches.forced_compute``)."""
     return forced_compute(graph, units, [e for e, _ in found])

@@ -175,16 +175,33 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
 
 def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tuple[float, List[int], int]]:
     """``Units.hidden`` for nodes a relaxation made free: each one's compute (in ``graph``), forced into
-    any prefix that holds one of its readers (every plan runs a node before its readers; a reader in no
-    unit is stood for by the units below it)."""
-    unit_of = units.unit_of()
+    any prefix that holds a unit whose first node is one of its first descendants that are (every plan
+    runs a node before its readers). Not the unit of a reader folded into another: a freed reader
+    folds into its producer's unit (``segments.folded_units``), which may run before the node (a
+    stage ending at a query projection, the next one starting with its reshape and the reshape's
+    reader), and a prefix holding that unit need not hold the node; a unit's first node runs where
+    the plan puts the unit."""
+    heads = {members[0]: u for u, members in enumerate(units.members)}
     succ = graph.successors()
     out = []
     for n in nodes:
-        holding = sorted({u for r in succ[n] for u in placed_below(r, unit_of, succ)})
+        holding = _heads_below(n, heads, succ)
         if graph.nodes[n].compute_s > 0 and holding:
             out.append((graph.nodes[n].compute_s, holding, -1))
     return out
+
+
+def _heads_below(n: str, heads: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
+    """The units whose first node is one of the first descendants of ``n`` that are one."""
+    found, seen, todo = set(), {n}, [n]
+    while todo:
+        for v in succ[todo.pop()]:
+            if v in heads:
+                found.add(heads[v])
+            elif v not in seen:
+                seen.add(v)
+                todo.append(v)
+    return sorted(found)
 
 
 def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:

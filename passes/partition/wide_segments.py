@@ -28,7 +28,7 @@ arithmetic; not the segment's last unit, whose value the next segment reads)
 cost nothing and send nothing. Any plan is a plan there and no slower (less
 compute, no cut larger), and such nodes fold into their producers
 (``segments.folded_units``). The compute taken off still counts in the
-devices of every prefix holding one of its readers (``branches.forced_compute``):
+devices of every prefix holding a unit that runs after it (``branches.forced_compute``):
 the bound gives up how it splits between stages, which on the Llama is about
 a fifth of the compute, so the bound rarely rises above sum C / K.
 """
