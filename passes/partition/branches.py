@@ -185,23 +185,10 @@ def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tup
     succ = graph.successors()
     out = []
     for n in nodes:
-        holding = _heads_below(n, heads, succ)
+        holding = sorted({u for r in succ[n] for u in placed_below(r, heads, succ)})
         if graph.nodes[n].compute_s > 0 and holding:
             out.append((graph.nodes[n].compute_s, holding, -1))
     return out
-
-
-def _heads_below(n: str, heads: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
-    """The units whose first node is one of the first descendants of ``n`` that are one."""
-    found, seen, todo = set(), {n}, [n]
-    while todo:
-        for v in succ[todo.pop()]:
-            if v in heads:
-                found.add(heads[v])
-            elif v not in seen:
-                seen.add(v)
-                todo.append(v)
-    return sorted(found)
 
 
 def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:
@@ -216,7 +203,8 @@ def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:
 
 
 def placed_below(n: str, unit_of: Dict[str, int], succ: Dict[str, List[str]]) -> List[int]:
-    """The unit holding ``n``, or those holding the first nodes downstream of it that sit in a unit."""
+    """The unit holding ``n``, or those holding the first nodes downstream of it that sit in a unit
+    (``unit_of`` may map only some nodes: ``forced_compute`` passes the units' first nodes)."""
     if n in unit_of:
         return [unit_of[n]]
     found, seen, todo = set(), {n}, [n]
