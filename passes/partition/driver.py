@@ -30,7 +30,7 @@ from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_w
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
-from passes.partition import node_floor, placed, uniform
+from passes.partition import anchors, node_floor, placed, segment_plan, uniform
 from passes.partition.model_nodes import slots_of, walls_modelled
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -50,6 +50,7 @@ EXACT_ROOM = 0.5  # of the time, for the segment DP where the exact downset DP c
 CHEAP_CUTS_CAP = 8  # lattices up to this many times the exact downset DP's limit get its restriction (``_placed``, ``_placed_general``)
 CHEAP_CUTS_WORK = 1_000_000  # ... and within this many downset-unit pairs (its per-downset tables are built in Python, a step per pair)
 CHEAP_CUTS_SHARE = 0.4  # ... and this share of the time left for it (CP-SAT gets the rest)
+WIDE_SHARE = 0.5  # of the time, for the flat segment DP's wide path where the placed DPs have no lattice (``_flat_wide``)
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 BOUND_SHARE = 0.3  # ... past which its bisection stops if its plans score far above their T (``_resumed``)
 
@@ -285,6 +286,8 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     small = masks is not None and len(masks) <= limit and opts.memory is None and not fine.shared
     chained = _placed_chain(graph, opts, start, start + EXACT_ROOM * (deadline - start) if small else deadline) \
         if solver == "auto" else None
+    if chained is None and solver == "auto" and segment_plan.is_deep(graph, opts):
+        chained = _flat_wide(graph, opts, start, start + WIDE_SHARE * (deadline - start))
     result = chained
     if chained is None or (chained.status != "OPTIMAL" and deadline - time.monotonic() >= 0.5):
         try:
@@ -294,6 +297,29 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
             if chained is None:
                 raise
     result.hierarchical = _pipedream_levels(graph, opts, deadline)  # once, for the answer given
+    return result
+
+
+def _flat_wide(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+    """A deep graph the placed DPs have no lattice for (a Llama's rotary reads and wide attention blocks:
+    ``anchors.py``, ``wide_segments.py``, whose restrictions and relaxation only the flat segment DP
+    runs): that DP on the flat model at the slower links, its plan scored on this machine, bounded by
+    sum C / K (the slower links' bound does not hold here). None without a plan. On the bundled 24-layer
+    Llama on nodes of 8 (100 / 12.5 GB/s) CP-SAT on coarsened units answered 64 devices, the uniform
+    layout 512; this plan was faster on both. Only where some layer reads a table of the inputs
+    (``anchors.exits``): on the NASNets, deep and branchy, the time it took from CP-SAT cost plans up
+    to 6 %."""
+    slow = flat_bound(opts, fast=False)
+    if not anchors.exits(graph, slow):
+        return None
+    found = chain_plan(graph, slow, start, deadline)
+    if found is None or not found.replicas:
+        return None
+    ev = evaluate(graph, found.assignment, found.replicas, opts)
+    result = dataclasses.replace(found, stages=ev.stages, bottleneck_s=ev.bottleneck_s, objective_s=ev.bottleneck_s,
+                                 options=opts, bound_s=min(ideal_s(graph, opts), ev.bottleneck_s),
+                                 wall_s=time.monotonic() - start, method="segment DP (flat, slower links)")
+    result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
 
 

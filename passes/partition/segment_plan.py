@@ -105,7 +105,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
-        deep = not plain and not bound_only and machine is None and _deep(graph, opts)
+        deep = not plain and not bound_only and machine is None and is_deep(graph, opts)
         exits = anchors.exits(graph, opts) if deep else []  # each layer's read of the rotary tables, in its layer
         plan_graph = anchors.anchored(graph, exits)
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
@@ -206,7 +206,7 @@ def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
     return SCORING_EVALUATIONS * (time.monotonic() - t)
 
 
-def _deep(graph: CostGraph, opts: CostOptions) -> bool:
+def is_deep(graph: CostGraph, opts: CostOptions) -> bool:
     """Whether ``graph`` has more than ``DEEP`` nodes to place (see there)."""
     return len(model_nodes(graph, opts)) > DEEP
 
@@ -466,7 +466,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
                                 ceiling=first.real_s, settle_by=settle_by, trust_ceiling=True)
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
-        if wide_segments.too_wide(segs) and widen is None and _deep(graph, opts):
+        if wide_segments.too_wide(segs) and widen is None and is_deep(graph, opts):
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
                             ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)

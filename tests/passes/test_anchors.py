@@ -194,3 +194,17 @@ def test_freed_compute_is_forced_by_units_that_run_after_it():
     assert units.members[0] == ["a", "v", "t"]  # both fold into a's unit
     assert all(forcing == [1] for _, forcing, _ in units.hidden)
     assert lower.bound - margin <= best * (1 + 1e-9)
+
+
+def test_llama_on_a_two_level_machine_planned_by_the_flat_wide_path(llama):
+    """The placed DPs have no lattice for the Llama: the flat segment DP at the slower links plans it,
+    scored on the machine (before: CP-SAT on coarsened units found nothing in time on 512 devices and the
+    uniform layout answered, 8.1 % open)."""
+    start = time.monotonic()
+    res = partition(llama, 512, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
+    assert time.monotonic() - start < 5.5
+    assert res.method == "segment DP (flat, slower links)"
+    assert is_convex(llama, res.assignment) and sum(res.replicas) == 512
+    assert math.isclose(res.bottleneck_s, evaluate(llama, res.assignment, res.replicas, res.options).bottleneck_s)
+    assert llama.total_compute_s() / 512 * (1 - 1e-9) <= res.bound_s <= res.bottleneck_s
+    assert res.bottleneck_s < uniform.best_layout(llama, res.options)[0].bottleneck_s
