@@ -175,8 +175,8 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
 
 def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tuple[float, List[int], int]]:
     """``Units.hidden`` for nodes a relaxation made free: each one's compute (in ``graph``), forced into
-    any prefix that holds a unit whose first node is one of its first descendants that are (every plan
-    runs a node before its readers). Not the unit of a reader folded into another: a freed reader
+    any prefix holding a unit whose first node descends from it, the nearest such units (every plan
+    runs a node before its descendants). Not the unit of a reader folded into another: a freed reader
     folds into its producer's unit (``segments.folded_units``), which may run before the node (a
     stage ending at a query projection, the next one starting with its reshape and the reshape's
     reader), and a prefix holding that unit need not hold the node; a unit's first node runs where
