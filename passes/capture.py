@@ -335,8 +335,8 @@ def _op_name(node: torch.fx.Node) -> str:
 _METADATA_ASSERT = torch.ops.aten._assert_tensor_metadata.default
 
 
-def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
-    """Erase export's ``_assert_tensor_metadata`` nodes; how many there were.
+def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> None:
+    """Erase export's ``_assert_tensor_metadata`` nodes.
 
     Export puts one beside every ``.to(dtype)`` of the model: it checks that
     the tensor still has the dtype and device it had when traced, and returns
@@ -349,7 +349,6 @@ def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
     blocks of the model) are submodules with their own checks; those go too.
     ``check_capture`` then compares the graph without them to the model.
     """
-    dropped = 0
     for sub in list(gm.modules()):  # higher-order ops (autocast / no_grad regions) keep theirs in submodules
         if not isinstance(sub, torch.fx.GraphModule):
             continue
@@ -360,8 +359,6 @@ def _drop_metadata_asserts(gm: torch.fx.GraphModule) -> int:
         if here:
             sub.graph.lint()
             sub.recompile()
-        dropped += len(here)
-    return dropped
 
 
 def _rename_export_nodes(gm: torch.fx.GraphModule) -> None:

@@ -30,8 +30,8 @@ rotation). Then, as for ``branches.py``'s cones, the planner runs twice:
   is at least as large (``exits`` keeps only exits whose placed producers send
   no more than they do: a reshape or a view). So the relaxed optimum bounds
   the real one. The exits' compute still counts in the devices of every prefix
-  that holds one of their readers (``hidden_compute``): every plan runs an
-  exit before its readers.
+  that holds a unit running after them (``hidden_compute``): every plan runs an
+  exit before its descendants.
 """
 from __future__ import annotations
 

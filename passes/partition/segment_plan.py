@@ -101,7 +101,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     exits: List[anchors.Exit] = []
-    wide = False  # the plan came from narrowed or merged wide segments (``wide_segments.py``): no bound of its own
+    wide: list = []  # the searches on narrowed, merged and chained wide segments (``wide_segments.py``) that
+    # answered, the first being ``found``: restrictions, no bound of their own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
@@ -111,10 +112,13 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
-            wide = True  # units with the rest folded into them, or the block whole (``wide_segments.py``)
+            # units with the rest folded into them, the block whole (on a first profile of the 24-layer HF
+            # Llama the faster on 512 devices), or the block a chain (``wide_segments.py``)
             deadline -= _scoring_reserve(graph, opts)
-            found = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.narrowed) \
-                or searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
+            wide = [f for f in (searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
+                                for widen in (wide_segments.narrowed, wide_segments.merged, wide_segments.chained))
+                    if f is not None]
+            found = wide[0] if wide else None
     if found is None:
         return None
     plan, solution, margin, size = found
@@ -122,15 +126,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         return PartitionResult(assignment={}, replicas=[], stages=[], bottleneck_s=math.inf, options=opts,
                                status="BOUND", objective_s=math.inf, bound_s=max(0.0, solution.bound - margin),
                                wall_s=time.monotonic() - start, units=size, method="segment DP")
-    plans, bound = [plan], solution.bound - margin
-    if wide:  # the block whole too: on a first profile of the 24-layer HF Llama its plan was the faster on 512
-        for widen in (wide_segments.merged, wide_segments.chained):  # and a stage boundary anywhere in it
-            whole = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
-            plans += [whole[0]] if whole and whole[0] else []
+    plans, bound = [plan] + [f[0] for f in wide[1:] if f[0] is not None], solution.bound - margin
     if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
         # anchors.py, wide_segments.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
-        lower = relaxation(graph, opts, deadline, cones, exits, wide)
+        lower = relaxation(graph, opts, deadline, cones, exits, bool(wide))
         if lower is not None:
             plans.append(lower[0])
             unfolded = searched(plan_graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
@@ -409,7 +409,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 widen: Optional[Callable[[Units], Optional[Units]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
-    them instead (``wide_segments.narrowed`` or ``merged``, restrictions: the answer's bound is then none);
+    them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
+    is then none);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
