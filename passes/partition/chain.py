@@ -40,7 +40,7 @@ import numpy as np
 
 from passes.partition.coarsen import Units
 from passes.partition.heuristic import Solution
-from passes.partition.costmodel import (CostOptions, allreduce_at, cut_at, flat_bound, min_replicas,
+from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_floor, cut_at, flat_bound, min_replicas,
                                         partner_replicas, stage_time_s, tied_floor_coeff, tied_floor_s,
                                         tied_sync_s)
 from passes.partition.canon import Canon
@@ -108,7 +108,8 @@ class ChainSolver:
         self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
         self._ids: Optional[List[int]] = None  # ``_segment_ids``
-        self._debt_all: Optional[np.ndarray] = None  # ``_debts``
+        self._debt_all: Optional[np.ndarray] = None  # ``_debts``' tied part
+        self._floor_at: Tuple[float, Optional[np.ndarray]] = (math.nan, None)  # (T, ``_debts`` at T)
         self._runs: dict = {}  # runs of segment ids -> a small int (``_pool_r``'s row keys)
         self._rows: Tuple[float, dict] = (math.nan, {})  # (T, row key -> ``_r`` row) of the pass running
         self._ends, self._starts = bridged_units(units)  # per unit (``Segment.start``)
@@ -306,7 +307,7 @@ class ChainSolver:
         column (set above K)."""
         gid, pdev, pc, pp, ps, pcut = pool
         K = self.opts.devices
-        room = pc + self._debts()[gid]
+        room = pc + self._debts(T)[gid]
         some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0]  # the last point forces in most
         if not some.size:
             return
@@ -347,7 +348,7 @@ class ChainSolver:
         the counts the segment reaches without any late compute (no more than with it), and a pair's
         count is the larger of that and its count without late compute: both hold, and the loop over
         the points stays one array operation a point."""
-        debt = self._seg_debt(a)
+        debt = self._seg_debt(a, T)
         # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
         if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
             return None
@@ -372,17 +373,39 @@ class ChainSolver:
         without such compute, where the per-stage counts already say more."""
         if not self.units.hidden:
             return np.zeros(len(seg.compute), dtype=np.int64)
-        return np.ceil((seg.compute + seg.hidden + self._seg_debt(a)) / T * (1 - 1e-12)).astype(np.int64)
+        return np.ceil((seg.compute + seg.hidden + self._seg_debt(a, T)) / T * (1 - 1e-12)).astype(np.int64)
 
-    def _debts(self) -> np.ndarray:
-        """``_debt`` of every point (global ids), worked out once."""
-        if self._debt_all is None:
-            self._debt_all = np.concatenate([self._debt(seg.shared) for seg in self.segs])
-        return self._debt_all
+    def _debts(self, T: float) -> np.ndarray:
+        """Per point (global ids), device time its prefix's stages spend at T on anything but compute,
+        at the least: ``_debt`` (tied weights) and ``_allreduce_floors`` (their own weights)."""
+        if self._floor_at[0] != T:
+            if self._debt_all is None:
+                self._debt_all = np.concatenate([self._debt(seg.shared) for seg in self.segs])
+            self._floor_at = (T, self._debt_all + self._allreduce_floors(T))
+        return self._floor_at[1]
 
-    def _seg_debt(self, a: int) -> np.ndarray:
-        """``_debt`` of segment ``a``'s points."""
-        return self._debts()[self.offsets[a]:self.offsets[a + 1]]
+    def _seg_debt(self, a: int, T: float) -> np.ndarray:
+        """``_debts`` of segment ``a``'s points."""
+        return self._debts(T)[self.offsets[a]:self.offsets[a + 1]]
+
+    def _allreduce_floors(self, T: float) -> np.ndarray:
+        """Per point (global ids), the sum over its prefix's units of ``costmodel.allreduce_floor``: the
+        all-reduce time its stages spend at the least, room that compute forced into the prefix
+        (``Units.hidden``) cannot use. Counted only with such compute: elsewhere every stage's own
+        replica count charges its all-reduce exactly. Without it, on a 24-layer Llama at 512 devices
+        the freed attention nodes' compute filled the time replicated stages all-reduce in."""
+        if not self.units.hidden or self.opts.replication == "none":
+            return np.zeros(self.offsets[-1])
+        per_unit = allreduce_floor(np.asarray(self.units.compute, dtype=float),
+                                   np.asarray(self.units.param_bytes, dtype=float), T, self.opts)
+        # a unit no count brings under T: its prefixes need more than K devices (inf would make 0 * inf)
+        per_unit = np.minimum(per_unit, 2.0 * self.opts.devices * T)
+        out, before = [], 0.0
+        for seg in self.segs:
+            own = per_unit[np.asarray(seg.units, dtype=np.int64)]
+            out.append(before + seg.member.astype(float) @ own)
+            before += float(own.sum())
+        return np.concatenate(out)
 
     def _debt(self, shared):
         """Per point (rows of ``Segment.shared``), time its prefix's stages spend on tied weights at

@@ -197,6 +197,29 @@ def allreduce_coeff(r: int, opts: CostOptions) -> float:
     return r * allreduce_s(1.0, r, opts)
 
 
+def allreduce_floor(compute, params, T: float, opts: CostOptions) -> np.ndarray:
+    """Per unit of work (``compute`` s, own ``params`` bytes, elementwise), the least device time that
+    the stage holding it spends all-reducing those bytes in any plan within T (flat options).
+
+    The stage has r replicas with ``r·T >= C + r·allreduce_s(P, r)`` (every stage time is at least
+    ``C/r`` plus its all-reduce), and ``r·allreduce_s(p, r)`` is ``allreduce_coeff(r)·p``: linear in
+    the bytes and growing with r under both models. The stage's r is at least the fewest the unit needs
+    alone (``min_replicas`` without cuts: more compute and more bytes never need fewer), so the units'
+    floors add up to a floor of the stages' all-reduce time. That time is no room for compute that a
+    relaxation left to the slack of a prefix (``chain.ChainSolver._late``). Infinite where no allowed
+    count up to K brings the unit under T (no plan exists there)."""
+    compute, params = np.asarray(compute, dtype=float), np.asarray(params, dtype=float)
+    out = np.zeros(compute.shape)
+    some = np.nonzero(compute > T)[0]  # below T one replica may do
+    if some.size:
+        r = min_replicas(compute[some], params[some], 0.0, 0.0, T, opts)
+        ok = r <= opts.devices
+        coeff = np.array([allreduce_coeff(int(k), opts) for k in r[ok]])
+        out[some[ok]] = coeff * params[some[ok]]
+        out[some[~ok]] = math.inf
+    return out
+
+
 def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> float:
     """Activations forward plus gradients backward over a boundary."""
     return 2.0 * cut_bytes / (opts.bandwidth * min(r_before, r_after))

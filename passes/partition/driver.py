@@ -30,6 +30,7 @@ from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_w
 from passes.partition.heuristic import Solution, best_order_dp
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
+from passes.partition.work_floor import work_floor
 from passes.partition import anchors, node_floor, placed, segment_plan, uniform
 from passes.partition.model_nodes import slots_of, walls_modelled
 
@@ -101,8 +102,20 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         found = _uniform_only(graph, opts, start)
         if found is None:
             raise
-        return found
-    return _uniform_kept(graph, opts, found, start)
+        return _floored(graph, opts, found)
+    return _floored(graph, opts, _uniform_kept(graph, opts, found, start))
+
+
+def _floored(graph: CostGraph, opts: CostOptions, found: PartitionResult) -> PartitionResult:
+    """``found`` with its bound raised to ``work_floor`` where that is higher (every search's bound
+    starts from sum C / K; the all-reduce of replicated weights lifts it on many devices), and
+    OPTIMAL where that proves the plan (a HEURISTIC answer stays so: no search finished)."""
+    floor = work_floor(graph, opts)
+    if floor > found.bound_s:
+        found.bound_s = min(floor, found.bottleneck_s)
+        if found.status == "FEASIBLE" and found.gap <= OPTIMAL_GAP:
+            found.status = "OPTIMAL"
+    return found
 
 
 def _uniform_only(graph: CostGraph, opts: CostOptions, start: float) -> Optional[PartitionResult]:

@@ -21,6 +21,7 @@ from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import build_segments, fold_margin, folded_units
 from passes.partition.tie_floor import tie_floor
+from passes.partition.work_floor import work_floor
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped
@@ -138,9 +139,10 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             plans += [unfolded[0]] if unfolded else []
             bound = lower[1]
     ideal = ideal_s(graph, opts)
-    # sum C / K, and where a weight is tied between two nodes the least their stages can take (on the
-    # flat model the plans are scored on: with ``machine`` they are not)
-    floor_s = max(ideal, tie_floor(graph, opts)) if machine is None else ideal
+    # sum C / K, the all-reduce that replicated weights cannot avoid (``work_floor.py``), and where a weight
+    # is tied between two nodes the least their stages can take (on the flat model the plans are scored
+    # on: with ``machine`` they are not)
+    floor_s = max(ideal, tie_floor(graph, opts) if machine is None else 0.0, work_floor(graph, opts))
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
     masks: List[branches.Cone] = []

@@ -6,7 +6,6 @@ and two-level, both cost models, with replication), and on HF GPT-2 with its hea
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import random
 import time
@@ -18,6 +17,7 @@ from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition
 from passes.partition.segment_plan import chain_plan
 from passes.partition.tie_floor import tie_floor
+from tests.plans import every_chain_plan
 
 GPT2 = Path(__file__).parent / "data" / "hf_gpt2_12_layers.json"
 
@@ -45,26 +45,9 @@ def tied_chain(seed: int, blocks: int = 4, tied_bytes: float = 4e7, emb: float =
     return CostGraph(nodes={n: nodes[n] for n in names}, edges=list(zip(names, names[1:])), param_sizes=sizes)
 
 
-def every_plan(g: CostGraph, opts: CostOptions) -> float:
-    """The best bottleneck ``evaluate`` gives any split of the chain on exactly K devices."""
-    names = list(g.nodes)
-    work = names[1:-1]
-    allowed = opts.allowed_replicas()
-    best = math.inf
-    for stages in range(1, min(len(work), opts.devices) + 1):
-        vectors = [v for v in itertools.product(allowed, repeat=stages) if sum(v) == opts.devices]
-        for cuts in itertools.combinations(range(1, len(work)), stages - 1):
-            bounds = [0, *cuts, len(work)]
-            stage = {x: j for j in range(stages) for x in work[bounds[j]:bounds[j + 1]]}
-            stage[names[0]], stage[names[-1]] = 0, stages - 1
-            for reps in vectors:
-                best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
-    return best
-
-
 def _check(g: CostGraph, opts: CostOptions, closes: bool) -> None:
     res = chain_plan(g, opts, time.monotonic(), math.inf)
-    best = every_plan(g, opts)
+    best = every_chain_plan(g, opts)
     assert res is not None and is_convex(g, res.assignment) and sum(res.replicas) == opts.devices
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
     assert res.bound_s <= best * (1 + 1e-9) <= res.bottleneck_s * (1 + 2e-9)
@@ -81,14 +64,14 @@ FLAT = [("fxpipe", "any", 2e-2, 1e7, 1, 8, True), ("fxpipe", "any", 2e-2, 1e7, 2
 
 
 @pytest.mark.parametrize("model,replication,emb,tied_bytes,seed,K,closes", FLAT)
-def test_flat_bound_with_partner_replicas_below_every_plan(model, replication, emb, tied_bytes, seed, K, closes):
+def test_flat_bound_with_partner_replicas_below_every_chain_plan(model, replication, emb, tied_bytes, seed, K, closes):
     opts = CostOptions(devices=K, cost_model=model, replication=replication, bandwidth=1e9, allreduce_bandwidth=2e9)
     _check(tied_chain(seed, tied_bytes=tied_bytes, emb=emb), opts, closes)
 
 
 @pytest.mark.parametrize("seed,K,G", [(0, 8, 4), (1, 8, 2), (2, 6, 3), (3, 8, 4)])
 @pytest.mark.parametrize("tied_bytes", [4e6, 1e7])
-def test_two_level_bound_with_partner_replicas_below_every_plan(seed, K, G, tied_bytes):
+def test_two_level_bound_with_partner_replicas_below_every_chain_plan(seed, K, G, tied_bytes):
     opts = CostOptions(devices=K, gpus_per_node=G, intra_bandwidth=1e10, bandwidth=1e9)
     _check(tied_chain(seed, tied_bytes=tied_bytes, emb=2e-2), opts, closes=False)
 
@@ -124,10 +107,10 @@ FLOORED = [(m, rep, tb, emb, seed, K) for m in ("fxpipe", "pipedream") for rep i
 
 
 @pytest.mark.parametrize("model,replication,tied_bytes,emb,seed,K", FLOORED)
-def test_tie_floor_below_every_plan(model, replication, tied_bytes, emb, seed, K):
+def test_tie_floor_below_every_chain_plan(model, replication, tied_bytes, emb, seed, K):
     opts = CostOptions(devices=K, cost_model=model, replication=replication, bandwidth=1e9, allreduce_bandwidth=2e9)
     g = tied_chain(seed, tied_bytes=tied_bytes, emb=emb)
-    assert 0 < tie_floor(g, opts) <= every_plan(g, opts) * (1 + 1e-9)
+    assert 0 < tie_floor(g, opts) <= every_chain_plan(g, opts) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed,K", [(0, 6), (0, 8), (2, 8)])
@@ -137,7 +120,7 @@ def test_tie_floor_closes_where_the_sync_dominates(seed, K):
     floor is the optimum (the plan puts each alone in a stage of one replica)."""
     opts = CostOptions(devices=K, bandwidth=1e9, allreduce_bandwidth=2e9)
     g = tied_chain(seed, tied_bytes=8e7, emb=3e-2)
-    best = every_plan(g, opts)
+    best = every_chain_plan(g, opts)
     assert tie_floor(g, opts) == pytest.approx(best, rel=1e-9)
     res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res.bound_s == pytest.approx(best, rel=1e-9) and res.bottleneck_s <= best * 1.01
