@@ -199,25 +199,42 @@ def allreduce_coeff(r: int, opts: CostOptions) -> float:
 
 def allreduce_floor(compute, params, T: float, opts: CostOptions) -> np.ndarray:
     """Per unit of work (``compute`` s, own ``params`` bytes, elementwise), the least device time that
-    the stage holding it spends all-reducing those bytes in any plan within T (flat options).
+    the stage holding it spends all-reducing those bytes in any plan within T.
 
-    The stage has r replicas with ``r·T >= C + r·allreduce_s(P, r)`` (every stage time is at least
-    ``C/r`` plus its all-reduce), and ``r·allreduce_s(p, r)`` is ``allreduce_coeff(r)·p``: linear in
-    the bytes and growing with r under both models. The stage's r is at least the fewest the unit needs
-    alone (``min_replicas`` without cuts: more compute and more bytes never need fewer), so the units'
-    floors add up to a floor of the stages' all-reduce time. That time is no room for compute that a
-    relaxation left to the slack of a prefix (``chain.ChainSolver._late``). Infinite where no allowed
-    count up to K brings the unit under T (no plan exists there)."""
+    The stage has r replicas with ``r·T >= C + r·allreduce(P, r)`` (every stage time is at least
+    ``C/r`` plus its all-reduce), and ``r·allreduce(p, r)`` is linear in the bytes. The stage's r is at
+    least the fewest the unit needs alone (``min_replicas`` without cuts, at the faster links of a
+    two-level machine: more compute and more bytes never need fewer), and ``least_allreduce_coeff``
+    prices r replicas at the least any r' >= r pay, so the units' floors add up to a floor of the
+    stages' all-reduce time. That time is no room for compute a relaxation left to the slack of a
+    prefix (``chain.ChainSolver._late``), and it lifts ``sum C / K`` (``work_floor.py``). Infinite
+    where no allowed count up to K brings the unit under T (no plan exists there)."""
     compute, params = np.asarray(compute, dtype=float), np.asarray(params, dtype=float)
     out = np.zeros(compute.shape)
     some = np.nonzero(compute > T)[0]  # below T one replica may do
     if some.size:
-        r = min_replicas(compute[some], params[some], 0.0, 0.0, T, opts)
+        r = min_replicas(compute[some], params[some], 0.0, 0.0, T, flat_bound(opts, fast=True))
         ok = r <= opts.devices
-        coeff = np.array([allreduce_coeff(int(k), opts) for k in r[ok]])
-        out[some[ok]] = coeff * params[some[ok]]
+        out[some[ok]] = least_allreduce_coeff(opts)[r[ok]] * params[some[ok]]
         out[some[~ok]] = math.inf
     return out
+
+
+def least_allreduce_coeff(opts: CostOptions) -> np.ndarray:
+    """Index r (1..K): the least ``r'·allreduce(1 byte, r')`` over allowed counts r' >= r and over every
+    placement of r' ranks: on a flat network ``allreduce_coeff``; on a two-level one the ranks fill
+    as few nodes as they can (a ring of more than G ranks crosses nodes, at B2; PipeDream's charge
+    with the fewest nodes and the fewest ranks in the fullest). Made non-decreasing in r, so a stage
+    of more replicas than a unit needs never pays less than the unit's count is charged."""
+    r = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+    if opts.gpus_per_node is None:
+        per = _allreduce(1.0, r, opts)
+    else:
+        n = -(-r // opts.gpus_per_node)
+        per = allreduce_nodes(1.0, r, n, -(-r // n), opts)
+    raw = np.full(opts.devices + 2, np.inf)
+    raw[r] = r * per
+    return np.minimum.accumulate(raw[::-1])[::-1]
 
 
 def cut_s(cut_bytes: float, r_before: int, r_after: int, opts: CostOptions) -> float:

@@ -10,8 +10,9 @@ replicas the node needs alone). Summed over the stages, every plan within T on K
     K·T >= sum C + sum over nodes of allreduce_floor(node, T),
 
 and the right side falls as T grows, so the least T that satisfies it is a bound for every plan,
-found by bisection. Charged at the faster link of a two-level machine (``flat_bound``), which no
-placement beats. On a 24-layer Llama at 512 devices (10 Gbit/s) the matrix products of 0.7-1.3 ms
+found by bisection. On a two-level machine a unit's replicas are counted at the faster links, and
+their all-reduce charged as the fewest nodes they can fill pay (``costmodel.least_allreduce_coeff``):
+no placement pays less. On a 24-layer Llama at 512 devices (10 Gbit/s) the matrix products of 0.7-1.3 ms
 need 3-5 replicas each at T near 0.3 ms, and the floor is 5 % above ``sum C / K``.
 
 Tied weights (several users) are left out: where their users share a stage they are synced once,
@@ -23,7 +24,7 @@ import numpy as np
 
 from passes.costgraph import CostGraph
 from passes.partition.coarsen import model_nodes
-from passes.partition.costmodel import CostOptions, allreduce_floor, flat_bound
+from passes.partition.costmodel import CostOptions, allreduce_floor
 
 STEPS = 40  # bisection steps: 2^-40 of the bracket, whose ends lie within a factor of 2
 
@@ -37,9 +38,8 @@ def work_floor(graph: CostGraph, opts: CostOptions) -> float:
     if total <= 0:
         return 0.0
     own = _own_bytes(graph, names)
-    flat = flat_bound(opts, fast=True)
     K = opts.devices
-    short = lambda T: K * T < total + float(allreduce_floor(compute, own, T, flat).sum())  # noqa: E731
+    short = lambda T: K * T < total + float(allreduce_floor(compute, own, T, opts).sum())  # noqa: E731
     lo = total / K
     if not short(lo):
         return lo
