@@ -317,7 +317,8 @@ def _flat_wide(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     """A deep graph the placed DPs have no lattice for (a Llama's rotary reads and wide attention blocks:
     ``anchors.py``, ``wide_segments.py``, whose restrictions and relaxation only the flat segment DP
     runs): that DP on the flat model at the slower links, its plan scored on this machine, bounded by
-    sum C / K (the slower links' bound does not hold here). None without a plan. On the bundled 24-layer
+    sum C / K (the slower links' bound does not hold here; ``partition`` lifts it to the work floor,
+    ``work_floor.py``). None without a plan. On the bundled 24-layer
     Llama on nodes of 8 (100 / 12.5 GB/s) CP-SAT on coarsened units answered 64 devices, the uniform
     layout 512; this plan was faster on both. Only where some layer reads a table of the inputs
     (``anchors.exits``): on the NASNets, deep and branchy, the time it took from CP-SAT cost plans up
