@@ -91,6 +91,31 @@ def test_min_replicas_equals_trying_every_count(model, replication):
             assert got.tolist() == want
 
 
+def test_min_replicas_closed_form_at_the_edges():
+    """fxpipe's charges, any count, no tied bytes are answered in closed form (``_untied_replicas``):
+    bottlenecks exactly at a stage's time for some count (where rounding decides), compute a hair
+    below and above the all-reduce term and far from it, a bottleneck at or under it, cuts that decide, a scalar and
+    broadcast shapes, all as trying every count answers."""
+    rng = np.random.default_rng(5)
+    opts = CostOptions(devices=64, bandwidth=1e9, allreduce_bandwidth=2e9)
+    want = lambda C, P, a, b, T: np.array(  # noqa: E731
+        [next((r for r in range(1, 65) if stage_time_s(c, p, x, y, r, opts) <= T), 65)
+         for c, p, x, y in zip(*(v.ravel() for v in np.broadcast_arrays(C, P, a, b)))])
+    n = 400
+    C, P = rng.uniform(0, 0.05, n), rng.choice([0.0, 1e6, 1e7, 5e7], n)
+    C[:40] = 2.0 * P[:40] / 2e9 * (1 + rng.choice([-1e-6, 1e-6], 40))  # compute a hair off the all-reduce term
+    a, b = rng.choice([0.0, 1e6, 3e7], n), rng.choice([0.0, 1e6], n)
+    r = rng.integers(1, 65, n)
+    for T in np.r_[stage_time_s(C, P, a, b, r, opts)[:60], [1e-4, 1e-3, 1e-2, 2e-2]]:
+        assert min_replicas(C, P, a, b, float(T), opts).tolist() == want(C, P, a, b, float(T)).tolist()
+    T = 1e-2  # at and under 2P/B_ar = 1e-2 for 1e7 bytes: nothing past one replica fits
+    assert min_replicas(np.array([5e-3, 2e-2, 1e-2]), 1e7, 0.0, 0.0, T, opts).tolist() == [1, 65, 1]
+    assert int(min_replicas(0.05, 0.0, 0.0, 0.0, 1e-2, opts)) == 5  # a scalar
+    grid = min_replicas(np.array([[0.01], [0.05]]), np.array([0.0, 1e6]), 0.0, 0.0, 1e-2, opts)
+    assert grid.shape == (2, 2) and grid.tolist() == want(np.array([[0.01], [0.05]]), np.array([0.0, 1e6]),
+                                                          0.0, 0.0, 1e-2).reshape(2, 2).tolist()
+
+
 @pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
 @pytest.mark.parametrize("replication", ["any", "pow2", "none"])
 def test_min_replicas_with_tied_partners_equals_trying_every_count(model, replication):
