@@ -544,7 +544,8 @@ def _untied_replicas(C: np.ndarray, P: np.ndarray, c_in: np.ndarray, c_out: np.n
         need = np.where(C <= T, 1.0, np.where((C > a) & (T > a), np.ceil((C - a) / (T - a)), np.inf))
         cut = 2.0 * np.maximum(c_in, c_out)
         need = np.maximum(need, np.where(cut > 0, np.ceil(cut / (opts.bandwidth * T)), 0.0))
-    r = np.where((need <= K) & ~doubtful, np.maximum(need, 1.0), K + 1).astype(np.int64)
+    # a finite count past K is checked at K (rounding may have put it one over)
+    r = np.where(np.isfinite(need) & ~doubtful, np.clip(need, 1.0, K), K + 1).astype(np.int64)
     flat_r, cols = r.reshape(-1), [x.reshape(-1) for x in (C, P, c_in, c_out)]
     fits = lambda k, n: stage_time_s(*(x[k] for x in cols), n, opts) <= T  # noqa: E731
     k = np.nonzero(flat_r <= K)[0]
