@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from passes.costgraph import CostGraph, CostNode
-from passes.partition import CostOptions, branches, partition, segment_plan
+from passes.partition import CostOptions, branches, driver, partition, segment_plan
 from passes.partition.costmodel import allreduce_on
 from passes.partition.work_floor import work_floor
 from tests.plans import every_chain_plan
@@ -107,3 +107,21 @@ def test_freed_compute_does_not_fill_the_time_replicas_all_reduce():
     units, lower, margin = segment_plan.segment_dp(CostGraph(nodes=relaxed, edges=list(g.edges), param_sizes=sizes),
                                                    opts, math.inf, hidden=lambda u: branches.forced_compute(g, u, ["v"]))
     assert best * 0.9 <= lower.bound - margin <= best * (1 + 1e-9)
+
+
+def test_an_answer_the_floor_proves_is_optimal():
+    """``partition``'s last step raises a search's bound to the floor: a FEASIBLE answer whose plan the
+    floor proves within 0.1 % becomes OPTIMAL; one it does not prove keeps its status, its bound raised;
+    a HEURISTIC one (no search finished) keeps that status."""
+    names = ["x", "w", "output"]
+    nodes = {"x": _node("x", 0.0, 10**4, op="placeholder", is_input=True), "w": _node("w", 0.4, 10**5, 10**6),
+             "output": _node("output", 0.0, 0, op="output")}
+    g = CostGraph(nodes=nodes, edges=list(zip(names, names[1:])), param_sizes={"w.w": 10**6})
+    res = partition(g, 8, time_limit=5, bandwidth=1e9)
+    floor = work_floor(g, res.options)
+    assert res.status == "OPTIMAL" and res.bottleneck_s == pytest.approx(floor, rel=1e-9)
+    for status, plan, want in (("FEASIBLE", floor * 1.0005, "OPTIMAL"), ("FEASIBLE", floor * 1.01, "FEASIBLE"),
+                               ("HEURISTIC", floor * 1.0005, "HEURISTIC")):
+        weak = dataclasses.replace(res, status=status, bottleneck_s=plan, bound_s=g.total_compute_s() / 8)
+        out = driver._floored(g, res.options, weak)
+        assert out.status == want and out.bound_s == pytest.approx(floor, rel=1e-12)
