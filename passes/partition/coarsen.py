@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Set, Tuple
 
-from passes.costgraph import CostGraph
+from passes.costgraph import CostGraph, CostNode
 from passes.partition.costmodel import CostOptions, counts_comm
 
 
@@ -83,27 +83,33 @@ def ideal_s(graph: CostGraph, opts: CostOptions) -> float:
     return sum(graph.nodes[n].compute_s for n in model_nodes(graph, opts)) / opts.devices
 
 
-def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) -> Units:
-    """Aggregate costs of ``groups`` (each a list of node names, topologically ordered)."""
-    unit = {n: i for i, names in enumerate(groups) for n in names}
+def shared_weights(graph: CostGraph, unit: Dict[str, int]) -> Dict[str, Tuple[int, List[int]]]:
+    """Weights used by more than one unit (``unit``: node -> its unit), as ``Units.shared``."""
     users: Dict[str, Set[int]] = {}
     for name in unit:
         for p in graph.nodes[name].params if graph.param_sizes else ():
             users.setdefault(p, set()).add(unit[name])
-    shared = {p: (graph.param_sizes.get(p, 0), sorted(u)) for p, u in users.items() if len(u) > 1}
+    return {p: (graph.param_sizes.get(p, 0), sorted(u)) for p, u in users.items() if len(u) > 1}
+
+
+def own_bytes(graph: CostGraph, node: CostNode, shared: Dict[str, Tuple[int, List[int]]]) -> int:
+    """Bytes of ``node``'s weights that are not ``shared`` (``Units.param_bytes`` sums them)."""
+    if node.params and graph.param_sizes:
+        return sum(graph.param_sizes.get(p, 0) for p in node.params if p not in shared)
+    return node.param_bytes
+
+
+def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) -> Units:
+    """Aggregate costs of ``groups`` (each a list of node names, topologically ordered)."""
+    unit = {n: i for i, names in enumerate(groups) for n in names}
+    shared = shared_weights(graph, unit)
     succ = graph.successors()
     units = Units(members=groups, compute=[], param_bytes=[], act_bytes=[], has_compute=[],
                   is_input=[], is_output=[], edges=[], producers=[], shared=shared)
     for i, names in enumerate(groups):
         nodes = [graph.nodes[n] for n in names]
         units.compute.append(sum(n.compute_s for n in nodes))
-        own = 0
-        for n in nodes:
-            if n.params and graph.param_sizes:
-                own += sum(graph.param_sizes.get(p, 0) for p in n.params if p not in shared)
-            else:
-                own += n.param_bytes
-        units.param_bytes.append(own)
+        units.param_bytes.append(sum(own_bytes(graph, n, shared) for n in nodes))
         units.act_bytes.append(sum(n.out_bytes for n in nodes if not n.is_input))
         units.has_compute.append(any(not n.is_input and n.op != "output" for n in nodes))
         units.is_input.append(all(n.is_input for n in nodes))

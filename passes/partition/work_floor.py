@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from passes.costgraph import CostGraph
-from passes.partition.coarsen import model_nodes
+from passes.partition.coarsen import model_nodes, own_bytes, shared_weights
 from passes.partition.costmodel import CostOptions, allreduce_floor
 
 STEPS = 40  # bisection steps: 2^-40 of the bracket, whose ends lie within a factor of 2
@@ -37,7 +37,8 @@ def work_floor(graph: CostGraph, opts: CostOptions) -> float:
     total = float(compute.sum())
     if total <= 0:
         return 0.0
-    own = _own_bytes(graph, names)
+    shared = shared_weights(graph, {n: i for i, n in enumerate(names)})
+    own = np.array([own_bytes(graph, graph.nodes[n], shared) for n in names], dtype=float)
     K = opts.devices
     short = lambda T: K * T < total + float(allreduce_floor(compute, own, T, opts).sum())  # noqa: E731
     lo = total / K
@@ -57,19 +58,3 @@ def work_floor(graph: CostGraph, opts: CostOptions) -> float:
         else:
             hi = mid
     return lo  # every T up to here is short: no plan is faster
-
-
-def _own_bytes(graph: CostGraph, names) -> np.ndarray:
-    """Per node of ``names``, bytes of the weights only it uses (``coarsen.build_units``' own bytes)."""
-    users: dict = {}
-    for node in graph.nodes.values():
-        for p in node.params:
-            users[p] = users.get(p, 0) + 1
-    out = []
-    for n in names:
-        node = graph.nodes[n]
-        if node.params and graph.param_sizes:
-            out.append(sum(graph.param_sizes.get(p, 0) for p in node.params if users[p] == 1))
-        else:
-            out.append(node.param_bytes)
-    return np.array(out, dtype=float)
