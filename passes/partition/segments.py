@@ -289,7 +289,10 @@ def separators(units: Units) -> List[int]:
 _BUILT: List[tuple] = []  # (key, segments) of the last two ``build_segments``, see there
 
 
-def build_segments(units: Units, limit: int = 4000, deadline: float = math.inf) -> Optional[List[Segment]]:
+MAX_DOWNSETS = 4000  # a segment of more downsets has no lattice here (``build_segments``)
+
+
+def build_segments(units: Units, limit: int = MAX_DOWNSETS, deadline: float = math.inf) -> Optional[List[Segment]]:
     """The segments' points (see ``Segment``); None if a segment has more than ``limit`` downsets
     or the deadline passes.
 

@@ -185,6 +185,12 @@ def narrowed(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Op
             inside = [p for p in preds[u] if p >= run.start and not free[p]]
             if inside and weightless[u]:
                 head[u] = head[max(inside)]
+    return joined(units, head)
+
+
+def joined(units: Units, head: List[int]) -> Optional[Units]:
+    """``units`` with each unit merged into the group of ``head[u]`` (a unit heading its own group maps to
+    itself), the groups numbered in a topological order; None where the groups' graph has a cycle."""
     order = _topological({(head[a], head[b]) for a, b in units.edges if head[a] != head[b]}, sorted(set(head)))
     if order is None:
         return None
