@@ -40,7 +40,7 @@ from typing import Dict, List, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition.branches import forced_compute, input_only
-from passes.partition.coarsen import Units
+from passes.partition.coarsen import Hidden, Units
 from passes.partition.costmodel import CostOptions
 
 Exit = Tuple[str, str]  # (exit node, its anchor)
@@ -108,7 +108,7 @@ def relaxed(graph: CostGraph, found: List[Exit]) -> CostGraph:
     return out
 
 
-def hidden_compute(graph: CostGraph, units: Units, found: List[Exit]) -> List[Tuple[float, List[int], int]]:
+def hidden_compute(graph: CostGraph, units: Units, found: List[Exit]) -> List[Hidden]:
     """``Units.hidden`` for ``units`` of ``relaxed(graph, found)``: each exit's compute, forced into any
     prefix that holds a unit running after it (``branches.forced_compute``)."""
     return forced_compute(graph, units, [e for e, _ in found])

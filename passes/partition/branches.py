@@ -39,7 +39,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition.coarsen import Units, model_nodes
+from passes.partition.coarsen import Hidden, Units, model_nodes
 from passes.partition.costmodel import CostOptions
 
 Cone = Tuple[str, List[str]]  # exit node, the cone's nodes in graph order (exit last)
@@ -152,7 +152,7 @@ def expand(assignment: Dict[str, int], cones: List[Cone], pieces: int = 1,
     return out
 
 
-def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tuple[float, List[int], int]]:
+def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Hidden]:
     """``Units.hidden`` for ``units`` of ``relaxed(graph, cones)``: the compute the relaxation took off
     each cone (its nodes upstream of the exit, the exit but not its compute excluded: it keeps that,
     see ``segments.dropped_compute``), with the units that force it into a prefix: the exit's, or,
@@ -169,11 +169,11 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Tu
         upstream = _ancestors(x, set(members), preds) - {x}
         seconds = sum(graph.nodes[n].compute_s for n in members if n in upstream)
         if seconds > 0:
-            out.append((seconds, placed_below(x, unit_of, succ), -1))
+            out.append((seconds, placed_below(x, unit_of, succ), -1, []))  # computed from the inputs alone
     return out
 
 
-def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tuple[float, List[int], int]]:
+def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Hidden]:
     """``Units.hidden`` for nodes a relaxation made free: each one's compute (in ``graph``), forced into
     any prefix holding a unit whose first node descends from it, the nearest such units (every plan
     runs a node before its descendants). Not the unit of a reader folded into another: a freed reader
@@ -183,12 +183,30 @@ def forced_compute(graph: CostGraph, units: Units, nodes: List[str]) -> List[Tup
     the plan puts the unit."""
     heads = {members[0]: u for u, members in enumerate(units.members)}
     succ = graph.successors()
+    above = heads_above(graph, heads)
     out = []
     for n in nodes:
         holding = sorted({u for r in succ[n] for u in placed_below(r, heads, succ)})
         if graph.nodes[n].compute_s > 0 and holding:
-            out.append((graph.nodes[n].compute_s, holding, -1))
+            out.append((graph.nodes[n].compute_s, holding, -1, sorted(above[n])))
     return out
+
+
+def heads_above(graph: CostGraph, heads: Dict[str, int]) -> Dict[str, frozenset]:
+    """Per node, the units whose first node (``heads``) is one of its nearest such ancestors: every plan
+    runs a node in its ancestors' stages or later, and puts a unit where its first node runs, so a
+    freed node runs in the stage of each of these units or a later one (``Units.hidden``'s last field:
+    a stage that holds such a unit must run the node itself, ``pins.py``)."""
+    preds: Dict[str, List[str]] = {n: [] for n in graph.nodes}
+    for u, v in graph.edges:
+        preds[v].append(u)
+    above: Dict[str, frozenset] = {}
+    for n in graph.nodes:  # in graph order: producers first
+        found: set = set()
+        for p in preds[n]:
+            found |= {heads[p]} if p in heads else above.get(p, frozenset())
+        above[n] = frozenset(found)
+    return above
 
 
 def _ancestors(x: str, within: set, preds: Dict[str, List[str]]) -> set:

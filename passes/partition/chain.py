@@ -45,6 +45,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_flo
                                         tied_sync_s)
 from passes.partition.canon import Canon
 from passes.partition.offsets import count
+from passes.partition.pins import Pins
 from passes.partition.segments import Segment, bridged_units, user_pairs
 
 
@@ -117,6 +118,7 @@ class ChainSolver:
         # ``plain``) and as a start (``start``, ``plain``), a stage the larger difference (``stage_compute``)
         self.two = bool(units.bridged)
         self._pair_cache: dict = {}
+        self._pins: Optional[Pins] = None  # ``pins``
         if units.bridged and units.hidden:  # ``_late``'s room reads one compute per point
             raise ValueError("units with both Units.bridged and Units.hidden compute: clear hidden (as "
                              "segment_plan.segment_dp does for the placed DPs) or fold without bridge")
@@ -186,7 +188,7 @@ class ChainSolver:
                 reach = pdev + R[:, d] <= K
                 tot, R = pdev[:, None] + R[:, :d], R[:, :d]
                 if self.units.hidden:
-                    self._late_pool(seg, T, pool, tot, R, (cc, cp, cs, ccut))
+                    self._late_pool(a, seg, T, pool, tot, R, (cc, cp, cs, ccut))
                 k = tot.argmin(axis=0)
                 dev = tot[k, np.arange(d)]
                 src[:, 0], src[:, 1] = gid[k], R[k, np.arange(d)]
@@ -281,17 +283,23 @@ class ChainSolver:
         slack of replicated stages at 64 devices, which no plan can do."""
         return hidden_i + compute_j - dev_j * T * (1 + SLACK)
 
-    def _late_replicas(self, late, plain, T: float, starts, ends):
+    def _late_replicas(self, late, plain, T: float, starts, ends, pinned=None):
         """Devices a stage (j, i) adds to the prefix j's count, with ``late`` > 0 compute it must hold if
-        the prefix j has its least devices: ``min over e >= 0 of e + r(stage + max(0, late - e·T))``,
+        the prefix j has its least devices: ``min over e >= 0 of e + r(stage + max(pinned, late - e·T))``,
         ``e`` devices more before the stage (more for the prefix j, or stages of the branch alone:
-        each holds at most T more of it). ``plain``: r without it (the term at ``e = ceil(late / T)``).
-        A prefix j with more devices than the DP found is a start this minimum covers, so no count is
-        above what a plan within T uses, and a later start j' ⊇ j with no more devices is still as good
-        (the pool's pruning stays sound). The plan gives the stage those ``e`` devices."""
+        each holds at most T more of it); ``pinned`` (<= ``late``, 0 if None) of it no earlier stage can
+        run (``pins.py``). ``plain``: r without any of it. A prefix j with more devices than the DP
+        found is a start this minimum covers, so no count is above what a plan within T uses, and a
+        later start j' ⊇ j with no more devices is still as good (the pool's pruning stays sound; its
+        pinned compute is no more). The plan gives the stage those ``e`` devices."""
         cj, pj, sj, cutj = starts
-        top = np.ceil(late / T * (1 - 1e-12)).astype(np.int64)
+        fixed = np.zeros_like(late) if pinned is None else pinned
+        top = np.ceil((late - fixed) / T * (1 - 1e-12)).astype(np.int64)
         best = plain.astype(np.int64) + top
+        held = np.nonzero(fixed > 0)[0]
+        if held.size:  # the term at e = top runs the pinned compute still
+            best[held] = top[held] + self._r(cj[held] - fixed[held], pj[held], sj[held], cutj[held],
+                                             *(x[held] for x in ends), T)
         for e in range(int(top.max())):
             open_ = np.nonzero(e < top)[0]
             extra = late[open_] - e * T
@@ -300,26 +308,31 @@ class ChainSolver:
             best[open_] = np.minimum(best[open_], e + r)
         return best
 
-    def _late_pool(self, seg: Segment, T: float, pool, tot, R, ends) -> None:
-        """``_late_replicas`` for the stages from the pool's points to ``seg``'s: ``tot`` (devices) and
-        ``R`` (replicas), rows by pool point, updated in place. Only where a late stage could beat
-        the column's best stage that runs nothing late (its count only grows); the others leave the
-        column (set above K)."""
+    def _late_pool(self, a: int, seg: Segment, T: float, pool, tot, R, ends) -> None:
+        """``_late_replicas`` for the stages from the pool's points to ``seg``'s (segment ``a``): ``tot``
+        (devices) and ``R`` (replicas), rows by pool point, updated in place. Only where a late stage
+        could beat the column's best stage that runs nothing late (its count only grows); the others
+        leave the column (set above K)."""
         gid, pdev, pc, pp, ps, pcut = pool
         K = self.opts.devices
         room = pc + self._debts(T)[gid]
-        some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0]  # the last point forces in most
-        if not some.size:
-            return
-        late = np.full(tot.shape, -1.0)
-        late[some] = self._late(seg.hidden[None, :], room[some, None], pdev[some, None], T)
+        pinned = self.pins.pool(gid, a) if self.pins else None
+        if pinned is None:
+            some = np.nonzero(self._late(seg.hidden[-1], room, pdev, T) > 0)[0]  # the last point forces in most
+            if not some.size:
+                return
+            late = np.full(tot.shape, -1.0)
+            late[some] = self._late(seg.hidden[None, :], room[some, None], pdev[some, None], T)
+        else:
+            late = np.maximum(self._late(seg.hidden[None, :], room[:, None], pdev[:, None], T), pinned)
         clean = np.where(late > 0, K + 1, tot).min(axis=0)
         tot[(late > 0) & (tot >= clean[None, :])] = K + 1
         rows, cols = np.nonzero((late > 0) & (tot < clean[None, :]))
         if rows.size:
             R[rows, cols] = self._late_replicas(late[rows, cols], R[rows, cols], T,
                                                 (pc[rows], pp[rows], ps[rows], pcut[rows]),
-                                                tuple(x[cols] for x in ends))
+                                                tuple(x[cols] for x in ends),
+                                                None if pinned is None else pinned[rows, cols])
             tot[rows, cols] = pdev[rows] + R[rows, cols]
 
     @staticmethod
@@ -349,23 +362,35 @@ class ChainSolver:
         count is the larger of that and its count without late compute: both hold, and the loop over
         the points stays one array operation a point."""
         debt = self._seg_debt(a, T)
-        # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
-        if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
-            return None
-        if not (self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0).any():
-            return None
+        pinned = self.pins.inside(a) if self.pins else None
+        if pinned is None:
+            # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
+            if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
+                return None
+            if not (self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0).any():
+                return None
         lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
         self._inside(lower, src, 0, j, R2, bounds, least)
         late = self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], lower[j], T)
+        if pinned is not None:
+            late = np.maximum(late, pinned)
         pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
         if not pos.size:
             return None
         at, xs = j[pos], seg.sub_i[pos]
         r = self._late_replicas(late[pos], R2[pos], T, (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
-                                (seg.compute[xs], seg.params[xs], seg.shared[xs], seg.cut[xs]))
+                                (seg.compute[xs], seg.params[xs], seg.shared[xs], seg.cut[xs]),
+                                None if pinned is None else pinned[pos])
         floor = np.zeros(len(j), dtype=np.int64)
         floor[pos] = lower[at] + r
         return floor
+
+    @property
+    def pins(self) -> Pins:
+        """``pins.Pins`` of these units and segments, built on first use."""
+        if self._pins is None:
+            self._pins = Pins(self.units, self.segs, self.offsets)
+        return self._pins
 
     def _least_devices(self, a: int, seg: Segment, T: float):
         """Devices any plan within T spends on each point's prefix: its compute, with what a relaxation
@@ -626,7 +651,7 @@ def _stage_sums(units: Units, stage_of: List[int], S: int, bridged: bool = False
     (a plan's score; ``pad`` leaves it out, as the DP's charge mostly does)."""
     comp, par = np.zeros(S), np.zeros(S)
     np.add.at(comp, stage_of, units.compute)
-    for seconds, forcing, home in units.hidden:
+    for seconds, forcing, home, _ in units.hidden:
         if home >= 0:
             comp[stage_of[home]] += seconds
         elif forcing:

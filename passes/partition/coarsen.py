@@ -38,6 +38,10 @@ from passes.costgraph import CostGraph, CostNode
 from passes.partition.costmodel import CostOptions, counts_comm
 
 
+# compute a relaxation took off the units (``Units.hidden``): seconds, forcing units, home unit, after units
+Hidden = Tuple[float, List[int], int, List[int]]
+
+
 @dataclass
 class Units:
     """The solver's view: units (groups of nodes) in topological order."""
@@ -54,8 +58,9 @@ class Units:
     shared: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)  # param -> (bytes, units)
     # compute the units do not hold (``branches.hidden_compute``, ``segments.dropped_compute``): (seconds,
     # sorted units of which any one in a prefix of the plan puts it in that prefix too, the unit whose
-    # stage the plan puts it in, or -1: the first of those units')
-    hidden: List[Tuple[float, List[int], int]] = field(default_factory=list)
+    # stage the plan puts it in, or -1: the first of those units', units each of which runs in its stage
+    # or an earlier one: the first nodes of its nearest ancestors hold them, or [] where none is known)
+    hidden: List[Hidden] = field(default_factory=list)
     # values of nodes left out like inputs (``segments.dropped_compute``): (bytes, sorted units reading them);
     # a prefix holding some of those units and not all sends the value on
     hidden_sends: List[Tuple[int, List[int]]] = field(default_factory=list)

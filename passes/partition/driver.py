@@ -52,10 +52,9 @@ CHEAP_CUTS_CAP = 8  # lattices up to this many times the exact downset DP's limi
 CHEAP_CUTS_WORK = 1_000_000  # ... and within this many downset-unit pairs (its per-downset tables are built in Python, a step per pair)
 CHEAP_CUTS_SHARE = 0.4  # ... and this share of the time left for it (CP-SAT gets the rest)
 WIDE_SHARE = 0.5  # of the time, for the flat segment DP's wide path where the placed DPs have no lattice (``_flat_wide``)
-BRANCHY_SHARE = 0.15  # of the time, after CP-SAT, where the segment DP has no lattice (``branchy.py``): for a plan on
-# a restriction of those lattices, then a relaxation's bound (on inception_v3 a pass of each costs 0.2-0.5 s)
-BRANCHY_PLAN_SHARE = 0.5  # ... of which at most this for the plan (the bound's bisection from 1 % under it: 1-2 s)
-BRANCHY_COARSE_SHARE = 0.1  # ... at most, before CP-SAT, for the coarse one (its whole bisection: 0.3 s there)
+BRANCHY_BOUND_SHARE = 0.15  # of the time at most, before CP-SAT, where the segment DP has no lattice, for a
+# relaxation's bound (``branchy.py``; its whole bisection on inception_v3: 0.3-0.8 s)
+BRANCHY_PLAN_SHARE = 0.1  # ... and at most, after CP-SAT, for a plan on a restriction of its lattices
 PLAN_SHARE = 0.75  # of the time, for the interval placed DP (fxpipe's charges, any count) to find a first plan
 BOUND_SHARE = 0.3  # ... past which its bisection stops if its plans score far above their T (``_resumed``)
 
@@ -153,11 +152,15 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     chained = chain_plan(graph, opts, start, deadline) if solver == "auto" else None
     if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
         return chained
-    # no segment DP answer (segments too wide): relaxations that still charge the cuts bound CP-SAT's plans
-    relax = branchy.relaxed(graph, opts, deadline) if chained is None and solver == "auto" \
+    # no segment DP answer (segments too wide): a relaxation that still charges the cuts bounds CP-SAT's plans
+    relax = branchy.relaxed(graph, opts, deadline, light=branchy.LIGHT) if chained is None and solver == "auto" \
         and opts.memory is None and opts.replication != "none" else None
-    early = _coarse_bound(graph, opts, deadline) if relax is not None else None
-    searched_by = deadline - BRANCHY_SHARE * max(0.0, deadline - time.monotonic()) if relax else deadline
+    began = time.monotonic()
+    early = branchy.bound(graph, opts, relax, began + BRANCHY_BOUND_SHARE * max(0.0, deadline - began),
+                          ideal_s(graph, opts)) if relax else None
+    # the restriction's lattices are about the relaxation's: its plan gets twice that bisection's time
+    reserve = min(BRANCHY_PLAN_SHARE * max(0.0, deadline - time.monotonic()), 2 * (time.monotonic() - began))
+    searched_by = deadline - reserve if relax else deadline
     try:
         other = _general(graph, fine, opts, start, searched_by, time_limit, workers, coarsen_above, solver,
                          downset_limit, progress, chained)
@@ -173,19 +176,14 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
 def _branchy_finish(graph: CostGraph, opts: CostOptions, found: PartitionResult, relax: "branchy.Relaxed",
                     early: Optional[float], start: float, deadline: float) -> PartitionResult:
     """CP-SAT's answer ``found`` where the segment DP has no lattice, unless proven: the plan of a
-    restriction on the same lattices where it is faster (``_branchy_plan``), then its bound raised by
-    ``branchy.bound`` on ``relax`` in the time left, from ``early`` (the coarse relaxation's). CP-SAT's
-    bound on coarsened units is no bound of the graph, and Σ compute / K leaves out the cuts, which
-    these relaxations charge."""
+    restriction on the relaxation's lattices where it is faster (``_branchy_plan``), and the bound
+    ``early`` of the relaxation where it is higher. CP-SAT's bound on coarsened units is no bound of
+    the graph, and Σ compute / K leaves out the cuts, which the relaxation charges."""
     if found.status == "OPTIMAL":
         return found
-    by = time.monotonic() + BRANCHY_PLAN_SHARE * max(0.0, deadline - time.monotonic())
-    found = _better(_branchy_plan(graph, opts, relax, start, by, found), found)
-    lower = max(early or 0.0, found.bound_s)
-    if lower < found.bottleneck_s / (1 + OPTIMAL_GAP):
-        lower = max(lower, branchy.bound(graph, opts, relax, deadline, lower, found.bottleneck_s) or 0.0)
-    if lower > found.bound_s:
-        found.bound_s = min(lower, found.bottleneck_s)
+    found = _better(_branchy_plan(graph, opts, relax, start, deadline, found), found)
+    if early is not None and early > found.bound_s:
+        found.bound_s = min(early, found.bottleneck_s)
         found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
         found.method = f"{found.method}, bound from a relaxation (segment DP)"
     found.wall_s = time.monotonic() - start
@@ -209,16 +207,6 @@ def _branchy_plan(graph: CostGraph, opts: CostOptions, relax: "branchy.Relaxed",
                            bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
                            objective_s=ev.bottleneck_s, bound_s=min(found.bound_s, ev.bottleneck_s),
                            wall_s=time.monotonic() - start, units=size, method="segment DP on a restriction")
-
-
-def _coarse_bound(graph: CostGraph, opts: CostOptions, deadline: float) -> Optional[float]:
-    """``branchy.bound`` on the coarse relaxation (``branchy.LIGHT``) within ``BRANCHY_COARSE_SHARE`` of the
-    time left, or None: the finer one's bisection, after CP-SAT, starts from it."""
-    coarse = branchy.relaxed(graph, opts, deadline, light=branchy.LIGHT)
-    if coarse is None:
-        return None
-    by = time.monotonic() + BRANCHY_COARSE_SHARE * max(0.0, deadline - time.monotonic())
-    return branchy.bound(graph, opts, coarse, by, ideal_s(graph, opts), math.inf)
 
 
 def _uniform_kept(graph: CostGraph, opts: CostOptions, found: PartitionResult, start: float) -> PartitionResult:

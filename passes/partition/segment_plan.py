@@ -16,7 +16,7 @@ from passes.costgraph import CostGraph
 from passes.partition import (anchors, branches, charged, node_floor, placed, retie, stage_count, wide_blocks,
                                wide_segments)
 from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottleneck
-from passes.partition.coarsen import Units, ideal_s, model_nodes, to_nodes
+from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import build_segments, fold_margin, folded_units
@@ -396,7 +396,7 @@ def _charge_left_out(units) -> None:
     input with the first unit that reads it, where ``to_nodes`` places it when that unit's stage is
     the earliest of its readers' (nodes such as an input's shape reads and ``arange``: on the
     H100-profiled GPT 34 us a plan's first stage ran that its search had not charged)."""
-    for seconds, forcing, home in units.hidden:
+    for seconds, forcing, home, _ in units.hidden:
         at = home if home >= 0 else min(forcing, default=-1)
         if at >= 0:
             units.compute[at] += seconds
@@ -404,7 +404,7 @@ def _charge_left_out(units) -> None:
 
 
 def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: bool = False,
-                hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None, floor: float = 0.0,
+                hidden: Optional[Callable[[Units], List[Hidden]]] = None, floor: float = 0.0,
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from passes.costgraph import CostGraph
-from passes.partition.coarsen import Units, build_units, model_nodes
+from passes.partition.coarsen import Hidden, Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
 from passes.partition import read_chains
@@ -170,7 +170,7 @@ def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str,
 
 
 def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set], loose: set,
-                    unit_of: Dict[str, int]) -> List[Tuple[float, List[int], int]]:
+                    unit_of: Dict[str, int]) -> List[Hidden]:
     """``Units.hidden`` for the compute folding drops (nodes left out like inputs, dead and quiet
     nodes): a node may sit in any stage up to its readers', but a prefix of stages that holds one
     of the placed nodes it feeds holds it too, so its compute still counts in the devices that
@@ -191,7 +191,7 @@ def dropped_compute(graph: CostGraph, names: List[str], consumers: Dict[str, set
         if forced and graph.nodes[n].compute_s > 0:  # a folded node runs with its group (``to_nodes``)
             key = (forced, unit_of.get(n, -1))
             by_forcing[key] = by_forcing.get(key, 0.0) + graph.nodes[n].compute_s
-    return [(seconds, sorted(forcing), home) for (forcing, home), seconds in by_forcing.items()]
+    return [(seconds, sorted(forcing), home, []) for (forcing, home), seconds in by_forcing.items()]
 
 
 def _fold_target(graph: CostGraph, n: str, ps: List[str], raw_preds: List[str], consumers, head, anc,
@@ -442,7 +442,7 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
         inside[:, k] = member[:, pos[u]] if u in pos else float(u < local[0])
     counts = np.hstack([counts, inside])
     hidden = np.zeros(len(masks))
-    for seconds, forcing, _ in units.hidden:  # forcing: sorted
+    for seconds, forcing, _, _ in units.hidden:  # forcing: sorted
         if not forcing:  # forces nothing
             continue
         if forcing[0] < local[0]:  # forced into every point

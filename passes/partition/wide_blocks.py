@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition.chain import ChainSolution, solve as chain_solve, unit_bottleneck
-from passes.partition.coarsen import Units, to_nodes
+from passes.partition.coarsen import Hidden, Units, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate
 from passes.partition.segments import Segment, build_segments, fold_margin, folded_units
 
@@ -60,7 +60,7 @@ def wide(segments: List[Segment]) -> bool:
 
 
 def first_plan(graph: CostGraph, opts: CostOptions, deadline: float, floor: float, fold: Dict[str, float],
-               hidden: Optional[Callable[[Units], List[Tuple[float, List[int], int]]]] = None) -> Optional[FirstPlan]:
+               hidden: Optional[Callable[[Units], List[Hidden]]] = None) -> Optional[FirstPlan]:
     """The chain DP on the coarse lattice within ``SHARE`` of the time left; None if that lattice is
     still wide or no plan comes in time. ``fold``: ``folded_units``' other thresholds, as the exact
     search uses them; ``floor``: a bound known already."""

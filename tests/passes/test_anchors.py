@@ -192,7 +192,7 @@ def test_freed_compute_is_forced_by_units_that_run_after_it():
     units, lower, margin = segment_plan.segment_dp(CostGraph(nodes=nodes, edges=list(g.edges)), opts, math.inf,
                                                    hidden=lambda u: branches.forced_compute(g, u, freed))
     assert units.members[0] == ["a", "v", "t"]  # both fold into a's unit
-    assert all(forcing == [1] for _, forcing, _ in units.hidden)
+    assert all(forcing == [1] for _, forcing, _, _ in units.hidden)
     assert lower.bound - margin <= best * (1 + 1e-9)
 
 

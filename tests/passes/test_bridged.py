@@ -174,6 +174,6 @@ def test_a_solver_refuses_bridged_and_hidden_compute_together():
     from passes.partition.chain import ChainSolver
 
     units, _ = folded_units(_shape_reads(0.05, 16), _opts(16, 4), tiny_silent=math.inf, bridge=True)
-    units.hidden = units.hidden or [(1e-6, [0], -1)]
+    units.hidden = units.hidden or [(1e-6, [0], -1, [])]
     with pytest.raises(ValueError, match="clear hidden"):
         ChainSolver(units, build_segments(units), _opts(16, 4))
