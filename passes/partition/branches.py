@@ -201,7 +201,7 @@ def heads_above(graph: CostGraph, heads: Dict[str, int]) -> Dict[str, frozenset]
     for u, v in graph.edges:
         preds[v].append(u)
     above: Dict[str, frozenset] = {}
-    for n in graph.nodes:  # in graph order: producers first
+    for n in graph.nodes:  # in graph order, producers first (one listed later adds none: fewer units, still sound)
         found: set = set()
         for p in preds[n]:
             found |= {heads[p]} if p in heads else above.get(p, frozenset())

@@ -36,6 +36,8 @@ from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
 from passes.partition import read_chains
 
+MAX_DOWNSETS = 4000  # a segment of more downsets has no lattice here (``build_segments``)
+
 
 def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_silent: float = 0.0,
                  tiny_input: float = -1.0, keep_dead: bool = False, bridge: bool = False,
@@ -287,9 +289,6 @@ def separators(units: Units) -> List[int]:
 
 
 _BUILT: List[tuple] = []  # (key, segments) of the last two ``build_segments``, see there
-
-
-MAX_DOWNSETS = 4000  # a segment of more downsets has no lattice here (``build_segments``)
 
 
 def build_segments(units: Units, limit: int = MAX_DOWNSETS, deadline: float = math.inf) -> Optional[List[Segment]]:
