@@ -37,7 +37,7 @@ put them and score far above their T on the graph. Plans come from CP-SAT and,
 after it, from the restriction ``plan_units`` (the side branch in the stage it
 leaves from, each weightless unit of a wide segment with its producer), whose
 lattices are as small: inception_v3 at 1.25 GB/s, 10 s, 16 and 32 devices:
-2.1 and 9.6-10.3 % open under fxpipe's charges, 2.3 and 3.4-5.3 % under
+2.1-5.3 and 9.6-10.3 % open under fxpipe's charges, 2.3-2.6 and 3.4-5.3 % under
 PipeDream's (Σ compute / K had left 24-49 %).
 """
 from __future__ import annotations
