@@ -86,6 +86,12 @@ class CostGraph:
             out[u].append(v)
         return out
 
+    def predecessors(self) -> Dict[str, List[str]]:
+        out: Dict[str, List[str]] = {n: [] for n in self.nodes}
+        for u, v in self.edges:
+            out[v].append(u)
+        return out
+
     def check(self) -> None:
         """Raise ``ProfileFormatError`` on unknown endpoints or a cycle."""
         for u, v in self.edges:

@@ -160,10 +160,7 @@ def hidden_compute(graph: CostGraph, units: Units, cones: List[Cone]) -> List[Hi
     descendants (see the module docstring). Not the members' own units: a member that sends nothing
     may fold into a unit (an input's, PipeDream's model) yet sit in a later stage."""
     unit_of = units.unit_of()
-    succ = graph.successors()
-    preds: Dict[str, List[str]] = {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        preds[v].append(u)
+    succ, preds = graph.successors(), graph.predecessors()
     out = []
     for x, members in cones:
         upstream = _ancestors(x, set(members), preds) - {x}
@@ -197,9 +194,7 @@ def heads_above(graph: CostGraph, heads: Dict[str, int]) -> Dict[str, frozenset]
     runs a node in its ancestors' stages or later, and puts a unit where its first node runs, so a
     freed node runs in the stage of each of these units or a later one (``Units.hidden``'s last field:
     a stage that holds such a unit must run the node itself, ``pins.py``)."""
-    preds: Dict[str, List[str]] = {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        preds[v].append(u)
+    preds = graph.predecessors()
     above: Dict[str, frozenset] = {}
     for n in graph.nodes:  # in graph order, producers first (one listed later adds none: fewer units, still sound)
         found: set = set()

@@ -52,6 +52,7 @@ from passes.costgraph import CostGraph, closure
 from passes.partition import branches, wide_segments
 from passes.partition.coarsen import Units, model_nodes
 from passes.partition.costmodel import CostOptions
+from passes.partition.segment_plan import segment_dp
 from passes.partition.segments import MAX_DOWNSETS, folded_units
 
 LIGHT = 1e-3  # the planner's relaxation frees nodes with weights up to this share of the heaviest's (``relaxed``)
@@ -65,7 +66,6 @@ class Relaxed:
     graph: CostGraph
     side: List[str]  # side-branch nodes: free, silent, weightless
     freed: List[str]  # light nodes of wide segments: free, still sending
-    side_compute: float  # seconds the side branches run in the graph
 
 
 def side_branch(graph: CostGraph, opts: CostOptions) -> List[str]:
@@ -134,18 +134,16 @@ def relaxed(graph: CostGraph, opts: CostOptions, deadline: float = math.inf, lig
     if runs is None:
         return None
     heaviest = max((node.param_bytes for node in graph.nodes.values()), default=0)
+    light_enough = lambda node: node.param_bytes <= light * heaviest and (light > 0 or not node.params)  # noqa: E731
     freed = [n for run in runs for u in run[:-1] for n in units.members[u]
-             if stripped.nodes[n].param_bytes <= light * heaviest and n not in quiet
-             and (light > 0 or not stripped.nodes[n].params)]
+             if n not in quiet and light_enough(stripped.nodes[n])]
     if not side and not freed:
         return None
-    free = set(freed)
-    nodes = {n: dataclasses.replace(node, fwd_s=0.0, bwd_s=0.0, **({} if node.param_bytes == 0 and not node.params
-                                                                  else dict(param_bytes=0, params=())))
-             if n in free else node for n, node in stripped.nodes.items()}
+    free = set(freed)  # their weights (none, or light ones) dropped too
+    nodes = {n: dataclasses.replace(node, fwd_s=0.0, bwd_s=0.0, param_bytes=0, params=()) if n in free else node
+             for n, node in stripped.nodes.items()}
     out = Relaxed(CostGraph(nodes=nodes, edges=list(graph.edges), info=dict(graph.info),
-                            param_sizes=dict(graph.param_sizes)),
-                  side, freed, sum(graph.nodes[n].compute_s for n in side))
+                            param_sizes=dict(graph.param_sizes)), side, freed)
     # the segment DP folds at least as much as this (tiny nodes too): its lattices are no larger
     still, _ = folded_units(out.graph, opts, keep_dead=True)
     if wide_segments.wide_runs(still, MAX_DOWNSETS, deadline) != []:
@@ -159,8 +157,9 @@ def hidden(graph: CostGraph, relax: Relaxed, units: Units) -> List[Tuple[float, 
     else left out, which only lowers the bound)."""
     out = branches.forced_compute(graph, units, relax.freed)
     last = _only_sink(units)
-    if relax.side_compute > 0 and last is not None:
-        out.append((relax.side_compute, [last], -1, []))
+    side_compute = sum(graph.nodes[n].compute_s for n in relax.side)
+    if side_compute > 0 and last is not None:
+        out.append((side_compute, [last], -1, []))
     return out
 
 
@@ -183,7 +182,6 @@ def bound(graph: CostGraph, opts: CostOptions, relax: Relaxed, deadline: float, 
           ceiling: float = math.inf) -> Optional[float]:
     """The relaxation's bound on the optimum of ``graph`` (at least ``floor``), its bisection started
     under ``ceiling`` (a plan's time, if known) and cut off at ``deadline``; None if no pass finished."""
-    from passes.partition.segment_plan import segment_dp
     if time.monotonic() >= deadline:
         return None
     lower = segment_dp(relax.graph, opts, deadline, hidden=lambda units: hidden(graph, relax, units),

@@ -158,7 +158,7 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     began = time.monotonic()
     early = branchy.bound(graph, opts, relax, began + BRANCHY_BOUND_SHARE * max(0.0, deadline - began),
                           ideal_s(graph, opts)) if relax else None
-    # the restriction's lattices are about the relaxation's: its plan gets twice that bisection's time
+    # the restriction's plan gets at most twice the bound's time (inception_v3: 0.3-0.8 s, its passes 0.6-1.2 s)
     reserve = min(BRANCHY_PLAN_SHARE * max(0.0, deadline - time.monotonic()), 2 * (time.monotonic() - began))
     searched_by = deadline - reserve if relax else deadline
     try:

@@ -284,9 +284,7 @@ def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], D
     group's compute; none on a two-level machine, whose placed plans ``loose_ends`` leaves alone."""
     if opts.gpus_per_node is not None:
         return {}, {}
-    succ, pred = graph.successors(), {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        pred[v].append(u)
+    succ, pred = graph.successors(), graph.predecessors()
     names = model_nodes(graph, opts)
     dead: set = set()
     for n in reversed(names):
@@ -348,9 +346,7 @@ def silent_moves(graph: CostGraph, assignment: Dict[str, int], replicas: List[in
               and graph.nodes[n].op != "output" and not graph.nodes[n].is_input]
     if not silent:
         return ev, assignment
-    succ, pred = graph.successors(), {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        pred[v].append(u)
+    succ, pred = graph.successors(), graph.predecessors()
     times = [st.time_s for st in ev.stages]
     moved = dict(assignment)
     for n in silent:  # in graph order: a node's producers have their final stages

@@ -61,9 +61,5 @@ def _pair_floor(graph: CostGraph, pair: List[str], nbytes: float, opts: CostOpti
 
 def _between(graph: CostGraph, first: str, last: str) -> set:
     """``first``, ``last`` and every node on a path from one to the other: a stage holding both holds them."""
-    succ = graph.successors()
-    pred: Dict[str, List[str]] = {n: [] for n in graph.nodes}
-    for u, v in graph.edges:
-        pred[v].append(u)
-    below, above = closure(first, succ), closure(last, pred)
+    below, above = closure(first, graph.successors()), closure(last, graph.predecessors())
     return (below & above) | {first, last}
