@@ -96,9 +96,7 @@ def side_joined(units: Units, side: List[str]) -> Optional[Units]:
     splits where the branch no longer runs beside the rest; None where no unit is such, or the groups
     would form a cycle (checked, not expected)."""
     quiet = set(side)
-    preds: List[List[int]] = [[] for _ in range(len(units))]
-    for a, b in units.edges:
-        preds[b].append(a)
+    preds = units.predecessors()
     head = list(range(len(units)))
     for u, members in enumerate(units.members):  # in topological order: a producer's head is known
         if members and all(m in quiet for m in members) and preds[u]:

@@ -75,6 +75,13 @@ class Units:
     def unit_of(self) -> Dict[str, int]:
         return {n: i for i, names in enumerate(self.members) for n in names}
 
+    def predecessors(self) -> List[List[int]]:
+        """Per unit, the units with an edge into it."""
+        preds: List[List[int]] = [[] for _ in range(len(self.members))]
+        for a, b in self.edges:
+            preds[b].append(a)
+        return preds
+
 
 def model_nodes(graph: CostGraph, opts: CostOptions) -> List[str]:
     """Nodes the solver places; fxpipe leaves inputs out (every rank loads them)."""

@@ -80,9 +80,7 @@ def chain_reads(graph: CostGraph, opts: CostOptions, units: Units, folded: List[
 
 def _ancestors(units: Units) -> List[int]:
     """Per unit, the bitmask of its ancestors (units are in topological order)."""
-    preds: List[List[int]] = [[] for _ in range(len(units))]
-    for a, b in units.edges:
-        preds[b].append(a)
+    preds = units.predecessors()
     anc = [0] * len(units)
     for u in range(len(units)):
         for p in preds[u]:

@@ -114,10 +114,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
             # units with the rest folded into them, the block whole (on a first profile of the 24-layer HF
-            # Llama the faster on 512 devices), or the block a chain (``wide_segments.py``)
+            # Llama the faster on 512 devices), the block a chain, or two chains (``wide_segments.py``)
             deadline -= _scoring_reserve(graph, opts)
             wide = [f for f in (searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
-                                for widen in (wide_segments.narrowed, wide_segments.merged, wide_segments.chained))
+                                for widen in (wide_segments.narrowed, wide_segments.merged, wide_segments.chained,
+                                              wide_segments.paired))
                     if f is not None]
             found = wide[0] if wide else None
     if found is None:

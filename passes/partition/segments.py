@@ -474,9 +474,7 @@ class _Lattices:
 
     def __init__(self, units: Units, limit: int) -> None:
         self.units, self.limit = units, limit
-        self.preds: List[List[int]] = [[] for _ in range(len(units))]
-        for a, b in units.edges:
-            self.preds[b].append(a)
+        self.preds = units.predecessors()
         self._downsets: Dict[tuple, Optional[List[int]]] = {}
         self._member: Dict[tuple, np.ndarray] = {}
 

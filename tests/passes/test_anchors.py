@@ -17,7 +17,7 @@ from passes.partition import CostOptions, evaluate, is_convex, partition, unifor
 from passes.partition import anchors, branches, segment_plan, wide_segments
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import to_nodes
-from passes.partition.segments import build_segments, folded_units, separators
+from passes.partition.segments import _Lattices, build_segments, folded_units, separators
 from tests.passes.test_partition import B, BAR, brute_force
 
 LLAMA = Path(__file__).resolve().parents[2] / "tools" / "bench" / "data" / "hf-llama-24-profile.json"
@@ -119,7 +119,7 @@ def test_merge_groups_keeps_totals_and_owns_a_weight_whose_users_merge():
 
 
 @pytest.mark.parametrize("seed,K", [(0, 2), (1, 3), (2, 2)])
-def test_narrowed_merged_and_chained_plans_are_plans_and_relaxed_bound_holds(seed, K):
+def test_narrowed_merged_chained_and_paired_plans_are_plans_and_relaxed_bound_holds(seed, K):
     g = wide_graph(seed)
     opts = _opts(K)
     best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
@@ -133,13 +133,22 @@ def test_narrowed_merged_and_chained_plans_are_plans_and_relaxed_bound_holds(see
     chain = wide_segments.chained(units, limit=20)  # every unit a point: one segment per unit of the run
     assert chain.members == units.members and separators(chain) == list(range(1, len(units)))
     assert len(separators(units)) < len(units) - 1 - 8
-    for restricted in (narrow, whole, chain):
+    pair = wide_segments.paired(units, limit=20)  # the heaviest branch one chain, the other two the other
+    assert pair.members == units.members and all(a < b for a, b in pair.edges)  # the units' order still fits
+    run = list(range(2, 12))
+    counted = [len(_Lattices(u, 10**4).downsets(run, False)) for u in (chain, pair, units)]
+    assert counted[0] == len(run) + 1 < counted[1] <= 4 * 7 + 1 < counted[2]  # two chains of 3 and 6, then att
+    solved = {}
+    for restricted in (narrow, whole, chain, pair):
         segs = build_segments(restricted)
-        solved = chain_solve(restricted, segs, opts, math.inf,
-                             lambda so, r, u=restricted: unit_bottleneck(u, so, r, opts))
-        assignment = to_nodes(g, restricted, solved.stage_of)
-        assert is_convex(g, assignment) and sum(solved.replicas) == K
-        assert evaluate(g, assignment, solved.replicas, opts).bottleneck_s >= best * (1 - 1e-9)
+        solved[id(restricted)] = chain_solve(restricted, segs, opts, math.inf,
+                                             lambda so, r, u=restricted: unit_bottleneck(u, so, r, opts))
+        found = solved[id(restricted)]
+        assignment = to_nodes(g, restricted, found.stage_of)
+        assert is_convex(g, assignment) and sum(found.replicas) == K
+        assert evaluate(g, assignment, found.replicas, opts).bottleneck_s >= best * (1 - 1e-9)
+    # every chained plan is a paired one: the DP on the pairs is no slower
+    assert solved[id(pair)].objective <= solved[id(chain)].objective * (1 + 1e-9)
     loose, freed = wide_segments.relaxed(g, opts, limit=20)
     assert sorted(freed) == sorted(f"{b}_{s}" for b in "qkv" for s in ("view", "t"))
     _, lower, margin = segment_plan.segment_dp(loose, opts, math.inf,
