@@ -23,10 +23,10 @@ DP bound is no bound, and the caller drops it):
   24-layer Llama's plans came out 0.06-2.4 % faster on 8-1,024 devices);
 * ``paired``: every wide segment two chains, its heaviest path and the rest,
   so a stage may cut the two at different places (a lattice of at most the
-  product of their lengths plus one each: about 250 points a Llama block);
-  it holds every ``chained`` plan, and the Llama's plans came out up to 0.5 %
-  faster on 32-1,024 devices, never slower (a third chain, the next heaviest
-  path, took 9-11 s a search instead of 2).
+  product of their lengths plus one each: 136-142 points a Llama block, where
+  the whole block has 6,791); it holds every ``chained`` plan, and the Llama's
+  plans came out up to 0.5 % faster on 32-1,024 devices, never slower (a third
+  chain, the next heaviest path, took 9-11 s a search instead of 2).
 
 ``relaxed`` is the bound's side: in every segment of more than ``NARROW``
 downsets the weightless nodes (reshapes, rotary products, the norm's
