@@ -25,7 +25,7 @@ DP bound is no bound, and the caller drops it):
   so a stage may cut the two at different places (a lattice of at most the
   product of their lengths plus one each: 136-142 points a Llama block, where
   the whole block has 6,791); it holds every ``chained`` plan, and the Llama's
-  plans came out up to 0.5 % faster on 32-1,024 devices, never slower (a third
+  plans came out up to 0.5 % faster on 32-512 devices, never slower (a third
   chain, the next heaviest path, took 9-11 s a search instead of 2).
 
 ``relaxed`` is the bound's side: in every segment of more than ``NARROW``
