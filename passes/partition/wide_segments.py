@@ -26,7 +26,7 @@ DP bound is no bound, and the caller drops it):
   product of their lengths plus one each: 136-142 points a Llama block, where
   the whole block has 6,791); it holds every ``chained`` plan, and the Llama's
   plans came out up to 0.5 % faster on 32-512 devices, never slower (a third
-  chain, the next heaviest path, took 9-11 s a search instead of 2).
+  chain, the next heaviest path, took 8.6-10.6 s a search instead of 2).
 
 ``relaxed`` is the bound's side: in every segment of more than ``NARROW``
 downsets the weightless nodes (reshapes, rotary products, the norm's
@@ -163,7 +163,12 @@ def chained(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Opt
     runs = wide_runs(units, limit, deadline)
     if not runs:
         return None
-    links = {(u, u + 1) for run in runs for u in run[:-1]}
+    return _linked(units, [list(run) for run in runs])
+
+
+def _linked(units: Units, chains: List[List[int]]) -> Units:
+    """``units`` with an edge from each unit of every chain to the next one in it."""
+    links = {link for chain in chains for link in zip(chain, chain[1:])}
     return dataclasses.replace(units, edges=sorted(set(units.edges) | links))
 
 
@@ -177,7 +182,7 @@ def paired(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Opti
     if not runs:
         return None
     preds = units.predecessors()
-    links = set()
+    chains: List[List[int]] = []
     for run in runs:
         heaviest: Dict[int, float] = {}
         back: Dict[int, int] = {}
@@ -189,9 +194,8 @@ def paired(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Opti
         while u >= 0:
             path.add(u)
             u = back[u]
-        for chain in (sorted(path), [u for u in run if u not in path]):
-            links |= set(zip(chain, chain[1:]))
-    return dataclasses.replace(units, edges=sorted(set(units.edges) | links))
+        chains += [sorted(path), [u for u in run if u not in path]]
+    return _linked(units, chains)
 
 
 def narrowed(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Optional[Units]:
