@@ -52,6 +52,9 @@ from passes.partition.segments import Segment, bridged_units, user_pairs
 PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it proves the plan within 1 %, where
 # bisecting from a far bound would need several passes (on two-level machines a pass can cost seconds)
 NEAR_SLICE = 1 << 18  # pairs per ``_near`` call of ``_r``: bounds its temporaries (a few dozen arrays of this)
+NEAR_KEPT = 1 << 22  # distinct in-segment pairs up to which ``_near`` keeps their gathered points between passes
+# (eight arrays a pair: 256 MB here); past it each pass gathers them again, slice by slice: the 24-layer HF
+# Llama with its attention blocks whole (``segment_plan.finer_bound``) has 26 million, 1.7 GB kept
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
 ROW_CELLS = 1 << 24  # about the most replica counts one pass keeps for equal blocks to read (``_pool_r``)
 SLACK = 1e-9  # a pass at T admits stages up to T(1 + SLACK): prefix sums round (``_attempt``)
@@ -451,7 +454,9 @@ class ChainSolver:
         Segments of repeated blocks hold equal pairs (``canon.Canon``): each distinct set is worked out
         once, in slices of ``NEAR_SLICE`` pairs, so a deep stack of blocks with many sub-block points
         costs one block's pairs per pass and its temporaries stay bounded (all pairs at once took
-        2.9 GB on 32 blocks at K = 1024)."""
+        2.9 GB on 32 blocks at K = 1024). Past ``NEAR_KEPT`` distinct pairs (blocks of equal shape but
+        measured costs, each its own set) their points are gathered anew each pass, slice by slice, and
+        the counts held in 16 bits: two bytes a pair a pass, where the kept points take 48 or more."""
         if self._pairs is None:
             # equal points and equal pair lists give equal pairs: compare the points (a block's 1,600 on an
             # H100's profile) rather than the gathered pairs (its 330,000), gather each distinct set once
@@ -460,15 +465,26 @@ class ChainSolver:
                 (c, p), c0, ends = self._own_sums(seg), self._own_start(seg), (seg.sub_j, seg.sub_i)
                 key = canon.get((*ends, c, c0, p, seg.shared, seg.cut))
                 if id(key) not in distinct:  # a stage from j runs c[i] - c0[j] (``Segment.start``)
-                    distinct[id(key)] = (len(distinct), tuple(x[e] for e, first in zip(ends, (c0, c))
-                                                              for x in (first, p, seg.shared, seg.cut)))
+                    distinct[id(key)] = (len(distinct), (ends, tuple((first, p, seg.shared, seg.cut)
+                                                                     for first in (c0, c))))
                 which.append(distinct[id(key)][0])  # ``_r``'s argument order above
-            self._pairs = ([pairs for _, pairs in distinct.values()], which)
+            sets = [pairs for _, pairs in distinct.values()]
+            if sum(ends[0].size for ends, _ in sets) <= NEAR_KEPT:  # gathered once, read every pass
+                sets = [(None, _gathered(ends, points, 0, ends[0].size)) for ends, points in sets]
+            self._pairs = (sets, which)
         distinct, which = self._pairs
         out = []
-        for pairs in distinct:
-            n = pairs[0].shape[0]
-            parts = [self._r(*(x[a:a + NEAR_SLICE] for x in pairs), T) for a in range(0, n, NEAR_SLICE)]
+        for ends, pairs in distinct:
+            n = (pairs if ends is None else ends)[0].shape[0]
+            parts = []
+            for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
+                if time.monotonic() > self.deadline:
+                    raise DeadlineExceeded()
+                parts.append(self._r(*(tuple(x[a:a + NEAR_SLICE] for x in pairs) if ends is None
+                                       else _gathered(ends, pairs, a, a + NEAR_SLICE)), T))
+                if ends is not None:  # that many counts are kept for the pass: in the fewest bytes that hold K
+                    parts[-1] = parts[-1].astype(np.int16 if self.opts.devices < np.iinfo(np.int16).max
+                                                 else np.int32)
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
         return [out[k] for k in which]
 
@@ -630,6 +646,12 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
         if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
             best = (s, int(cand[ok[0]]))
     return best
+
+
+def _gathered(ends: tuple, points: tuple, a: int, b: int) -> tuple:
+    """``_r``'s eight arguments for the pairs ``a:b`` of a segment: the start's then the end's columns
+    (``points``: compute, weight bytes, shared users, cut per point) at the pairs' points (``ends``)."""
+    return tuple(x[e[a:b]] for e, cols in zip(ends, points) for x in cols)
 
 
 def stage_compute(ci, cj, two: bool) -> np.ndarray:

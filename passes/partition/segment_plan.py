@@ -19,7 +19,7 @@ from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottlen
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
-from passes.partition.segments import build_segments, fold_margin, folded_units
+from passes.partition.segments import MAX_DOWNSETS, build_segments, fold_margin, folded_units
 from passes.partition.tie_floor import tie_floor
 from passes.partition.work_floor import work_floor
 
@@ -44,6 +44,8 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # (``wide_segments.LIMIT``), gets the rotary reads anchored and its wide segments narrowed (``anchors.py``,
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
+FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound``: its lattices
+# alone took 2-3 s to build on the 24-layer Llama on a slow day, and a pass cut off proves nothing
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -191,6 +193,10 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                  bound * (1 + OPTIMAL_GAP), deadline)
         if better is not None:
             (assignment, replicas), ev = better
+    if wide and ev.bottleneck_s > bound * (1 + OPTIMAL_GAP) and deadline - time.monotonic() > FINER_AFTER:
+        # time left after every plan: a bound that keeps the wide blocks' weightless nodes
+        finer = finer_bound(graph, opts, deadline, cones, exits, bound, ev.bottleneck_s)
+        bound = max(bound, finer if finer is not None else 0.0)
     result = PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
                              bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
                              objective_s=solution.objective, bound_s=min(bound, ev.bottleneck_s),
@@ -277,6 +283,36 @@ def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List
         return None
     units, found, margin = lower
     return (to_nodes(graph, units, found.stage_of), found.replicas), found.bound - margin
+
+
+def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+                exits: Sequence[anchors.Exit], floor: float, ceiling: float) -> Optional[float]:
+    """A bound from ``relaxation``'s graph with the wide segments' weightless nodes kept where their
+    lattice has at most ``segments.MAX_DOWNSETS`` downsets (freed only past it), searched between
+    ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), where one infeasible
+    pass 1 % under the plan proves it; cut off, the highest T its passes proved infeasible (``floor``
+    if none); None where the deadline passed before it began or a lattice is still too wide.
+
+    ``relaxation`` frees every weightless node of a segment over ``wide_segments.NARROW`` downsets, and
+    that compute, a fifth of a Llama's, fills the slack of any stage: its bound stays near sum C / K.
+    Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
+    have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
+    the rotary tables, 27,228 downsets: freed), a DP pass took 14-16 s and 0.6 GB here, so this runs
+    only with the time left after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit
+    longer than the 10 s those take (docs/benchmarks.md)."""
+    held = anchors.relaxed(graph, list(exits))
+    loose = branches.relaxed(held, cones)
+    widened = wide_segments.relaxed(loose, opts, limit=MAX_DOWNSETS, deadline=deadline)
+    relaxed_graph, freed = widened if widened is not None else (loose, [])
+    lower = segment_dp(relaxed_graph, opts, deadline,
+                       hidden=lambda units: branches.hidden_compute(held, units, cones)
+                       + anchors.hidden_compute(graph, units, list(exits))
+                       + branches.forced_compute(loose, units, freed),
+                       floor=floor, ceiling=ceiling, bound_only=True, exact_wide=True)
+    if lower is None:
+        return None
+    _, found, margin = lower
+    return found.bound - margin
 
 
 def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
@@ -405,11 +441,12 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
-                widen: Optional[Callable[[Units], Optional[Units]]] = None):
+                widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
     is then none);
+    ``exact_wide``: search segments over ``wide_segments.LIMIT`` downsets as they are (``finer_bound``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -466,7 +503,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             found = chain_solve(units, segs, opts, deadline, score, floor=max(floor, first.bound_s),
                                 ceiling=first.real_s, settle_by=settle_by, trust_ceiling=True)
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
-        if wide_segments.too_wide(segs) and widen is None and is_deep(graph, opts):
+        if wide_segments.too_wide(segs) and widen is None and not exact_wide and is_deep(graph, opts):
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
                             ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
