@@ -94,8 +94,10 @@ def test_min_replicas_equals_trying_every_count(model, replication):
 def test_min_replicas_closed_form_at_the_edges():
     """fxpipe's charges, any count, no tied bytes are answered in closed form (``_untied_replicas``):
     bottlenecks exactly at a stage's time for some count (where rounding decides), compute a hair
-    below and above the all-reduce term and far from it, a bottleneck at or under it, cuts that decide, a scalar and
-    broadcast shapes, all as trying every count answers."""
+    below and above the all-reduce term and far from it, a bottleneck at or under it, cuts that decide (also
+    where the compute under the all-reduce term rises with r), a scalar and broadcast shapes, all as trying
+    every count answers. Only counts whose ratios lie within a hair of a whole number are checked on the
+    stage time: the rest must be exact as computed."""
     rng = np.random.default_rng(5)
     opts = CostOptions(devices=64, bandwidth=1e9, allreduce_bandwidth=2e9)
     want = lambda C, P, a, b, T: np.array(  # noqa: E731
@@ -111,6 +113,9 @@ def test_min_replicas_closed_form_at_the_edges():
     T = 1e-2  # at and under 2P/B_ar = 1e-2 for 1e7 bytes: nothing past one replica fits
     assert min_replicas(np.array([5e-3, 2e-2, 1e-2]), 1e7, 0.0, 0.0, T, opts).tolist() == [1, 65, 1]
     assert int(min_replicas(0.05, 0.0, 0.0, 0.0, 1e-2, opts)) == 5  # a scalar
+    # compute under the all-reduce term (0.1 s for 1e8 bytes) rises with r: the count the cut needs (2
+    # for 0.1 s of it at T = 0.07) fits, or none does (T = 0.06: 0.065 s at two, more at three)
+    assert [int(min_replicas(0.03, 1e8, 5e7, 0.0, T, opts)) for T in (0.07, 0.06)] == [2, 65]
     grid = min_replicas(np.array([[0.01], [0.05]]), np.array([0.0, 1e6]), 0.0, 0.0, 1e-2, opts)
     assert grid.shape == (2, 2) and grid.tolist() == want(np.array([[0.01], [0.05]]), np.array([0.0, 1e6]),
                                                           0.0, 0.0, 1e-2).reshape(2, 2).tolist()
