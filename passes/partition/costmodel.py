@@ -535,8 +535,9 @@ def _untied_replicas(C: np.ndarray, P: np.ndarray, c_in: np.ndarray, c_out: np.n
     one replica or none. The general search evaluated the stage time six times or more per stage
     and copied its columns as answers settled: on a Llama's wide blocks 40-70 % of a DP pass. Rounding
     can put the closed form one off where a ratio it rounds up lies within a hair of a whole number, so
-    those answers are checked on ``stage_time_s`` (it fits, one fewer does not) and moved until it is. Where C or T lies within 1e-9 of ``a`` the time is flat in r up
-    to rounding, which may make counts fit out of order: those are the doubtful ones."""
+    those answers are checked on ``stage_time_s`` (it fits, one fewer does not) and moved until it is.
+    Where C or T lies within 1e-9 of ``a`` the time is flat in r up to rounding, which may make counts
+    fit out of order: those are the doubtful ones."""
     K = opts.devices
     a = 2.0 * P / opts.ar_bandwidth
     doubtful = (a > 0) & ((np.abs(C - a) <= 1e-9 * a) | ((np.abs(T - a) <= 1e-9 * a) & (C > T)))
