@@ -44,8 +44,8 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # (``wide_segments.LIMIT``), gets the rotary reads anchored and its wide segments narrowed (``anchors.py``,
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
-FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound``: its lattices
-# alone took 2-3 s to build on the 24-layer Llama on a slow day, and a pass cut off proves nothing
+FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
+# a pass over the 24-layer Llama's whole blocks took 10-16 s, and one cut off proves nothing
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -265,20 +265,7 @@ def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List
     run it (``branches.py``, ``anchors.py``, ``wide_segments.relaxed``); None if cut off by the
     deadline or a lattice is still too wide. Any plan of ``graph`` maps to a plan there no slower, so
     the bound holds."""
-    held = anchors.relaxed(graph, list(exits))
-    loose = branches.relaxed(held, cones)
-    freed: List[str] = []
-    if wide:
-        widened = wide_segments.relaxed(loose, opts, deadline=deadline)
-        if widened is None:
-            return None
-        relaxed_graph, freed = widened
-    else:
-        relaxed_graph = loose
-    lower = segment_dp(relaxed_graph, opts, deadline,
-                        hidden=lambda units: branches.hidden_compute(held, units, cones)
-                        + anchors.hidden_compute(graph, units, list(exits))
-                        + branches.forced_compute(loose, units, freed))
+    lower = _relaxed_dp(graph, opts, deadline, cones, exits, wide_segments.NARROW if wide else None)
     if lower is None:
         return None
     units, found, margin = lower
@@ -300,19 +287,29 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     the rotary tables, 27,228 downsets: freed), a DP pass took 10-16 s and 0.35-0.6 GB here, so this runs
     only with the time left after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit
     longer than the 10 s those take (docs/benchmarks.md)."""
-    held = anchors.relaxed(graph, list(exits))
-    loose = branches.relaxed(held, cones)
-    widened = wide_segments.relaxed(loose, opts, limit=MAX_DOWNSETS, deadline=deadline)
-    relaxed_graph, freed = widened if widened is not None else (loose, [])
-    lower = segment_dp(relaxed_graph, opts, deadline,
-                       hidden=lambda units: branches.hidden_compute(held, units, cones)
-                       + anchors.hidden_compute(graph, units, list(exits))
-                       + branches.forced_compute(loose, units, freed),
-                       floor=floor, ceiling=ceiling, bound_only=True, exact_wide=True)
+    lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
+                        bound_only=True, exact_wide=True)
     if lower is None:
         return None
     _, found, margin = lower
     return found.bound - margin
+
+
+def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+                exits: Sequence[anchors.Exit], limit: Optional[int], **search):
+    """``segment_dp``'s answer (``search``: its options) on ``graph`` with every cone node but its exit
+    free, every anchored exit free in its anchor's stage and, where ``limit`` is given, the weightless
+    nodes of segments of more than ``limit`` downsets free (none where no segment has that many), their
+    compute given the units as ``Units.hidden``: the relaxation ``relaxation`` and ``finer_bound``
+    search, at two limits."""
+    held = anchors.relaxed(graph, list(exits))
+    loose = branches.relaxed(held, cones)
+    widened = wide_segments.relaxed(loose, opts, limit=limit, deadline=deadline) if limit is not None else None
+    relaxed_graph, freed = widened if widened is not None else (loose, [])
+    return segment_dp(relaxed_graph, opts, deadline,
+                      hidden=lambda units: branches.hidden_compute(held, units, cones)
+                      + anchors.hidden_compute(graph, units, list(exits))
+                      + branches.forced_compute(loose, units, freed), **search)
 
 
 def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:

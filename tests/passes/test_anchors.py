@@ -176,7 +176,7 @@ def test_finer_bound_keeps_what_the_relaxation_frees_and_reaches_the_optimum(see
     monkeypatch.setattr(segment_plan, "MAX_DOWNSETS", 20)
     freer = segment_plan.finer_bound(g, opts, math.inf, [], [], 0.0, best)
     assert freer <= best * (1 + 1e-9) and math.isclose(freer, coarse, rel_tol=1e-3)
-    # cut off before its first pass ends: no bound rather than a wrong one
+    # the deadline passed before it begins: no bound rather than a wrong one
     assert segment_plan.finer_bound(g, opts, time.monotonic() - 1, [], [], 0.0, best) is None
 
 
