@@ -100,9 +100,12 @@ def test_min_replicas_closed_form_at_the_edges():
     stage time: the rest must be exact as computed."""
     rng = np.random.default_rng(5)
     opts = CostOptions(devices=64, bandwidth=1e9, allreduce_bandwidth=2e9)
-    want = lambda C, P, a, b, T: np.array(  # noqa: E731
-        [next((r for r in range(1, 65) if stage_time_s(c, p, x, y, r, opts) <= T), 65)
-         for c, p, x, y in zip(*(v.ravel() for v in np.broadcast_arrays(C, P, a, b)))])
+    counts = np.arange(1, 65)
+
+    def want(C, P, a, b, T):  # every count tried, the stage times of all of them at once
+        c, p, x, y = (v.ravel()[:, None] for v in np.broadcast_arrays(C, P, a, b))
+        fits = stage_time_s(c, p, x, y, counts[None, :], opts) <= T
+        return np.where(fits.any(axis=1), counts[fits.argmax(axis=1)], 65)
     n = 400
     C, P = rng.uniform(0, 0.05, n), rng.choice([0.0, 1e6, 1e7, 5e7], n)
     C[:40] = 2.0 * P[:40] / 2e9 * (1 + rng.choice([-1e-6, 1e-6], 40))  # compute a hair off the all-reduce term
