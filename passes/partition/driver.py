@@ -376,7 +376,7 @@ def _flat_wide(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     slow = flat_bound(opts, fast=False)
     if not anchors.exits(graph, slow):
         return None
-    found = chain_plan(graph, slow, start, deadline)
+    found = chain_plan(graph, slow, start, deadline, bound_kept=False)
     if found is None or not found.replicas:
         return None
     ev = evaluate(graph, found.assignment, found.replicas, opts)

@@ -59,7 +59,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            machine: Optional[CostOptions] = None, settle_by: float = math.inf,
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
-           keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False) -> Optional[PartitionResult]:
+           keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False,
+           bound_kept: bool = True) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -96,6 +97,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     so a cut gives up at most one of them (``read_chains.py``; where a chain is worth more than
     ``CHAIN_ABOVE`` of sum C / K): a higher bound, and plans that run each read where the DP charged it,
     for a lattice about twice as large.
+    ``bound_kept``: False for a caller that drops the bound (``driver._flat_wide`` scores the plan on a
+    two-level machine, where the flat bound does not hold): the wide path then spends no time on
+    ``early_bound`` (on nodes of 8 it made the 24-layer Llama's 64- and 256-device plans 0.25 and 0.16 % slower).
     """
     if opts.memory is not None:
         return None
@@ -104,8 +108,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                      settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     exits: List[anchors.Exit] = []
-    wide: list = []  # the searches on narrowed, merged and chained wide segments (``wide_segments.py``) that
-    # answered, the first being ``found``: restrictions, no bound of their own
+    early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
+    wide: list = []  # the searches on narrowed, chained, merged and paired wide segments (``wide_segments.py``)
+    # that answered, the first being ``found``: restrictions, no bound of their own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
@@ -115,13 +120,15 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
-            # units with the rest folded into them, the block whole (on a first profile of the 24-layer HF
-            # Llama the faster on 512 devices), the block a chain, or two chains (``wide_segments.py``)
+            # units with the rest folded into them, the block a chain, the block whole (on a first profile of
+            # the 24-layer HF Llama the faster on 512 devices), or two chains (``wide_segments.py``); after the
+            # first, the relaxation's bound under its plan (``early_bound``), the others then improve the plan
             deadline -= _scoring_reserve(graph, opts)
-            wide = [f for f in (searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
-                                for widen in (wide_segments.narrowed, wide_segments.merged, wide_segments.chained,
-                                              wide_segments.paired))
-                    if f is not None]
+            for widen in (wide_segments.narrowed, wide_segments.chained, wide_segments.merged, wide_segments.paired):
+                f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
+                wide += [f] if f is not None else []
+                if bound_kept and early is None and f is not None and f[0] is not None:  # the relaxation under the first plan
+                    early = early_bound(graph, opts, deadline, cones, exits, f[0])
             found = wide[0] if wide else None
     if found is None:
         return None
@@ -141,6 +148,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             # (no plan where the segments are wide: the narrowed search above stands for it)
             plans += [unfolded[0]] if unfolded else []
             bound = lower[1]
+        bound = max(bound, early or 0.0)
     ideal = ideal_s(graph, opts)
     # sum C / K, the all-reduce that replicated weights cannot avoid (``work_floor.py``), and where a weight
     # is tied between two nodes the least their stages can take (on the flat model the plans are scored
@@ -255,6 +263,24 @@ def _tiny_input(opts: CostOptions, ideal: float) -> float:
     """Compute up to which a weightless node of the inputs alone is left out like an input (fxpipe's
     model, where every rank loads the inputs; PipeDream's puts them in stage 0)."""
     return 0.02 * ideal if opts.cost_model == "fxpipe" else -1.0
+
+
+def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+                exits: Sequence[anchors.Exit], plan: Tuple[Dict[str, int], List[int]]) -> Optional[float]:
+    """``relaxation``'s bound (the wide segments' weightless nodes free) searched between the floors
+    (sum C / K, the work and tie floors) and ``plan``'s time, for the wide path to run after its first
+    plan rather than after all four: on a deep graph those searches take the whole limit and the
+    relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
+    searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
+    bounds the first plan within 0.28 %). None where it cannot run (past the deadline, or a lattice still
+    too wide); cut off, the floor or what its passes proved."""
+    floor = max(ideal_s(graph, opts), tie_floor(graph, opts), work_floor(graph, opts))
+    ceiling = evaluate(graph, plan[0], plan[1], opts).bottleneck_s
+    if ceiling <= floor * (1 + OPTIMAL_GAP):
+        return None  # proven already
+    lower = _relaxed_dp(graph, opts, deadline, cones, exits, wide_segments.NARROW, floor=floor, ceiling=ceiling,
+                        bound_only=True)
+    return None if lower is None else lower[1].bound - lower[2]
 
 
 def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
