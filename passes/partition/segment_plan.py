@@ -127,8 +127,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             for widen in (wide_segments.narrowed, wide_segments.chained, wide_segments.merged, wide_segments.paired):
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
                 wide += [f] if f is not None else []
-                if bound_kept and early is None and f is not None and f[0] is not None:  # the relaxation under the first plan
-                    early = early_bound(graph, opts, deadline, cones, exits, f[0])
+                if bound_kept and early is None and f is not None and f[0] is not None:
+                    early = early_bound(graph, opts, deadline, cones, exits, f[0])  # under the first plan
             found = wide[0] if wide else None
     if found is None:
         return None
@@ -272,8 +272,9 @@ def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     plan rather than after all four: on a deep graph those searches take the whole limit and the
     relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
     searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
-    bounds the first plan within 0.28 %). None where it cannot run (past the deadline, or a lattice still
-    too wide); cut off, the floor or what its passes proved."""
+    bounds the first plan within 0.28 %). None where the plan lies within ``OPTIMAL_GAP`` of a floor
+    (proven already) or the relaxation cannot run (past the deadline, or a lattice still too wide); cut
+    off, the floor or what its passes proved."""
     floor = max(ideal_s(graph, opts), tie_floor(graph, opts), work_floor(graph, opts))
     ceiling = evaluate(graph, plan[0], plan[1], opts).bottleneck_s
     if ceiling <= floor * (1 + OPTIMAL_GAP):
