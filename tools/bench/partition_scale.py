@@ -23,6 +23,7 @@ with the last), each of the PP stages replicated DP times, scored by
         [--cost-model fxpipe|pipedream] [--replication any|pow2|none]
         [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (bundled; --reprofile needs transformers)
         [--hf-llama]  # also HF Llama, 24 layers (bundled; likewise)
+        [--hf-llama-96]  # also the same HF Llama with 96 layers (bundled; likewise)
         [--reprofile [--device cpu|cuda]]   # profile the models here (cached in fxpipe-out/) instead
         [--profiles DIR]   # read (with --reprofile: make) the profiles in DIR, e.g. tools/bench/data/h100
 
@@ -36,7 +37,7 @@ HF Llama (``--hf-llama``): LlamaForCausalLM from a tiny config (vocab 512, width
 layers, 4 heads over 2 key-value heads, context 64; batch 4), captured through export and profiled
 once. Every layer reads the rotary tables computed once from the positions (``anchors.py``) and
 runs its query, key and value projections side by side, a segment too wide for the exact lattice
-(``wide_segments.py``).
+(``wide_segments.py``). ``--hf-llama-96``: the same config with 96 layers (5,721 nodes).
 
 Wall times are CPU-bound: other processes on the machine inflate them.
 """
@@ -116,21 +117,23 @@ def hf_gpt2(tied: bool) -> Optional[CostGraph]:
 
 HF = {"hf-gpt2": True, "hf-gpt2-untied": False}  # row label -> tied head
 LLAMA = "hf-llama"  # row label of ``hf_llama``
+LLAMAS = {LLAMA: 24, "hf-llama-96": 96}  # row label -> layers
 
 
-def hf_llama() -> Optional[CostGraph]:
-    """The 24-layer HF Llama profile (see the module docstring); None without transformers."""
+def hf_llama(layers: int = 24) -> Optional[CostGraph]:
+    """The HF Llama profile with ``layers`` layers, 24 or 96 (see the module docstring); None without
+    transformers where it is not bundled."""
     def build():
         import torch
         import transformers
 
-        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=24,
+        cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=layers,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                        use_cache=False)
         return transformers.LlamaForCausalLM(cfg), torch.randint(0, 512, (4, 64))
 
     try:
-        return _profiled(PROFILES / "hf-llama-24-profile.json", build)
+        return _profiled(PROFILES / f"hf-llama-{layers}-profile.json", build)
     except ImportError:
         return None
 
@@ -216,7 +219,7 @@ def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -
     and ``intra_bandwidth``, ``cost_model``, ``replication``); the uniform layout is scored under the
     same ones.
     """
-    graph = hf_gpt2(HF[depth]) if depth in HF else hf_llama() if depth == LLAMA else deep_gpt(int(depth))
+    graph = hf_gpt2(HF[depth]) if depth in HF else hf_llama(LLAMAS[depth]) if depth in LLAMAS else deep_gpt(int(depth))
     extra = {k: v for k, v in machine.items() if v is not None}
     start = time.monotonic()
     res = partition(graph, devices, time_limit=time_limit, **extra)
@@ -248,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replication", choices=REPLICATION, default="any")
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--hf-llama", action="store_true", help="also HF Llama (24 layers, rotary, grouped-query attention)")
+    ap.add_argument("--hf-llama-96", action="store_true", help="also the same HF Llama with 96 layers")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile the models on this machine (cached in fxpipe-out/), not the bundled profiles")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where --reprofile measures")
@@ -279,11 +283,11 @@ def main(argv=None) -> int:
         if not found:
             print("HF GPT-2 rows skipped: transformers is not installed", file=sys.stderr)
         depths += found
-    if args.hf_llama:
-        if hf_llama() is None:
-            print("HF Llama rows skipped: transformers is not installed", file=sys.stderr)
-        else:
-            depths.append(LLAMA)
+    for label, wanted in ((LLAMA, args.hf_llama), ("hf-llama-96", args.hf_llama_96)):
+        if wanted and hf_llama(LLAMAS[label]) is None:
+            print(f"{label} rows skipped: transformers is not installed", file=sys.stderr)
+        elif wanted:
+            depths.append(label)
     rows = []
     for depth in depths:
         for k in (int(x) for x in args.devices.split(",")):
