@@ -5,6 +5,7 @@ bundled 24-layer HF Llama profile, where the segment DP had no lattice before.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -106,6 +107,13 @@ def wide_graph(seed: int) -> CostGraph:
     return CostGraph(nodes=nodes, edges=[(p, n) for n, ps, _ in spec for p in ps])
 
 
+@functools.lru_cache(maxsize=None)
+def _wide_best(seed: int, K: int) -> float:
+    """Brute force's optimum of ``wide_graph(seed)`` on K devices (fxpipe's charges, any count), worked out
+    once for the tests below that share a graph (K = 3 takes about 18 s)."""
+    return brute_force(wide_graph(seed), K, "fxpipe", _opts(K).allowed_replicas())
+
+
 def test_merge_groups_keeps_totals_and_owns_a_weight_whose_users_merge():
     g = wide_graph(0)
     units, _ = folded_units(g, _opts(2), keep_dead=True)
@@ -122,7 +130,7 @@ def test_merge_groups_keeps_totals_and_owns_a_weight_whose_users_merge():
 def test_narrowed_merged_chained_and_paired_plans_are_plans_and_relaxed_bound_holds(seed, K):
     g = wide_graph(seed)
     opts = _opts(K)
-    best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
+    best = _wide_best(seed, K)
     units, _ = folded_units(g, opts, keep_dead=True)
     assert wide_segments.wide_runs(units, limit=20) == [range(2, 12)]  # q .. att: 4 x 4 x 4 + 1 downsets
     narrow = wide_segments.narrowed(units, limit=20)
@@ -164,7 +172,7 @@ def test_finer_bound_keeps_what_the_relaxation_frees_and_reaches_the_optimum(see
     anew every pass (past ``chain.NEAR_KEPT``, the 24-layer Llama's 26 million) give the same bound."""
     g = wide_graph(seed)
     opts = _opts(K)
-    best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
+    best = _wide_best(seed, K)
     loose, freed = wide_segments.relaxed(g, opts, limit=20)
     _, lower, margin = segment_plan.segment_dp(loose, opts, math.inf,
                                                hidden=lambda u: branches.forced_compute(g, u, freed))
@@ -189,7 +197,7 @@ def test_early_bound_under_a_restricted_plan_holds_against_brute_force(seed, K, 
     monkeypatch.setattr(wide_segments, "NARROW", 20)  # the run (65 downsets) freed, as a Llama block is
     g = wide_graph(seed)
     opts = _opts(K)
-    best = brute_force(g, K, "fxpipe", opts.allowed_replicas())
+    best = _wide_best(seed, K)
     units, _ = folded_units(g, opts, keep_dead=True)
     merged = wide_segments.merged(units, limit=20)
     found = chain_solve(merged, build_segments(merged), opts, math.inf,

@@ -125,10 +125,10 @@ def test_room_skips_counts_without_changing_the_answer(monkeypatch, model, repli
     assert answers["room"] == answers["all"]
 
 
-def _passes(solver: ChargedChainSolver, ideal: float) -> list:
+def _passes(solver: ChargedChainSolver, ideal: float, factors=(1.0, 1.01, 1.05, 1.2, 2.0)) -> list:
     """(fewest devices, plan or None) of ``solver``'s passes at T from ``ideal`` (sum C / K) up."""
     out = []
-    for f in (1.0, 1.01, 1.05, 1.2, 2.0):
+    for f in factors:
         need, back = solver.devices_needed(ideal * f)
         out.append((need, solver.plan(back) if need <= solver.opts.devices else None))
     return out
@@ -156,7 +156,8 @@ def test_repeated_blocks_reuse_what_fits_without_changing_the_answer(monkeypatch
     answers = {}
     for name, known in (("known", recording), ("per block", lambda self, *args: None)):
         monkeypatch.setattr(ChargedChainSolver, "_known_fits", known)
-        answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal)
+        # infeasible, just feasible, loose (on 4 blocks a pass takes 2-3 s: the suite keeps three)
+        answers[name] = _passes(ChargedChainSolver(units, segs, opts), ideal, (1.0, 1.05, 2.0))
     assert any(read)
     assert answers["known"] == answers["per block"]
 

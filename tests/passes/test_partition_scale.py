@@ -270,7 +270,7 @@ def test_bound_and_plan_bracket_the_optimum(K, model):
 def test_tied_embedding_plan_is_scored_exactly_under_an_honest_bound(K, model):
     # the solvers charge the embedding's sync its floor (costmodel.tied_floor_s), evaluate the exact group
     g = transformer_graph(6, seed=K)
-    res = partition(g, K, cost_model=model, time_limit=20)
+    res = partition(g, K, cost_model=model, time_limit=10)
     assert tied_weights(g, res.assignment)  # the embedding and the head sit in different stages
     assert g.total_compute_s() / K * (1 - 1e-12) <= res.bound_s <= res.bottleneck_s
     assert (res.status == "OPTIMAL") == (res.gap <= 1e-3)
