@@ -150,10 +150,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             bound = lower[1]
         bound = max(bound, early or 0.0)
     ideal = ideal_s(graph, opts)
-    # sum C / K, the all-reduce that replicated weights cannot avoid (``work_floor.py``), and where a weight
-    # is tied between two nodes the least their stages can take (on the flat model the plans are scored
-    # on: with ``machine`` they are not)
-    floor_s = max(ideal, tie_floor(graph, opts) if machine is None else 0.0, work_floor(graph, opts))
+    floor_s = floors(graph, opts, machine)
     judge = machine or opts  # plans are scored where the bound holds
     scored = [(evaluate(graph, a, reps, judge), a, reps) for a, reps in plans]
     masks: List[branches.Cone] = []
@@ -265,17 +262,24 @@ def _tiny_input(opts: CostOptions, ideal: float) -> float:
     return 0.02 * ideal if opts.cost_model == "fxpipe" else -1.0
 
 
+def floors(graph: CostGraph, opts: CostOptions, machine: Optional[CostOptions] = None) -> float:
+    """The closed-form bounds: sum C / K, the all-reduce that replicated weights cannot avoid
+    (``work_floor.py``) and, where a weight is tied between two nodes, the least their stages can take
+    (``tie_floor.py``; on the flat model the plans are scored on: with ``machine`` they are not)."""
+    return max(ideal_s(graph, opts), tie_floor(graph, opts) if machine is None else 0.0, work_floor(graph, opts))
+
+
 def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
                 exits: Sequence[anchors.Exit], plan: Tuple[Dict[str, int], List[int]]) -> Optional[float]:
     """``relaxation``'s bound (the wide segments' weightless nodes free) searched between the floors
-    (sum C / K, the work and tie floors) and ``plan``'s time, for the wide path to run after its first
+    (``floors``) and ``plan``'s time, for the wide path to run after its first
     plan rather than after all four: on a deep graph those searches take the whole limit and the
     relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
     searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
     bounds the first plan within 0.28 %). None where the plan lies within ``OPTIMAL_GAP`` of a floor
     (proven already) or the relaxation cannot run (past the deadline, or a lattice still too wide); cut
     off, the floor or what its passes proved."""
-    floor = max(ideal_s(graph, opts), tie_floor(graph, opts), work_floor(graph, opts))
+    floor = floors(graph, opts)
     ceiling = evaluate(graph, plan[0], plan[1], opts).bottleneck_s
     if ceiling <= floor * (1 + OPTIMAL_GAP):
         return None  # proven already

@@ -116,8 +116,8 @@ def hf_gpt2(tied: bool) -> Optional[CostGraph]:
 
 
 HF = {"hf-gpt2": True, "hf-gpt2-untied": False}  # row label -> tied head
-LLAMA = "hf-llama"  # row label of ``hf_llama``
-LLAMAS = {LLAMA: 24, "hf-llama-96": 96}  # row label -> layers
+LLAMA, LLAMA96 = "hf-llama", "hf-llama-96"  # row labels of ``hf_llama`` at 24 and 96 layers
+LLAMAS = {LLAMA: 24, LLAMA96: 96}  # row label -> layers
 
 
 def hf_llama(layers: int = 24) -> Optional[CostGraph]:
@@ -283,7 +283,7 @@ def main(argv=None) -> int:
         if not found:
             print("HF GPT-2 rows skipped: transformers is not installed", file=sys.stderr)
         depths += found
-    for label, wanted in ((LLAMA, args.hf_llama), ("hf-llama-96", args.hf_llama_96)):
+    for label, wanted in ((LLAMA, args.hf_llama), (LLAMA96, args.hf_llama_96)):
         if wanted and hf_llama(LLAMAS[label]) is None:
             print(f"{label} rows skipped: transformers is not installed", file=sys.stderr)
         elif wanted:
