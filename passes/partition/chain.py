@@ -57,6 +57,8 @@ NEAR_KEPT = 1 << 22  # distinct in-segment pairs up to which ``_near`` keeps the
 # Llama with its attention blocks whole (``segment_plan.finer_bound``) has 26 million, 1.7 GB kept
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
 ROW_CELLS = 1 << 24  # about the most replica counts one pass keeps for equal blocks to read (``_pool_r``)
+R_CHUNK = 1 << 15  # stages per piece of ``_r``: its few dozen temporaries of this many stay in the cache, where on a
+# million stages at once each array operation waited on memory (a whole-block Llama pass's pool rows: 2.3x faster)
 SLACK = 1e-9  # a pass at T admits stages up to T(1 + SLACK): prefix sums round (``_attempt``)
 
 
@@ -128,7 +130,20 @@ class ChainSolver:
 
     # ------------------------------------------------------------ one T
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
-        """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points."""
+        """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points, in pieces of
+        about ``R_CHUNK`` stages along the first axis (``_stage_r`` each)."""
+        args = (cj, pj, sj, cutj, ci, pi, si, cuti)
+        n = max((np.shape(x)[0] for x in args if np.ndim(x)), default=0)
+        size = math.prod(np.broadcast_shapes(*(np.shape(x) for x in (pj, cutj, pi, cuti))))  # the stages (no
+        # extra axis there: the compute has one for bridged units, the shared flags one per weight)
+        if n < 2 or size <= 2 * R_CHUNK:
+            return self._stage_r(*args, T)
+        step = max(1, R_CHUNK * n // size)
+        cut = lambda x, k: x[k:k + step] if np.ndim(x) and np.shape(x)[0] == n else x  # noqa: E731
+        return np.concatenate([self._stage_r(*(cut(x, k) for x in args), T) for k in range(0, n, step)])
+
+    def _stage_r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        """``_r`` on one piece."""
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         return min_replicas(stage_compute(ci, cj, self.two), params, cutj, cuti, T, self.opts, tied,
                             self._partner_count(shares, flags, T))
@@ -474,19 +489,60 @@ class ChainSolver:
             self._pairs = (sets, which)
         distinct, which = self._pairs
         out = []
+        small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
         for ends, pairs in distinct:
             n = (pairs if ends is None else ends)[0].shape[0]
+            one = self._one_fits(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
+            if one and n and self._compute_bound(ends, pairs) <= T:  # and every stage's compute does
+                out.append(np.ones(n, dtype=np.int64 if ends is None else small))
+                continue
             parts = []
             for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
                 if time.monotonic() > self.deadline:
                     raise DeadlineExceeded()
-                parts.append(self._r(*(tuple(x[a:a + NEAR_SLICE] for x in pairs) if ends is None
-                                       else _gathered(ends, pairs, a, a + NEAR_SLICE)), T))
+                b = min(a + NEAR_SLICE, n)
+                if not one:
+                    parts.append(self._r(*(tuple(x[a:b] for x in pairs) if ends is None
+                                           else _gathered(ends, pairs, a, b)), T))
+                else:  # only the stages whose compute exceeds T gathered and counted
+                    part = np.ones(b - a, dtype=np.int64)
+                    if ends is None:
+                        heavy = np.nonzero(stage_compute(pairs[4][a:b], pairs[0][a:b], self.two) > T)[0] + a
+                        args = tuple(x[heavy] for x in pairs)
+                    else:
+                        (cj, *_), (ci, *_) = pairs
+                        js, xs = ends[0][a:b], ends[1][a:b]
+                        heavy = np.nonzero(stage_compute(ci[xs], cj[js], self.two) > T)[0]
+                        args = _gathered((js[heavy], xs[heavy]), pairs, 0, heavy.size)
+                        heavy = heavy + a
+                    if heavy.size:
+                        part[heavy - a] = self._r(*args, T)
+                    parts.append(part)
                 if ends is not None:  # that many counts are kept for the pass: in the fewest bytes that hold K
-                    parts[-1] = parts[-1].astype(np.int16 if self.opts.devices < np.iinfo(np.int16).max
-                                                 else np.int32)
+                    parts[-1] = parts[-1].astype(small)
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
         return [out[k] for k in which]
+
+    def _one_fits(self, ends, pairs, T: float) -> bool:
+        """Whether every stage of one of ``_near``'s sets (``ends`` and ``pairs`` as it holds them) whose
+        compute takes at most T fits one replica: the largest cut of its points takes at most T at one
+        replica as ``stage_time_s`` rounds it, and at one replica a stage pays no all-reduce. Only for the
+        flat DP's own counts without tied weights (a subclass's ``_stage_r`` may charge more). On many
+        devices most stages inside a segment run on one replica: a whole-block Llama pass at 64 devices
+        gathered and counted a million pairs a block, nine in ten of them such stages."""
+        if self.shared_bytes.size or type(self)._stage_r is not ChainSolver._stage_r:
+            return False
+        cutj, cuti = (pairs[3], pairs[7]) if ends is None else (pairs[0][3], pairs[1][3])
+        if not np.size(cutj) or not np.size(cuti):
+            return False
+        return 2.0 * max(float(np.max(cutj)), float(np.max(cuti))) / self.opts.bandwidth <= T
+
+    @staticmethod
+    def _compute_bound(ends, pairs) -> float:
+        """A bound on the compute of every stage of a ``_near`` set: its largest end's less its smallest
+        start's (rounding is monotone, so no stage's difference rounds above it)."""
+        cj, ci = (pairs[0], pairs[4]) if ends is None else (pairs[0][0], pairs[1][0])
+        return float(np.max(ci)) - float(np.min(cj))
 
     def _own_sums(self, seg: Segment) -> Tuple[np.ndarray, np.ndarray]:
         """Each point's compute and weight bytes within ``seg`` alone (``Segment.compute`` and ``params``

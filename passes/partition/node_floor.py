@@ -172,7 +172,7 @@ class NodeFloorSolver(ChainSolver):
         super().__init__(units, segments, self.floor.opts)
         self.machine, self.G = machine, machine.gpus_per_node
 
-    def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+    def _stage_r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
             raise DeadlineExceeded()
         params, tied, shares, flags = self._held(pi - pj, sj, si)

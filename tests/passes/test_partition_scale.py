@@ -862,3 +862,83 @@ def test_plain_search_leaves_out_the_tied_weight_search(monkeypatch):
     calls.clear()
     res = chain_plan(g, opts, time.monotonic(), math.inf, plain=True)
     assert res.replicas and not calls
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
+    """A DP pass answers the same devices and back-pointers with its shortcuts as without: the stages
+    inside a segment whose compute and cuts fit one replica set to one without counting them
+    (``ChainSolver._one_fits``, whole sets or the light stages of a set), ``_r`` in pieces of
+    ``R_CHUNK`` stages, and ``min_replicas``' plain closed form (``costmodel._plain_replicas``). Both
+    ways ``_near`` holds its pairs (gathered once, ``kept``, or anew each pass); T from the bound to
+    four times it, where every set, some sets or none fit one replica."""
+    from passes.partition import chain, costmodel
+
+    if not kept:
+        monkeypatch.setattr(chain, "NEAR_KEPT", 0)
+    g = transformer_graph(4, seed=7, tied=False)
+    used = {"whole": 0, "light": 0, "pieces": 0}
+    one_fits, stage_r = chain.ChainSolver._one_fits, chain.ChainSolver._stage_r
+
+    def watched_fits(self, ends, pairs, T):
+        fits = one_fits(self, ends, pairs, T)
+        if fits:
+            used["whole" if self._compute_bound(ends, pairs) <= T else "light"] += 1
+        return fits
+
+    def watched_r(self, *args):
+        used["pieces"] += 1
+        return stage_r(self, *args)
+
+    for K, bandwidth in ((8, 1.25e9), (64, 1.25e9), (64, 1e11), (256, 1e11)):
+        opts = CostOptions(devices=K, bandwidth=bandwidth)
+        units, _ = folded_units(g, opts)
+        segs = build_segments(units)
+        ideal = sum(units.compute) / K
+        for f in (1.001, 1.05, 1.3, 2.0, 4.0):
+            with monkeypatch.context() as m:
+                m.setattr(chain.ChainSolver, "_one_fits", watched_fits)
+                m.setattr(chain.ChainSolver, "_stage_r", watched_r)
+                m.setattr(chain, "R_CHUNK", 64)
+                fast = chain.ChainSolver(units, segs, opts).devices_needed(ideal * f)
+            with monkeypatch.context() as m:
+                m.setattr(chain.ChainSolver, "_one_fits", lambda *a: False)
+                m.setattr(chain, "R_CHUNK", 1 << 40)
+                m.setattr(costmodel, "_plain_replicas",
+                          lambda every, cut_in, cut_out, T, opts: costmodel._checked_replicas(every, T, opts))
+                slow = chain.ChainSolver(units, segs, opts).devices_needed(ideal * f)
+            assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1]), (K, f)
+    assert used["whole"] and used["light"] and used["pieces"]
+
+
+def test_plain_closed_form_equals_trying_every_count():
+    """``min_replicas`` of untied stages under fxpipe's charges (``costmodel._plain_replicas``: the
+    closed form, its checks only where rounding could move a count) equals trying every count, on
+    stages whose compute, compute ratio or cut ratio lies a hair off a whole number, compute at T,
+    cuts a hair under and over one replica's time, and broadcast rows and columns as the DP passes."""
+    opts = CostOptions(devices=64, bandwidth=1e9, allreduce_bandwidth=2e9)
+    counts = np.arange(1, 65)
+    rng = np.random.default_rng(11)
+
+    def want(C, P, a, b, T):
+        c, p, x, y = (v.ravel()[:, None] for v in np.broadcast_arrays(C, P, a, b))
+        fits = stage_time_s(c, p, x, y, counts[None, :], opts) <= T
+        return np.where(fits.any(axis=1), counts[fits.argmax(axis=1)], 65).reshape(np.broadcast_shapes(
+            *(np.shape(v) for v in (C, P, a, b))))
+
+    T = 1e-3
+    n = 3000
+    P = rng.choice([0.0, 1e4, 1e5, 3e5], n)  # all-reduce terms under T (at it: the test above)
+    aterm = 2.0 * P / 2e9
+    k = rng.integers(2, 70, n).astype(float)
+    C = aterm + k * (T - aterm) * (1 + rng.choice([-1e-12, 0.0, 1e-12, 1e-7, -1e-7, 1e-3], n))
+    C[:300] = T * (1 + rng.choice([-1e-15, 0.0, 1e-15], 300))  # at T
+    C[300:600] = rng.uniform(0, T, 300)  # one replica
+    cut = rng.choice([0.0, 1e5, T * 1e9 / 2, T * 1e9 / 2 * (1 + 1e-12), T * 1e9 * 3 / 2 * (1 - 1e-12)], n)
+    for a, b in ((cut, 0.0), (0.0, cut), (cut, cut[::-1])):
+        assert np.array_equal(min_replicas(C, P, a, b, T, opts), want(C, P, a, b, T))
+    C2 = np.abs(C[None, 40:90] - 0.5 * C[:40, None])  # a pool's rows against a segment's points
+    args = (C2, P[None, 40:90], cut[:40, None] * 0.5, cut[None, 40:90] * 0.5)
+    assert np.array_equal(min_replicas(*args, T, opts), want(*args, T))
+    small = np.full(50, T / 3)
+    assert min_replicas(small, 0.0, 1e3, 1e3, T, opts).tolist() == [1] * 50  # all fit one: the first shortcut
