@@ -124,6 +124,7 @@ class ChainSolver:
         self.two = bool(units.bridged)
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``
+        self._level_cache: dict = {}  # ``_levels``
         if units.bridged and units.hidden:  # ``_late``'s room reads one compute per point
             raise ValueError("units with both Units.bridged and Units.hidden compute: clear hidden (as "
                              "segment_plan.segment_dp does for the placed DPs) or fold without bridge")
@@ -215,10 +216,9 @@ class ChainSolver:
             rest = self._rest(seg, T)  # a T under the optimum fails sooner
             dev[dev + rest > K] = K + 1
             if seg.sub_j.size:
-                j, R2 = seg.sub_j, near[a]
-                bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
-                floor = self._late_inside(a, seg, T, dev, least, j, R2, bounds) if self.units.hidden else None
-                self._inside(dev, src, off, j, R2, bounds, least, floor)
+                j, R2, levels = seg.sub_j, near[a], self._levels(seg)
+                floor = self._late_inside(a, seg, T, dev, least, j, R2, levels) if self.units.hidden else None
+                self._inside(dev, src, off, j, R2, levels, least, floor)
             dev[dev + rest > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src
@@ -354,23 +354,52 @@ class ChainSolver:
             tot[rows, cols] = pdev[rows] + R[rows, cols]
 
     @staticmethod
-    def _inside(dev, src, off: int, j, R2, bounds, least, floor=None) -> None:
-        """Stages with both ends in the segment, in point order (a stage's start is a smaller point):
-        ``dev`` and ``src`` updated in place. ``floor``: per pair, a count the stage's end reaches at
-        the least (``_late_inside``)."""
-        for x in range(len(bounds) - 1):
-            lo, hi = bounds[x], bounds[x + 1]
-            if lo == hi:
-                continue
-            cand = dev[j[lo:hi]] + R2[lo:hi]
+    def _inside(dev, src, off: int, j, R2, levels, least, floor=None) -> None:
+        """Stages with both ends in the segment: ``dev`` and ``src`` updated in place, the points of one
+        rank at a time (``_levels``; a stage starts at a point of lower rank, final by then), each end's
+        first cheapest start as the points one by one found it. ``floor``: per pair, a count the stage's
+        end reaches at the least (``_late_inside``)."""
+        for xs, pairs, starts, sizes in levels:
+            js = j[pairs]
+            cand = dev[js] + R2[pairs]
             if floor is not None:
-                cand = np.maximum(cand, floor[lo:hi])
-            k = int(cand.argmin())
-            if cand[k] < dev[x]:
-                dev[x] = max(cand[k], least[x])
-                src[x] = (off + j[lo + k], cand[k] - dev[j[lo + k]])
+                cand = np.maximum(cand, floor[pairs])
+            m = np.minimum.reduceat(cand, starts)
+            better = np.nonzero(m < dev[xs])[0]
+            if not better.size:
+                continue
+            hit = np.flatnonzero(cand == np.repeat(m, sizes))
+            k = hit[np.searchsorted(hit, starts[better])]  # the first minimum of each group that improves
+            x = xs[better]
+            dev[x] = np.maximum(cand[k], least[x])
+            src[x, 0] = off + js[k]
+            src[x, 1] = cand[k] - dev[js[k]]
 
-    def _late_inside(self, a: int, seg: Segment, T: float, dev, least, j, R2, bounds) -> Optional[np.ndarray]:
+    def _levels(self, seg: Segment) -> list:
+        """The pairs of ``seg`` by the rank of their end (the units its point holds; a strict subset holds
+        fewer): per rank, its ends that have pairs (ascending), their pairs (grouped by end, in order),
+        each group's start and size. Worked out once per lattice (equal segments share their pair arrays).
+        The points one at a time cost a Python step each, two a point a pass: 150,000 on a whole-block
+        Llama pass, a third of it."""
+        key = id(seg.sub_i)
+        known = self._level_cache.get(key)
+        if known is not None and known[0] is seg.sub_i:
+            return known[1]
+        d = len(seg.compute)
+        bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
+        counts = np.diff(bounds)
+        rank = seg.member.sum(axis=1)
+        levels = []
+        for r in np.unique(rank[counts > 0]):
+            xs = np.nonzero((rank == r) & (counts > 0))[0]
+            sizes = counts[xs]
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+            pairs = np.arange(int(sizes.sum())) - np.repeat(starts - bounds[xs], sizes)
+            levels.append((xs, pairs, starts, sizes))
+        self._level_cache[key] = (seg.sub_i, levels)
+        return levels
+
+    def _late_inside(self, a: int, seg: Segment, T: float, dev, least, j, R2, levels) -> Optional[np.ndarray]:
         """Per pair (j, x) of ``seg``, a count the point x reaches through the stage (j, x) at the least
         with the compute it must run late (``_late``), or None where no stage has any.
 
@@ -378,25 +407,35 @@ class ChainSolver:
         r(stage + max(0, late at d))``: it grows with dev(j). So it is worked out once for all pairs at
         the counts the segment reaches without any late compute (no more than with it), and a pair's
         count is the larger of that and its count without late compute: both hold, and the loop over
-        the points stays one array operation a point."""
-        debt = self._seg_debt(a, T)
+        the points stays one array operation a rank (``_inside``).
+
+        No pair's late compute exceeds its start's with the segment's last point as the end (which forces
+        in the most, a sum of the same terms and more, rounded no lower): pairs are worked out only from
+        the starts where that is positive (on a whole-block Llama pass, all pairs twice over took a
+        fifth of the pass)."""
+        room = seg.compute + self._seg_debt(a, T)
         pinned = self.pins.inside(a) if self.pins else None
         if pinned is None:
-            # (``least``: no prefix has fewer devices, so none has less room; the last point forces in most)
-            if not (self._late(seg.hidden[-1], seg.compute + debt, least, T) > 0).any():
-                return None
-            if not (self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], least[j], T) > 0).any():
+            # (``least``: no prefix has fewer devices, so none has less room)
+            some = np.nonzero((self._late(seg.hidden[-1], room, least, T) > 0)[j])[0]
+            if not some.size or not (self._late(seg.hidden[seg.sub_i[some]], room[j[some]], least[j[some]], T)
+                                     > 0).any():
                 return None
         lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
-        self._inside(lower, src, 0, j, R2, bounds, least)
-        late = self._late(seg.hidden[seg.sub_i], seg.compute[j] + debt[j], lower[j], T)
-        if pinned is not None:
-            late = np.maximum(late, pinned)
-        pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
+        self._inside(lower, src, 0, j, R2, levels, least)
+        if pinned is None:
+            some = np.nonzero(((self._late(seg.hidden[-1], room, lower, T) > 0) & (lower <= self.opts.devices))[j])[0]
+            late = self._late(seg.hidden[seg.sub_i[some]], room[j[some]], lower[j[some]], T)
+            pos = some[late > 0]
+            late = late[late > 0]
+        else:
+            late = np.maximum(self._late(seg.hidden[seg.sub_i], room[j], lower[j], T), pinned)
+            pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
+            late = late[pos]
         if not pos.size:
             return None
         at, xs = j[pos], seg.sub_i[pos]
-        r = self._late_replicas(late[pos], R2[pos], T, (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
+        r = self._late_replicas(late, R2[pos], T, (seg.compute[at], seg.params[at], seg.shared[at], seg.cut[at]),
                                 (seg.compute[xs], seg.params[xs], seg.shared[xs], seg.cut[xs]),
                                 None if pinned is None else pinned[pos])
         floor = np.zeros(len(j), dtype=np.int64)

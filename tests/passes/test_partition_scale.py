@@ -942,3 +942,64 @@ def test_plain_closed_form_equals_trying_every_count():
     assert np.array_equal(min_replicas(*args, T, opts), want(*args, T))
     small = np.full(50, T / 3)
     assert min_replicas(small, 0.0, 1e3, 1e3, T, opts).tolist() == [1] * 50  # all fit one: the first shortcut
+
+
+def test_a_pass_by_rank_counts_as_point_by_point():
+    """``ChainSolver._inside`` takes the points of a segment one rank at a time (``_levels``) and
+    ``_late_inside`` works out late compute only from the starts where some end can force it in;
+    both answer the devices and back-pointers of the point-by-point loop over every pair, on a graph
+    whose units carry compute a relaxation took off them (``Units.hidden``), so late compute arises."""
+    from passes.partition.chain import ChainSolver
+
+    class PointByPoint(ChainSolver):
+        @staticmethod
+        def _inside(dev, src, off, j, R2, levels, least, floor=None):
+            ends = sorted((int(x), p) for xs, pairs, starts, _ in levels
+                          for x, p in zip(xs, np.split(pairs, starts[1:])))
+            for x, p in ends:
+                cand = dev[j[p]] + R2[p]
+                if floor is not None:
+                    cand = np.maximum(cand, floor[p])
+                k = int(cand.argmin())
+                if cand[k] < dev[x]:
+                    dev[x] = max(cand[k], least[x])
+                    src[x] = (off + j[p[k]], cand[k] - dev[j[p[k]]])
+
+        def _late_inside(self, a, seg, T, dev, least, j, R2, levels):
+            lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
+            self._inside(lower, src, 0, j, R2, levels, least)
+            late = self._late(seg.hidden[seg.sub_i], (seg.compute + self._seg_debt(a, T))[j], lower[j], T)
+            pinned = self.pins.inside(a)
+            late = late if pinned is None else np.maximum(late, pinned)
+            pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
+            if not pos.size:
+                return None
+            at, xs = j[pos], seg.sub_i[pos]
+            r = self._late_replicas(late[pos], R2[pos], T, tuple(x[at] for x in (seg.compute, seg.params, seg.shared, seg.cut)),
+                                    tuple(x[xs] for x in (seg.compute, seg.params, seg.shared, seg.cut)),
+                                    None if pinned is None else pinned[pos])
+            floor = np.zeros(len(j), dtype=np.int64)
+            floor[pos] = lower[at] + r
+            return floor
+
+    g = transformer_graph(4, seed=9, tied=False)
+    late_seen = 0
+    for K in (8, 64):
+        opts = CostOptions(devices=K, bandwidth=1e11)
+        units, _ = folded_units(g, opts)
+        ideal = sum(units.compute) / K
+        # a fifth of some units' compute taken off them and forced in with them, as a relaxation frees nodes
+        for u in range(2, len(units), 3):
+            units.hidden.append((units.compute[u] * 0.2, [u], u, []))
+            units.compute[u] *= 0.8
+        segs = build_segments(units)
+        for f in (1.02, 1.1, 1.5, 3.0):
+            fast_solver = ChainSolver(units, segs, opts)
+            fast = fast_solver.devices_needed(ideal * f)
+            slow = PointByPoint(units, segs, opts).devices_needed(ideal * f)
+            assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1]), (K, f)
+            late_seen += any(fast_solver._late_inside(a, s, ideal * f, np.zeros(len(s.compute), dtype=np.int64),
+                                                      np.zeros(len(s.compute), dtype=np.int64), s.sub_j,
+                                                      np.ones(s.sub_j.size, dtype=np.int64), fast_solver._levels(s))
+                             is not None for a, s in enumerate(segs) if s.sub_j.size)
+    assert late_seen
