@@ -315,9 +315,10 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     that compute, a fifth of a Llama's, fills the slack of any stage: its bound stays near sum C / K.
     Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
-    the rotary tables, 27,228 downsets: freed), a DP pass took 10-16 s and 0.35-0.6 GB here, so this runs
-    only with the time left after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit
-    longer than the 10 s those take (docs/benchmarks.md)."""
+    the rotary tables, 27,228 downsets: freed), a DP pass takes 3-6 s and up to 0.25 GB here (10-16 s
+    before the pass's shortcuts, ``chain.ChainSolver._near``), so this runs only with the time left
+    after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit longer than the 10 s
+    those take (docs/benchmarks.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
                         bound_only=True, exact_wide=True)
     if lower is None:
