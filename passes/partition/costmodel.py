@@ -546,7 +546,12 @@ def _plain_replicas(every: List[np.ndarray], cut_in, cut_out, T: float, opts: Co
         cut_need, near_cut = 0.0, False  # every cut well within one replica's time: no count comes from cuts
         if np.all(C <= T):
             return np.ones(C.shape, dtype=np.int64)  # and the compute: one replica, as stage_time_s rounds it
-    else:
+    elif np.size(cut_in) + np.size(cut_out) > C.size:  # given per stage: the larger cut's ratio, as stage_time_s
+        x = 2.0 * np.maximum(cut_in, cut_out) / scale
+        cut_need = np.ceil(x)
+        gap = cut_need - x
+        near_cut = (x > 0.5) & (np.minimum(gap, 1.0 - gap) <= 1e-6 * np.maximum(x, 1.0))
+    else:  # given per start and per end (a pool's rows and a segment's points): each side's, then broadcast
         cut_ratios = [2.0 * x / scale for x in (cut_in, cut_out)]  # as stage_time_s rounds them
         cut_need = np.maximum(*(np.ceil(x) for x in cut_ratios))  # ceil of the larger: the larger ceil
         # a ratio near a whole number k >= 1 (near 0 the count is 1 either way)
