@@ -530,9 +530,9 @@ def _plain_replicas(every: List[np.ndarray], cut_in, cut_out, T: float, opts: Co
     ones to the search) where that could be off: its compute ratio within 1e-6 of a whole number
     (``_untied_replicas`` checks within ``_EDGE`` times a spread that stays under 801 while C and T
     both lie more than 1/400 from a, relative to their sum with a, the other case sent on too), C
-    within 1e-6 of T, a cut ratio near a whole number (worked out on ``cut_in`` and ``cut_out`` as
-    given, before they broadcast: the larger of two is one of them), or a compute term that rises with
-    r (C <= a) under a count the cuts raised. Same answers as the closed form on every stage
+    within 1e-6 of T, a cut ratio near a whole number k >= 1 (where the cuts come per start and per
+    end, each side's before they broadcast: the larger of two is one of them), or a compute term that
+    rises with r (C <= a) under a count the cuts raised. Same answers as the closed form on every stage
     (tests), in about 40 array operations a stage where it takes about 100: on a whole-block Llama
     pass (``segment_plan.finer_bound``) its checks over millions of stages took most of the pass.
     Where every cut and every stage's compute fits one replica, that is the answer at once."""
