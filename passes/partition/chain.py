@@ -58,7 +58,7 @@ NEAR_KEPT = 1 << 22  # distinct in-segment pairs up to which ``_near`` keeps the
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
 ROW_CELLS = 1 << 24  # about the most replica counts one pass keeps for equal blocks to read (``_pool_r``)
 R_CHUNK = 1 << 15  # stages per piece of ``_r``: its few dozen temporaries of this many stay in the cache, where on a
-# million stages at once each array operation waited on memory (a whole-block Llama pass's pool rows: 2.3x faster)
+# million stages at once each array operation waited on memory (a whole-block Llama pass's pool rows: 2.1x faster)
 SLACK = 1e-9  # a pass at T admits stages up to T(1 + SLACK): prefix sums round (``_attempt``)
 
 
@@ -380,7 +380,7 @@ class ChainSolver:
         fewer): per rank, its ends that have pairs (ascending), their pairs (grouped by end, in order),
         each group's start and size. Worked out once per lattice (equal segments share their pair arrays).
         The points one at a time cost a Python step each, two a point a pass: 150,000 on a whole-block
-        Llama pass, a third of it."""
+        Llama pass, a sixth of it."""
         key = id(seg.sub_i)
         known = self._level_cache.get(key)
         if known is not None and known[0] is seg.sub_i:
@@ -423,15 +423,14 @@ class ChainSolver:
                 return None
         lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
         self._inside(lower, src, 0, j, R2, levels, least)
-        if pinned is None:
-            some = np.nonzero(((self._late(seg.hidden[-1], room, lower, T) > 0) & (lower <= self.opts.devices))[j])[0]
-            late = self._late(seg.hidden[seg.sub_i[some]], room[j[some]], lower[j[some]], T)
-            pos = some[late > 0]
-            late = late[late > 0]
-        else:
-            late = np.maximum(self._late(seg.hidden[seg.sub_i], room[j], lower[j], T), pinned)
-            pos = np.nonzero((late > 0) & (lower[j] <= self.opts.devices))[0]
-            late = late[pos]
+        starts = lower <= self.opts.devices  # the starts a late stage can follow: with pins, every such one
+        if pinned is None:  # else only where the last point as the end leaves some compute late
+            starts &= self._late(seg.hidden[-1], room, lower, T) > 0
+        some = np.nonzero(starts[j])[0]
+        late = self._late(seg.hidden[seg.sub_i[some]], room[j[some]], lower[j[some]], T)
+        if pinned is not None:
+            late = np.maximum(late, pinned[some])
+        pos, late = some[late > 0], late[late > 0]
         if not pos.size:
             return None
         at, xs = j[pos], seg.sub_i[pos]
@@ -524,57 +523,60 @@ class ChainSolver:
                 which.append(distinct[id(key)][0])  # ``_r``'s argument order above
             sets = [pairs for _, pairs in distinct.values()]
             if sum(ends[0].size for ends, _ in sets) <= NEAR_KEPT:  # gathered once, read every pass
-                sets = [(None, _gathered(ends, points, 0, ends[0].size)) for ends, points in sets]
+                sets = [(None, _gathered(ends, points, slice(None))) for ends, points in sets]
             self._pairs = (sets, which)
         distinct, which = self._pairs
         out = []
         small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
         for ends, pairs in distinct:
             n = (pairs if ends is None else ends)[0].shape[0]
-            one = self._one_fits(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
-            if one and n and self._compute_bound(ends, pairs) <= T:  # and every stage's compute does
+            one = self._fits_one(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
+            if one and n and self._fits_one(ends, pairs, T, self._compute_bound(ends, pairs)):  # every one does
                 out.append(np.ones(n, dtype=np.int64 if ends is None else small))
                 continue
             parts = []
             for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
                 if time.monotonic() > self.deadline:
                     raise DeadlineExceeded()
-                b = min(a + NEAR_SLICE, n)
-                if not one:
-                    parts.append(self._r(*(tuple(x[a:b] for x in pairs) if ends is None
-                                           else _gathered(ends, pairs, a, b)), T))
-                else:  # only the stages whose compute exceeds T gathered and counted
-                    part = np.ones(b - a, dtype=np.int64)
-                    if ends is None:
-                        heavy = np.nonzero(stage_compute(pairs[4][a:b], pairs[0][a:b], self.two) > T)[0] + a
-                        args = tuple(x[heavy] for x in pairs)
-                    else:
-                        (cj, *_), (ci, *_) = pairs
-                        js, xs = ends[0][a:b], ends[1][a:b]
-                        heavy = np.nonzero(stage_compute(ci[xs], cj[js], self.two) > T)[0]
-                        args = _gathered((js[heavy], xs[heavy]), pairs, 0, heavy.size)
-                        heavy = heavy + a
-                    if heavy.size:
-                        part[heavy - a] = self._r(*args, T)
-                    parts.append(part)
-                if ends is not None:  # that many counts are kept for the pass: in the fewest bytes that hold K
-                    parts[-1] = parts[-1].astype(small)
+                part = self._near_slice(ends, pairs, a, min(a + NEAR_SLICE, n), T, one)
+                # gathered anew, that many counts are kept for the pass: in the fewest bytes that hold K
+                parts.append(part if ends is None else part.astype(small))
             out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
         return [out[k] for k in which]
 
-    def _one_fits(self, ends, pairs, T: float) -> bool:
+    def _near_slice(self, ends, pairs, a: int, b: int, T: float, one: bool) -> np.ndarray:
+        """``_r`` of the pairs ``a:b`` of one of ``_near``'s sets; with ``one`` (``_fits_one``) only the
+        stages whose compute exceeds T are gathered and counted, the others fit one replica."""
+        if ends is None:  # kept gathered: the pairs' columns
+            cols = tuple(x[a:b] for x in pairs)
+            take = lambda k: tuple(x[k] for x in cols)  # noqa: E731
+            compute = lambda: (cols[4], cols[0])  # noqa: E731
+        else:  # gathered here from the points, the compute alone first
+            ends = (ends[0][a:b], ends[1][a:b])
+            take = lambda k: _gathered(ends, pairs, k)  # noqa: E731
+            compute = lambda: (pairs[1][0][ends[1]], pairs[0][0][ends[0]])  # noqa: E731
+        if not one:
+            return self._r(*take(slice(None)), T)
+        part = np.ones(b - a, dtype=np.int64)
+        heavy = np.nonzero(stage_compute(*compute(), self.two) > T)[0]
+        if heavy.size:
+            part[heavy] = self._r(*take(heavy), T)
+        return part
+
+    def _fits_one(self, ends, pairs, T: float, compute: float = 0.0) -> bool:
         """Whether every stage of one of ``_near``'s sets (``ends`` and ``pairs`` as it holds them) whose
-        compute takes at most T fits one replica: the largest cut of its points takes at most T at one
-        replica as ``stage_time_s`` rounds it, and at one replica a stage pays no all-reduce. Only for the
-        flat DP's own counts without tied weights (a subclass's ``_stage_r`` may charge more). On many
-        devices most stages inside a segment run on one replica: a whole-block Llama pass at 64 devices
-        gathered and counted a million pairs a block, nine in ten of them such stages."""
+        compute is at most ``compute``, and at most T, fits one replica at T: ``stage_time_s`` at one
+        replica of that compute with the largest cuts of the set's points (the time grows with both, and
+        at one replica no weights are synced). Only for the flat DP's own counts without tied weights (a
+        subclass's ``_stage_r`` may charge more). On many devices most stages inside a segment run on one
+        replica: a whole-block Llama pass gathered and counted a million pairs a block, all of them such
+        stages at 64 devices, 73 % at 256, 28 % at 512."""
         if self.shared_bytes.size or type(self)._stage_r is not ChainSolver._stage_r:
             return False
         cutj, cuti = (pairs[3], pairs[7]) if ends is None else (pairs[0][3], pairs[1][3])
         if not np.size(cutj) or not np.size(cuti):
             return False
-        return 2.0 * max(float(np.max(cutj)), float(np.max(cuti))) / self.opts.bandwidth <= T
+        return stage_time_s(compute, 0.0, float(np.max(cutj)), float(np.max(cuti)), 1, self.opts) <= T
 
     @staticmethod
     def _compute_bound(ends, pairs) -> float:
@@ -743,10 +745,11 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
     return best
 
 
-def _gathered(ends: tuple, points: tuple, a: int, b: int) -> tuple:
-    """``_r``'s eight arguments for the pairs ``a:b`` of a segment: the start's then the end's columns
-    (``points``: compute, weight bytes, shared users, cut per point) at the pairs' points (``ends``)."""
-    return tuple(x[e[a:b]] for e, cols in zip(ends, points) for x in cols)
+def _gathered(ends: tuple, points: tuple, which) -> tuple:
+    """``_r``'s eight arguments for the pairs ``which`` (a slice or indices) of a segment: the start's then
+    the end's columns (``points``: compute, weight bytes, shared users, cut per point) at the pairs'
+    points (``ends``)."""
+    return tuple(x[e[which]] for e, cols in zip(ends, points) for x in cols)
 
 
 def stage_compute(ci, cj, two: bool) -> np.ndarray:

@@ -55,6 +55,7 @@ flight, the others one version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -527,13 +528,13 @@ def _plain_replicas(every: List[np.ndarray], cut_in, cut_out, T: float, opts: Co
 
     Where no rounding question arises the answer is ``max(1 or ceil((C - a)/(T - a)), ceil(2A/(B·T)))``
     (``_untied_replicas`` says why), at most K. A stage goes to ``_untied_replicas`` (and its doubtful
-    ones to the search) where that could be off: its compute ratio within 1e-6 of a whole number
+    ones to the search) where that could be off: its compute ratio within 1e-6 (relative) of a whole number
     (``_untied_replicas`` checks within ``_EDGE`` times a spread that stays under 801 while C and T
     both lie more than 1/400 from a, relative to their sum with a, the other case sent on too), C
     within 1e-6 of T, a cut ratio near a whole number k >= 1 (where the cuts come per start and per
     end, each side's before they broadcast: the larger of two is one of them), or a compute term that
     rises with r (C <= a) under a count the cuts raised. Same answers as the closed form on every stage
-    (tests), in about 40 array operations a stage where it takes about 100: on a whole-block Llama
+    (tests), in about half its array operations a stage (counted in the code): on a whole-block Llama
     pass (``segment_plan.finer_bound``) its checks over millions of stages took most of the pass.
     Where every cut and every stage's compute fits one replica, that is the answer at once."""
     C, P = every[0], every[1]
@@ -546,17 +547,12 @@ def _plain_replicas(every: List[np.ndarray], cut_in, cut_out, T: float, opts: Co
         cut_need, near_cut = 0.0, False  # every cut well within one replica's time: no count comes from cuts
         if np.all(C <= T):
             return np.ones(C.shape, dtype=np.int64)  # and the compute: one replica, as stage_time_s rounds it
-    elif np.size(cut_in) + np.size(cut_out) > C.size:  # given per stage: the larger cut's ratio, as stage_time_s
-        x = 2.0 * np.maximum(cut_in, cut_out) / scale
-        cut_need = np.ceil(x)
-        gap = cut_need - x
-        near_cut = (x > 0.5) & (np.minimum(gap, 1.0 - gap) <= 1e-6 * np.maximum(x, 1.0))
-    else:  # given per start and per end (a pool's rows and a segment's points): each side's, then broadcast
-        cut_ratios = [2.0 * x / scale for x in (cut_in, cut_out)]  # as stage_time_s rounds them
-        cut_need = np.maximum(*(np.ceil(x) for x in cut_ratios))  # ceil of the larger: the larger ceil
-        # a ratio near a whole number k >= 1 (near 0 the count is 1 either way)
-        near_cut = np.logical_or(*((x > 0.5) & (np.abs(x - np.round(x)) <= 1e-6 * np.maximum(x, 1.0))
-                                   for x in cut_ratios))
+    else:  # as stage_time_s rounds them; a ratio near a whole number k >= 1 (near 0 the count is 1 either way)
+        per_stage = np.size(cut_in) + np.size(cut_out) > C.size  # a segment's own pairs: the larger cut's ratio
+        # once, else (a pool's rows against a segment's points) each side's before they broadcast
+        ratios = [2.0 * x / scale for x in ([np.maximum(cut_in, cut_out)] if per_stage else [cut_in, cut_out])]
+        cut_need = functools.reduce(np.maximum, [np.ceil(x) for x in ratios])  # ceil of the larger: the larger ceil
+        near_cut = functools.reduce(np.logical_or, [(x > 0.5) & _near_whole(x, _CHECKED) for x in ratios])
     a = 2.0 * P / opts.ar_bandwidth
     e, d = C - a, T - a
     falls = (C > T) & (d > 0)
@@ -564,8 +560,7 @@ def _plain_replicas(every: List[np.ndarray], cut_in, cut_out, T: float, opts: Co
         ratio = e / d
         top = np.ceil(ratio)
         need = np.where(falls, top, np.where(C <= T, 1.0, np.inf))
-        gap = top - ratio  # in [0, 1): how far the ratio lies under its ceiling
-        check = falls & (np.minimum(gap, 1.0 - gap) <= 1e-6 * ratio)
+        check = falls & _near_whole(ratio, _CHECKED)
     need = np.maximum(need, cut_need)
     check |= np.abs(e) * 400.0 < C + a
     check |= np.abs(d) * 400.0 < T + a
@@ -638,6 +633,7 @@ def _untied_replicas(C: np.ndarray, P: np.ndarray, c_in: np.ndarray, c_out: np.n
 
 
 _EDGE = 1e-9  # relative distance to a whole number within which ``_untied_replicas`` checks its count
+_CHECKED = 1000.0  # ``_plain_replicas`` sends on ratios within this many ``_EDGE`` (1e-6) of a whole number
 
 
 def _near_whole(x: np.ndarray, spread) -> np.ndarray:

@@ -868,7 +868,7 @@ def test_plain_search_leaves_out_the_tied_weight_search(monkeypatch):
 def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
     """A DP pass answers the same devices and back-pointers with its shortcuts as without: the stages
     inside a segment whose compute and cuts fit one replica set to one without counting them
-    (``ChainSolver._one_fits``, whole sets or the light stages of a set), ``_r`` in pieces of
+    (``ChainSolver._fits_one``, whole sets or the light stages of a set), ``_r`` in pieces of
     ``R_CHUNK`` stages, and ``min_replicas``' plain closed form (``costmodel._plain_replicas``). Both
     ways ``_near`` holds its pairs (gathered once, ``kept``, or anew each pass); T from the bound to
     four times it, where every set, some sets or none fit one replica."""
@@ -878,13 +878,16 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
         monkeypatch.setattr(chain, "NEAR_KEPT", 0)
     g = transformer_graph(4, seed=7, tied=False)
     used = {"whole": 0, "light": 0, "pieces": 0}
-    one_fits, stage_r = chain.ChainSolver._one_fits, chain.ChainSolver._stage_r
+    fits_one, near_slice, stage_r = chain.ChainSolver._fits_one, chain.ChainSolver._near_slice, chain.ChainSolver._stage_r
 
-    def watched_fits(self, ends, pairs, T):
-        fits = one_fits(self, ends, pairs, T)
-        if fits:
-            used["whole" if self._compute_bound(ends, pairs) <= T else "light"] += 1
+    def watched_fits(self, ends, pairs, T, compute=0.0):
+        fits = fits_one(self, ends, pairs, T, compute)
+        used["whole"] += bool(fits and compute)
         return fits
+
+    def watched_slice(self, ends, pairs, a, b, T, one):
+        used["light"] += one
+        return near_slice(self, ends, pairs, a, b, T, one)
 
     def watched_r(self, *args):
         used["pieces"] += 1
@@ -897,12 +900,13 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
         ideal = sum(units.compute) / K
         for f in (1.001, 1.05, 1.3, 2.0, 4.0):
             with monkeypatch.context() as m:
-                m.setattr(chain.ChainSolver, "_one_fits", watched_fits)
+                m.setattr(chain.ChainSolver, "_fits_one", watched_fits)
+                m.setattr(chain.ChainSolver, "_near_slice", watched_slice)
                 m.setattr(chain.ChainSolver, "_stage_r", watched_r)
                 m.setattr(chain, "R_CHUNK", 64)
                 fast = chain.ChainSolver(units, segs, opts).devices_needed(ideal * f)
             with monkeypatch.context() as m:
-                m.setattr(chain.ChainSolver, "_one_fits", lambda *a: False)
+                m.setattr(chain.ChainSolver, "_fits_one", lambda *a: False)
                 m.setattr(chain, "R_CHUNK", 1 << 40)
                 m.setattr(costmodel, "_plain_replicas",
                           lambda every, cut_in, cut_out, T, opts: costmodel._checked_replicas(every, T, opts))
