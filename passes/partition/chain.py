@@ -125,6 +125,7 @@ class ChainSolver:
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``
         self._level_cache: dict = {}  # ``_levels``
+        self._cut_cache: dict = {}  # ``_cut_no_larger``
         if units.bridged and units.hidden:  # ``_late``'s room reads one compute per point
             raise ValueError("units with both Units.bridged and Units.hidden compute: clear hidden (as "
                              "segment_plan.segment_dp does for the placed DPs) or fold without bridge")
@@ -627,9 +628,8 @@ class ChainSolver:
         K = self.opts.devices
         keep = dev <= K
         if seg.sub_j.size:  # a point of this segment containing j with dev and cut no larger replaces j
-            j, i = seg.sub_j, seg.sub_i
-            beaten = (dev[i] <= dev[j]) & (seg.cut[i] <= seg.cut[j])
-            keep[j[beaten]] = False
+            j, i = self._cut_no_larger(seg)
+            keep[j[dev[i] <= dev[j]]] = False
         new = (off + np.nonzero(keep)[0], dev[keep], self.start_of(seg)[keep], seg.params[keep], seg.shared[keep],
                seg.cut[keep])
         if pool is None or not pool[0].size:
@@ -638,6 +638,19 @@ class ChainSolver:
         beaten = ((ndev[None, :] <= pool[1][:, None]) & (ncut[None, :] <= pool[5][:, None])).any(axis=1)
         alive = ~beaten & reach  # reach: can still end a stage past this segment within K devices
         return tuple(np.concatenate([old[alive], fresh]) for old, fresh in zip(pool, new))
+
+    def _cut_no_larger(self, seg: Segment) -> Tuple[np.ndarray, np.ndarray]:
+        """The pairs (j, i) of ``seg`` whose end sends no more than its start (``_next_pool``'s test, less
+        the devices: the same every pass), worked out once per lattice and cuts (repeated blocks share
+        both). On a whole-block Llama pass (1.15 million pairs a block, a third of them here) testing every
+        pair took a sixth of it."""
+        key = (id(seg.sub_i), seg.cut.tobytes())
+        known = self._cut_cache.get(key)
+        if known is None or known[0] is not seg.sub_i:
+            le = seg.cut[seg.sub_i] <= seg.cut[seg.sub_j]
+            known = (seg.sub_i, seg.sub_j[le], seg.sub_i[le])
+            self._cut_cache[key] = known
+        return known[1], known[2]
 
     # ------------------------------------------------------------ the plan
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
@@ -815,7 +828,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
           plan_by: float = math.inf, trust_ceiling: bool = False,
-          settle_above: Optional[float] = None) -> Optional[ChainSolution]:
+          settle_above: Optional[float] = None, from_middle: bool = False) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -855,6 +868,10 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     plan is likely the optimum (``wide_blocks``: the coarse lattice's), so once a pass proves it within
     ``PROVE_WITHIN`` the next checks just under it, where one infeasible pass closes the search; the
     placed DPs' bracket plans are not, and a pass there mostly found a plan a hair faster.
+    ``from_middle``: with a ceiling, the first pass bisects the bracket too, rather than sitting
+    ``PROVE_WITHIN`` under the ceiling: for a relaxation known to lie well under the plans
+    (``segment_plan.finer_bound``), where the time left may hold one pass and only an infeasible one
+    proves anything.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -878,7 +895,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         elif best is None:
             return None
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
-        first_wide = wide
+        first_wide = wide and not from_middle
         while hi > lo * (1 + tolerance):
             if best is not None and time.monotonic() > settle_by and \
                     (settle_above is None or best.objective > hi * (1 + settle_above)):
