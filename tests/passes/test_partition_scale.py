@@ -463,6 +463,23 @@ def test_first_pass_under_a_known_plan_a_few_percent_above_the_bound(apart):
     assert found.bound >= top / (1 + PROVE_WITHIN)
 
 
+def test_first_pass_from_the_middle_bisects_the_bracket():
+    """``from_middle`` (``segment_plan.finer_bound``: a relaxation that lies well under the plans, where
+    the time left may hold a single pass): the first pass bisects between the bound and the caller's
+    plan, geometrically, rather than sitting 1 % under the plan, where that relaxation is feasible and
+    the pass proves nothing; the bisection then goes on as without it."""
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    best = solve(units, segs, opts, float("inf"), score)
+    top = best.objective * (1 - 1e-6)
+    lo = max(top / 1.2, sum(units.compute) / opts.devices)
+    assert top > lo * 1.02  # a bracket wider than the 1 % the old first pass sits under the plan
+    found = solve(units, segs, opts, float("inf"), score, recording, floor=top / 1.2, ceiling=top, from_middle=True)
+    assert asked[0] == pytest.approx(math.sqrt(lo * top), rel=1e-6)
+    assert len(asked) > 1 and found.bound >= best.bound * (1 - 1e-3)
+
+
 def test_first_pass_under_a_plan_within_one_percent_tries_just_above_the_bound():
     """Within ``PROVE_WITHIN`` of the bound the plan is proven close enough already; the first pass then
     tries the ladder's first rung above the bound, where the optimum often sits."""
@@ -869,7 +886,8 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
     """A DP pass answers the same devices and back-pointers with its shortcuts as without: the stages
     inside a segment whose compute and cuts fit one replica set to one without counting them
     (``ChainSolver._fits_one``, whole sets or the light stages of a set), ``_r`` in pieces of
-    ``R_CHUNK`` stages, and ``min_replicas``' plain closed form (``costmodel._plain_replicas``). Both
+    ``R_CHUNK`` stages, ``min_replicas``' plain closed form (``costmodel._plain_replicas``), and the
+    pool's pairs whose cuts allow pruning kept per lattice and cuts (``_cut_no_larger``). Both
     ways ``_near`` holds its pairs (gathered once, ``kept``, or anew each pass); T from the bound to
     four times it, where every set, some sets or none fit one replica."""
     from passes.partition import chain, costmodel
@@ -893,6 +911,10 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
         used["pieces"] += 1
         return stage_r(self, *args)
 
+    def every_pair_cut_no_larger(self, seg):  # ``_next_pool``'s pairs tested anew, nothing kept
+        le = seg.cut[seg.sub_i] <= seg.cut[seg.sub_j]
+        return seg.sub_j[le], seg.sub_i[le]
+
     for K, bandwidth in ((8, 1.25e9), (64, 1.25e9), (64, 1e11), (256, 1e11)):
         opts = CostOptions(devices=K, bandwidth=bandwidth)
         units, _ = folded_units(g, opts)
@@ -910,9 +932,39 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
                 m.setattr(chain, "R_CHUNK", 1 << 40)
                 m.setattr(costmodel, "_plain_replicas",
                           lambda every, cut_in, cut_out, T, opts: costmodel._checked_replicas(every, T, opts))
+                m.setattr(chain.ChainSolver, "_cut_no_larger", every_pair_cut_no_larger)
                 slow = chain.ChainSolver(units, segs, opts).devices_needed(ideal * f)
             assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1]), (K, f)
     assert used["whole"] and used["light"] and used["pieces"]
+
+
+def test_pool_pruning_pairs_kept_per_lattice_and_cuts():
+    """``ChainSolver._cut_no_larger`` keeps, per lattice, the pairs whose end sends no more than their
+    start: segments of equal blocks share one entry, and a segment with the same lattice but other
+    cuts (a block whose activations differ) gets its own, each equal to testing every pair."""
+    from passes.partition.chain import ChainSolver
+
+    g = transformer_graph(4, seed=7, tied=False)
+    opts = CostOptions(devices=64)
+    units, _ = folded_units(g, opts)
+    segs = build_segments(units)
+    seg = max(segs, key=lambda x: x.sub_j.size)
+    assert seg.sub_j.size and np.ptp(seg.cut) > 0
+    other = dataclasses.replace(seg, cut=seg.cut[::-1].copy())  # the same pairs, other cuts
+    twin = dataclasses.replace(seg, cut=seg.cut.copy())  # an equal block's: equal pairs and cuts
+    solver = ChainSolver(units, segs, opts)
+
+    def check(s):
+        le = s.cut[s.sub_i] <= s.cut[s.sub_j]
+        j, i = solver._cut_no_larger(s)
+        assert np.array_equal(j, s.sub_j[le]) and np.array_equal(i, s.sub_i[le])
+
+    for s in (seg, other, twin, seg):
+        check(s)
+    assert len(solver._cut_cache) == 2  # the twin shares seg's entry, the other has its own
+    for s in segs:
+        check(s)
+    assert len(solver._cut_cache) < len(segs) + 1  # two of these blocks are equal
 
 
 def test_plain_closed_form_equals_trying_every_count():
