@@ -46,6 +46,9 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
 # a pass over the 24-layer Llama's whole blocks took 10-16 s, and one cut off proves nothing
+WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.chained, wide_segments.paired)  # the wide path's plans, in
+# order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan
+MERGED = (wide_segments.merged,)  # after ``finer_bound`` where the bound is kept, else third
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -120,11 +123,12 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
-            # units with the rest folded into them, the block a chain, the block whole (on a first profile of
-            # the 24-layer HF Llama the faster on 512 devices), or two chains (``wide_segments.py``); after the
-            # first, the relaxation's bound under its plan (``early_bound``), the others then improve the plan
+            # units with the rest folded into them, the block a chain, two chains, or the block whole
+            # (``wide_segments.py``); after the first, the relaxation's bound under its plan (``early_bound``),
+            # the others then improve the plan. Where the bound is kept the block whole comes after
+            # ``finer_bound`` (``_merged_plan``)
             deadline -= _scoring_reserve(graph, opts)
-            for widen in (wide_segments.narrowed, wide_segments.chained, wide_segments.merged, wide_segments.paired):
+            for widen in WIDE_SEARCHES if bound_kept else WIDE_SEARCHES[:2] + MERGED + WIDE_SEARCHES[2:]:
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
                 wide += [f] if f is not None else []
                 if bound_kept and early is None and f is not None and f[0] is not None:
@@ -141,7 +145,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
         # anchors.py, wide_segments.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
-        lower = relaxation(graph, opts, deadline, cones, exits, bool(wide))
+        # where the wide path has the relaxation's bound already (``early_bound``), not again: run to the
+        # end its bound came out no higher and its plan 2-3x slower on every 24- and 96-layer Llama row
+        lower = relaxation(graph, opts, deadline, cones, exits, bool(wide)) if early is None else None
         if lower is not None:
             plans.append(lower[0])
             unfolded = searched(plan_graph, opts, deadline, cones)  # dead nodes folded as the bound folds them
@@ -186,6 +192,10 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     loose = loose_groups(graph, opts)
     finish = lambda e, a, reps: _finished(graph, loose, a, reps, e, judge)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
+    if wide and bound_kept:  # before the block whole and the mask in pieces, whose plans did not beat the
+        # others on any 24- or 96-layer Llama row at 10 s, and which took the 3-4 s a pass of this bound needs
+        bound = max(bound, _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored))
+        scored += [finish(evaluate(graph, *p, judge), *p) for p in _merged_plan(plan_graph, opts, deadline, cones)]
     if cones or masks:
         _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
                    max(bound, floor_s), judge, finish, wide_segments.narrowed if wide else None)
@@ -198,16 +208,31 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                  bound * (1 + OPTIMAL_GAP), deadline)
         if better is not None:
             (assignment, replicas), ev = better
-    if wide and ev.bottleneck_s > bound * (1 + OPTIMAL_GAP) and deadline - time.monotonic() > FINER_AFTER:
-        # time left after every plan: a bound that keeps the wide blocks' weightless nodes
-        finer = finer_bound(graph, opts, deadline, cones, exits, bound, ev.bottleneck_s)
-        bound = max(bound, finer if finer is not None else 0.0)
     result = PartitionResult(assignment=assignment, replicas=list(replicas), stages=ev.stages,
                              bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
                              objective_s=solution.objective, bound_s=min(bound, ev.bottleneck_s),
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]) -> list:
+    """The plan (in a list; empty if none in time) of the search with every wide segment one unit
+    (``wide_segments.merged``): on a first profile of the 24-layer HF Llama the fastest on 512 devices,
+    on the bundled one never."""
+    found = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
+    return [found[0]] if found is not None and found[0] is not None else []
+
+
+def _finer(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+           exits: Sequence[anchors.Exit], bound: float, scored: list) -> float:
+    """``finer_bound`` under the best plan in ``scored`` where that is not proven within ``bound`` and
+    ``FINER_AFTER`` seconds are left; else (or cut off before its first pass) ``bound``."""
+    best = min(e.bottleneck_s for e, _, _ in scored)
+    if best <= bound * (1 + OPTIMAL_GAP) or deadline - time.monotonic() <= FINER_AFTER:
+        return bound
+    finer = finer_bound(graph, opts, deadline, cones, exits, bound, best)
+    return max(bound, finer if finer is not None else 0.0)
 
 
 def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
@@ -320,7 +345,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit longer than the 10 s
     those take (docs/benchmarks.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True)
+                        bound_only=True, exact_wide=True, from_middle=True)
     if lower is None:
         return None
     _, found, margin = lower
@@ -470,12 +495,15 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 ceiling: float = math.inf, machine: Optional[CostOptions] = None, settle_by: float = math.inf,
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
-                widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False):
+                widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
+                from_middle: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
     is then none);
     ``exact_wide``: search segments over ``wide_segments.LIMIT`` downsets as they are (``finer_bound``);
+    ``from_middle``: the flat DP's first pass between ``floor`` and ``ceiling`` at the middle
+    (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -535,7 +563,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         if wide_segments.too_wide(segs) and widen is None and not exact_wide and is_deep(graph, opts):
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
-                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
+                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, from_middle=from_middle)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)
