@@ -1059,3 +1059,35 @@ def test_a_pass_by_rank_counts_as_point_by_point():
                                                       np.ones(s.sub_j.size, dtype=np.int64), fast_solver._levels(s))
                              is not None for a, s in enumerate(segs) if s.sub_j.size)
     assert late_seen
+
+
+@pytest.mark.parametrize("slow", ["folding", "segments"])
+def test_a_search_begun_just_before_the_deadline_stops_after_folding(monkeypatch, slow):
+    """``segment_dp`` checks the deadline after folding, and before widening segments too wide for their
+    lattice: a search begun just before the deadline went on to build and widen its segments first,
+    0.4-0.5 s past it on a 96-layer Llama. Past the deadline after folding, no segments are built; past
+    it after building them (none in time: too wide, or cut off), none are widened."""
+    from passes.partition import segment_plan
+
+    g = transformer_graph(2, seed=1, tied=False)
+    opts = CostOptions(devices=8)
+    built, widened = [], []
+    real_fold = segment_plan.folded_units
+
+    def fold(*args, **kw):
+        out = real_fold(*args, **kw)
+        time.sleep(0.05 if slow == "folding" else 0.0)
+        return out
+
+    def segments(*args, **kw):
+        built.append(1)
+        time.sleep(0.05)
+        return None  # no lattice: the caller would widen
+
+    monkeypatch.setattr(segment_plan, "folded_units", fold)
+    monkeypatch.setattr(segment_plan, "build_segments", segments)
+    found = segment_plan.segment_dp(g, opts, time.monotonic() + 0.02, widen=lambda u: widened.append(u))
+    assert found is None and not widened
+    assert bool(built) == (slow == "segments")
+    segment_plan.segment_dp(g, opts, math.inf, widen=lambda u: widened.append(u))
+    assert widened  # in time, the units are widened
