@@ -45,10 +45,11 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
-# a pass over the 24-layer Llama's whole blocks took 10-16 s, and one cut off proves nothing
+# on the 24-layer Llama its lattices take 0.5 s to build and a pass 1.5-6 s (quick and slow days on this
+# machine), and a pass cut off proves nothing
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.chained, wide_segments.paired)  # the wide path's plans, in
-# order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan
-MERGED = (wide_segments.merged,)  # after ``finer_bound`` where the bound is kept, else third
+# order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; where the
+# bound is kept the search on merged blocks comes after ``finer_bound`` (``_merged_plan``), else third
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -112,8 +113,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     exits: List[anchors.Exit] = []
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
-    wide: list = []  # the searches on narrowed, chained, merged and paired wide segments (``wide_segments.py``)
-    # that answered, the first being ``found``: restrictions, no bound of their own
+    wide: list = []  # the searches on narrowed, chained, paired (and merged, where the bound is dropped) wide
+    # segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
@@ -128,7 +129,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             # the others then improve the plan. Where the bound is kept the block whole comes after
             # ``finer_bound`` (``_merged_plan``)
             deadline -= _scoring_reserve(graph, opts)
-            for widen in WIDE_SEARCHES if bound_kept else WIDE_SEARCHES[:2] + MERGED + WIDE_SEARCHES[2:]:
+            narrowed, chained, paired = WIDE_SEARCHES
+            for widen in WIDE_SEARCHES if bound_kept else (narrowed, chained, wide_segments.merged, paired):
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
                 wide += [f] if f is not None else []
                 if bound_kept and early is None and f is not None and f[0] is not None:
@@ -332,18 +334,22 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
                 exits: Sequence[anchors.Exit], floor: float, ceiling: float) -> Optional[float]:
     """A bound from ``relaxation``'s graph with the wide segments' weightless nodes kept where their
     lattice has at most ``segments.MAX_DOWNSETS`` downsets (freed only past it), searched between
-    ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), where one infeasible
-    pass 1 % under the plan proves it; cut off, the highest T its passes proved infeasible (``floor``
-    if none); None where the deadline passed before it began or a lattice is still too wide.
+    ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), its first pass at the
+    middle; cut off, the highest T its passes proved infeasible (``floor`` if none); None where the
+    deadline passed before it began or a lattice is still too wide.
 
     ``relaxation`` frees every weightless node of a segment over ``wide_segments.NARROW`` downsets, and
     that compute, a fifth of a Llama's, fills the slack of any stage: its bound stays near sum C / K.
     Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
-    the rotary tables, 27,228 downsets: freed), a DP pass takes 3-6 s and up to 0.25 GB here (10-16 s
-    before the pass's shortcuts, ``chain.ChainSolver._near``), so this runs only with the time left
-    after the plans (``chain_plan``, ``FINER_AFTER``), i.e. with a time limit longer than the 10 s
-    those take (docs/benchmarks.md)."""
+    the rotary tables, 27,228 downsets: freed), a DP pass takes 1.5-6 s and up to 0.4 GB here (10-16 s
+    before the pass's shortcuts, ``chain.ChainSolver._near``), so this runs with the time the plans
+    leave (``chain_plan``: right after the narrowed, chained and paired searches, ``FINER_AFTER``): at
+    10 s one to four passes there, depending on the day. One infeasible pass is the answer: a first
+    pass 1 % under the plan (``chain.solve``'s default) is feasible on 32-512 devices, where the bound
+    run to its end stays over 1 % under the plan (64 devices: that pass at 1.028 x sum C / K, the bound
+    1.0249), so it bisects from the middle
+    (``from_middle``; docs/benchmarks.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
                         bound_only=True, exact_wide=True, from_middle=True)
     if lower is None:
