@@ -362,7 +362,9 @@ def test_time_the_coarsened_search_leaves_goes_to_every_node():
     bounded by sum C / K only (20.7 % open); CP-SAT on every node, started from that plan, proves
     the optimum in the time left, and its bound is the graph's."""
     g = CostGraph.load(PROFILES / "inception_v3.txt")
-    res = partition(g, 8, bandwidth=1.25e9, time_limit=20)
+    # 7-10 s alone here; under the full suite's load on 2 cores the proof once took past 20 s (2026-12-03),
+    # so the limit leaves room: the search returns as soon as it is proven
+    res = partition(g, 8, bandwidth=1.25e9, time_limit=40)
     # OPTIMAL needs the bound on every node (the coarsened run's holds for its groups only); the plan
     # may be either run's, as they tie when the coarsened run finds the optimum
     assert res.status == "OPTIMAL" and res.method in ("CP-SAT", "CP-SAT on every node")
