@@ -382,10 +382,11 @@ class ChainSolver:
         each group's start and size. Worked out once per lattice (equal segments share their pair arrays).
         The points one at a time cost a Python step each, two a point a pass: 150,000 on a whole-block
         Llama pass, a sixth of it."""
-        key = id(seg.sub_i)
-        known = self._level_cache.get(key)
-        if known is not None and known[0] is seg.sub_i:
-            return known[1]
+        return self._per_lattice(self._level_cache, seg, None, lambda: self._grouped_by_rank(seg))
+
+    @staticmethod
+    def _grouped_by_rank(seg: Segment) -> list:
+        """``_levels`` worked out."""
         d = len(seg.compute)
         bounds = np.searchsorted(seg.sub_i, np.arange(d + 1))
         counts = np.diff(bounds)
@@ -397,8 +398,19 @@ class ChainSolver:
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             pairs = np.arange(int(sizes.sum())) - np.repeat(starts - bounds[xs], sizes)
             levels.append((xs, pairs, starts, sizes))
-        self._level_cache[key] = (seg.sub_i, levels)
         return levels
+
+    @staticmethod
+    def _per_lattice(cache: dict, seg: Segment, extra, build):
+        """``build()``, kept in ``cache`` for ``seg``'s lattice (equal segments share their pair arrays) and
+        ``extra`` (hashable: what else the answer reads). The arrays are held with the answer, so an id
+        is not reused while it is kept."""
+        key = (id(seg.sub_i), extra)
+        known = cache.get(key)
+        if known is None or known[0] is not seg.sub_i:
+            known = (seg.sub_i, build())
+            cache[key] = known
+        return known[1]
 
     def _late_inside(self, a: int, seg: Segment, T: float, dev, least, j, R2, levels) -> Optional[np.ndarray]:
         """Per pair (j, x) of ``seg``, a count the point x reaches through the stage (j, x) at the least
@@ -644,13 +656,10 @@ class ChainSolver:
         the devices: the same every pass), worked out once per lattice and cuts (repeated blocks share
         both). On a whole-block Llama pass (1.15 million pairs a block, a third of them here) testing every
         pair took a sixth of it."""
-        key = (id(seg.sub_i), seg.cut.tobytes())
-        known = self._cut_cache.get(key)
-        if known is None or known[0] is not seg.sub_i:
+        def build():
             le = seg.cut[seg.sub_i] <= seg.cut[seg.sub_j]
-            known = (seg.sub_i, seg.sub_j[le], seg.sub_i[le])
-            self._cut_cache[key] = known
-        return known[1], known[2]
+            return seg.sub_j[le], seg.sub_i[le]
+        return self._per_lattice(self._cut_cache, seg, seg.cut.tobytes(), build)
 
     # ------------------------------------------------------------ the plan
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:

@@ -126,8 +126,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
             # units with the rest folded into them, the block a chain, two chains, or the block whole
             # (``wide_segments.py``); after the first, the relaxation's bound under its plan (``early_bound``),
-            # the others then improve the plan. Where the bound is kept the block whole comes after
-            # ``finer_bound`` (``_merged_plan``)
+            # the others then improve the plan (the order: ``WIDE_SEARCHES``)
             deadline -= _scoring_reserve(graph, opts)
             narrowed, chained, paired = WIDE_SEARCHES
             for widen in WIDE_SEARCHES if bound_kept else (narrowed, chained, wide_segments.merged, paired):
@@ -147,8 +146,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     if cones or exits or wide:  # the plan came from a restriction: the bound from the relaxation (branches.py,
         # anchors.py, wide_segments.py)
         bound = 0.0  # cut off by the deadline: the plan stands, bounded by sum C / K below
-        # where the wide path has the relaxation's bound already (``early_bound``), not again: run to the
-        # end its bound came out no higher and its plan 2-3x slower on every 24- and 96-layer Llama row
+        # where the wide path has the relaxation's bound already (``early_bound``), not again: on every
+        # 24-layer Llama row its bound came out no higher and its plan 2-3x slower (on 96 layers it was cut off)
         lower = relaxation(graph, opts, deadline, cones, exits, bool(wide)) if early is None else None
         if lower is not None:
             plans.append(lower[0])
@@ -194,9 +193,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     loose = loose_groups(graph, opts)
     finish = lambda e, a, reps: _finished(graph, loose, a, reps, e, judge)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
-    if wide and bound_kept:  # before the block whole and the mask in pieces, whose plans did not beat the
-        # others on any 24- or 96-layer Llama row at 10 s, and which took the 3-4 s a pass of this bound needs
-        bound = max(bound, _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored))
+    if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
+        # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
+        bound = _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored)
         scored += [finish(evaluate(graph, *p, judge), *p) for p in _merged_plan(plan_graph, opts, deadline, cones)]
     if cones or masks:
         _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
@@ -221,7 +220,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
 def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]) -> list:
     """The plan (in a list; empty if none in time) of the search with every wide segment one unit
     (``wide_segments.merged``): on a first profile of the 24-layer HF Llama the fastest on 512 devices,
-    on the bundled one never."""
+    on the bundled one it won no row."""
     found = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=wide_segments.merged)
     return [found[0]] if found is not None and found[0] is not None else []
 

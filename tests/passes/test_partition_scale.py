@@ -911,9 +911,6 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
         used["pieces"] += 1
         return stage_r(self, *args)
 
-    def every_pair_cut_no_larger(self, seg):  # ``_next_pool``'s pairs tested anew, nothing kept
-        le = seg.cut[seg.sub_i] <= seg.cut[seg.sub_j]
-        return seg.sub_j[le], seg.sub_i[le]
 
     for K, bandwidth in ((8, 1.25e9), (64, 1.25e9), (64, 1e11), (256, 1e11)):
         opts = CostOptions(devices=K, bandwidth=bandwidth)
@@ -932,10 +929,16 @@ def test_a_pass_counts_the_same_with_its_shortcuts(monkeypatch, kept):
                 m.setattr(chain, "R_CHUNK", 1 << 40)
                 m.setattr(costmodel, "_plain_replicas",
                           lambda every, cut_in, cut_out, T, opts: costmodel._checked_replicas(every, T, opts))
-                m.setattr(chain.ChainSolver, "_cut_no_larger", every_pair_cut_no_larger)
+                m.setattr(chain.ChainSolver, "_cut_no_larger", lambda self, seg: _every_pair_cut_no_larger(seg))
                 slow = chain.ChainSolver(units, segs, opts).devices_needed(ideal * f)
             assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1]), (K, f)
     assert used["whole"] and used["light"] and used["pieces"]
+
+
+def _every_pair_cut_no_larger(seg):
+    """``ChainSolver._cut_no_larger``'s pairs tested anew, nothing kept."""
+    le = seg.cut[seg.sub_i] <= seg.cut[seg.sub_j]
+    return seg.sub_j[le], seg.sub_i[le]
 
 
 def test_pool_pruning_pairs_kept_per_lattice_and_cuts():
@@ -955,9 +958,7 @@ def test_pool_pruning_pairs_kept_per_lattice_and_cuts():
     solver = ChainSolver(units, segs, opts)
 
     def check(s):
-        le = s.cut[s.sub_i] <= s.cut[s.sub_j]
-        j, i = solver._cut_no_larger(s)
-        assert np.array_equal(j, s.sub_j[le]) and np.array_equal(i, s.sub_i[le])
+        assert all(np.array_equal(x, y) for x, y in zip(solver._cut_no_larger(s), _every_pair_cut_no_larger(s)))
 
     for s in (seg, other, twin, seg):
         check(s)
