@@ -40,11 +40,22 @@ in place after the layer ran, the gradient would be wrong, so its version is
 recorded and ``W`` raises instead. Values are computed in the dtype the
 forward ran in (autocast's, cast the same way) and accumulated in the
 weight's own dtype.
+
+With recomputation (``fxpipe.runtime.recompute``) the stage's forward runs
+twice: in ``F`` without keeping activations (autograd's graph, and so the
+hooks that record each call's output gradient, come from this run), then in
+``B`` again to give autograd its saved tensors. An input kept from the first
+run would live from ``F`` to ``W``, which is what recomputation avoids, so
+that run leaves each call a slot (``Replayed``) and the recompute fills it
+with the same input recomputed: kept from ``B`` to ``W``, as without
+recomputation.
 """
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -57,8 +68,33 @@ from passes.errors import FxpipeError
 CHEAP = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding) + \
     ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
-# one deferred layer call: (layer, weight, bias or None, its input, the input's version, the output's gradient)
-Entry = Tuple[nn.Module, torch.Tensor, Optional[torch.Tensor], torch.Tensor, int, torch.Tensor]
+# one deferred layer call: (layer, weight, bias or None, its input, the input's version, the output's gradient);
+# under recomputation the input is the call's ``Replayed`` slot and the version None (the slot holds both)
+Entry = Tuple[nn.Module, torch.Tensor, Optional[torch.Tensor], Union[torch.Tensor, list], Optional[int], torch.Tensor]
+
+
+class Replayed:
+    """The deferred layer calls of one recomputed forward, in call order (the module docstring): the first
+    run appends an empty slot per call, each recompute fills them again from the first."""
+
+    def __init__(self) -> None:
+        self.slots: List[list] = []
+        self.next = 0
+
+
+_RUN: contextvars.ContextVar = contextvars.ContextVar("fxpipe_deferred_run", default=None)
+
+
+@contextmanager
+def replaying(calls: Replayed, again: bool) -> Iterator[None]:
+    """Deferring layers called inside record their inputs in ``calls``: leave slots (the first run), or
+    fill them (``again``: a recompute, which may run more than once)."""
+    calls.next = 0
+    token = _RUN.set((calls, again))
+    try:
+        yield
+    finally:
+        _RUN.reset(token)
 
 
 class DeferredGradError(FxpipeError):
@@ -97,8 +133,8 @@ class WeightGradDeferral:
             layer.__dict__.pop("_fxpipe_deferral", None)
         self.layers = {}
 
-    def _take(self, layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor], x: torch.Tensor,
-              version: int, grad_outputs: tuple) -> None:
+    def _take(self, layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              x: Union[torch.Tensor, list], version: Optional[int], grad_outputs: tuple) -> None:
         if grad_outputs[0] is None:  # no gradient reached the output: nothing to add
             return
         entry = (layer, weight, bias, x, version, grad_outputs[0])
@@ -160,9 +196,21 @@ class _Defers:
         if not (grads.enabled and weight.requires_grad and x.requires_grad and torch.is_grad_enabled()):
             return self.plain(x, weight, bias)  # nothing to defer (a first layer on data: its weights go in B)
         deferred_bias = bias if bias is not None and bias.requires_grad else None
+        run = _RUN.get()
+        if run is not None and run[1]:  # a recompute: the first run's slot gets this call's input
+            calls = run[0]
+            if calls.next >= len(calls.slots):
+                raise DeferredGradError("a recomputed forward called more deferring layers than the first run")
+            x_kept = x.detach()
+            calls.slots[calls.next][:] = [x_kept, x_kept._version]
+            calls.next += 1
         out = self.plain(x, weight.detach(), bias.detach() if deferred_bias is not None else bias)
-        x_kept = x.detach()  # shares x's version counter: an in-place write after this call shows in W
-        out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, x_kept, x_kept._version))
+        if run is not None and not run[1]:  # recomputed later: the input comes from the recompute
+            run[0].slots.append([])
+            out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, run[0].slots[-1], None))
+        elif run is None:
+            x_kept = x.detach()  # shares x's version counter: an in-place write after this call shows in W
+            out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, x_kept, x_kept._version))
         return out
 
 
@@ -212,6 +260,13 @@ _DEFERRING = {nn.Linear: _DeferringLinear, nn.Conv1d: _DeferringConv1d, nn.Conv2
 
 def _accumulate(entry: Entry) -> None:
     layer, weight, bias, x, version, dy = entry
+    if isinstance(x, list):  # a recomputed stage's slot (``Replayed``)
+        if not x:
+            _, name = layer._fxpipe_deferral
+            raise DeferredGradError(f"layer '{name}' got its output gradient but the recompute never ran it "
+                                    "again, so its deferred weight gradient has no input; train this stage "
+                                    "without --recompute or with --schedule 1f1b-flush")
+        x, version = x
     if x._version != version:
         _, name = layer._fxpipe_deferral
         raise DeferredGradError(

@@ -25,7 +25,8 @@ One small handler per action kind (as a flat instruction interpreter):
   weight products deferred (``fxpipe.runtime.deferred``: each call's input
   and output gradient kept, ``dy^T x`` computed in ``W m``); any other stage computes
   only the received values' gradients in ``B m`` and keeps the graph for
-  ``W m`` (``fxpipe.runtime.wgrad``).
+  ``W m`` (``fxpipe.runtime.wgrad``), unless it recomputes: then its whole
+  backward runs in ``B m`` (``fxpipe.runtime.recompute`` says why).
 - ``SEND_F m`` / ``SEND_B m`` ship the mailbox contents (asynchronously).
   A send holds its tensor until it is waited; ``B g`` first waits the sends
   of microbatches ``<= g - lag`` (see ``send_lag``), so a long run (one
@@ -134,7 +135,7 @@ class Executor:
         """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
         compiled = self._program(actions)
         self._versioned = {base + m for m in compiled.updated}
-        self._split = compiled.split  # zb-h1 (TrainConfig refuses it with recomputation)
+        self._split = compiled.split  # zb-h1
         if self._split and self._deferral is None:
             # a stage that receives no gradient-carrying value has no input half: its whole backward
             # waits for W as it is, nothing to defer
@@ -251,9 +252,10 @@ class Executor:
                 torch.autograd.backward(roots, grads)
             finally:
                 state.wgrad = self._deferral.done()
-        elif roots and self._split:
+        elif roots and self._split and not self.recompute:
             self._backward_input(state, roots, grads)
-        elif roots:
+        elif roots:  # (a split list on a recomputing stage that does not defer: whole here, W empty,
+            # since each of W's engine calls would recompute the forward again: ``fxpipe.runtime.recompute``)
             torch.autograd.backward(roots, grads)
             self.stash.backward_done(g)
         state.box.collect_grads()  # received values' gradients (a split backward put them there already)

@@ -89,7 +89,7 @@ class TrainConfig:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
         check_lr_schedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.lr)
         check_precision(self.precision, self.schedule)
-        check_recompute(self.recompute, self.schedule)
+        check_recompute(self.recompute)
         check_device(self.device)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")

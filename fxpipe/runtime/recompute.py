@@ -15,7 +15,14 @@ Two things make a pipeline stage different from a plain module:
   autograd saves the same tensors) and its sends go nowhere;
 - with weight stashing the recompute must see the weights the forward saw:
   ``WeightStash.forward`` hands this module the whole call (version swap
-  included) as ``call``, so the recompute swaps the same version in again.
+  included) as ``call``, so the recompute swaps the same version in again;
+- with a split backward (``zb-h1``) a Linear or convolution layer's deferred
+  weight gradient needs the layer's input in ``W``: the recompute hands it
+  over (``fxpipe.runtime.deferred.Replayed``), so it lives from ``B`` to
+  ``W`` only. A stage whose backward splits on the autograd graph
+  (``fxpipe.runtime.wgrad``) would recompute its forward again for every
+  engine call in ``W``; recomputing, it runs its whole backward in ``B``
+  (the executor) and its ``W`` is empty.
 
 Randomness (dropout) is replayed: checkpoint restores the RNG state, and the
 autocast state, of the first run. BatchNorm running statistics, however, are
@@ -28,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fxpipe.runtime.deferred import Replayed, replaying
 from passes import comm
 from passes.errors import FxpipeError
 
@@ -72,24 +80,21 @@ def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transpor
     """``call(*args)`` with ``box`` bound, its activations recomputed in backward instead of kept."""
     recording = _Recording(box)
     state: Dict[str, Optional[Any]] = {"first": recording}
+    calls = Replayed()  # deferred weight gradients' inputs, from the recompute (``fxpipe.runtime.deferred``)
 
     def run(*a: Any) -> Any:
         first = state["first"]
         state["first"] = None
-        with comm.bind(first if first is not None else _Replay(recording.received)):
+        with comm.bind(first if first is not None else _Replay(recording.received)), replaying(calls, first is None):
             return call(*a)
 
     return checkpoint(run, *args, use_reentrant=False)
 
 
-def check_recompute(mode: str, schedule: Optional[str] = None) -> None:
-    """Raise unless ``mode`` is one of ``RECOMPUTE`` and ``schedule`` can recompute."""
+def check_recompute(mode: str) -> None:
+    """Raise unless ``mode`` is one of ``RECOMPUTE``."""
     if mode not in RECOMPUTE:
         raise FxpipeError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE)}")
-    if schedule == "zb-h1" and mode != "none":
-        raise FxpipeError("--schedule zb-h1 with --recompute is not supported yet (its split backward has "
-                          "not been tested through the recompute replay); use --recompute none, or "
-                          "--schedule 1f1b-flush to recompute")
 
 
 def recomputes(mode: str, auto_stages: Optional[Sequence[int]], stage: int) -> bool:

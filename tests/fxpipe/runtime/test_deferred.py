@@ -6,7 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.runtime.deferred import DeferredGradError, defer_weight_grads
+from fxpipe.runtime.deferred import DeferredGradError, Replayed, defer_weight_grads, replaying
+from fxpipe.runtime.recompute import recomputed
+from passes import comm
 from tests.fxpipe.runtime import fakes
 
 
@@ -26,7 +28,7 @@ class Stage(nn.Module):
         return F.linear(h, self.emb.weight)  # the embedding's weight as a head: its gradient stays in B
 
 
-def _run(defer: bool, dtype: torch.dtype = torch.float64, autocast: bool = False):
+def _run(defer: bool, dtype: torch.dtype = torch.float64, autocast: bool = False, recompute: bool = False):
     torch.manual_seed(0)
     stage = Stage().to(dtype)
     grads = defer_weight_grads(stage) if defer else None
@@ -36,7 +38,8 @@ def _run(defer: bool, dtype: torch.dtype = torch.float64, autocast: bool = False
     x = torch.randn(3, 4, 6, dtype=dtype, requires_grad=True)
     idx = torch.randint(0, 10, (3, 4))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = stage(x, idx)
+        # recomputed: the executor's wrapping (the forward again in backward, inside B's collect)
+        out = recomputed(stage, (x, idx), comm.MailboxTransport()) if recompute else stage(x, idx)
     root = out.float().pow(2).sum()
     if grads is not None:
         grads.collect()
@@ -61,6 +64,42 @@ def test_deferred_weight_gradients_equal_one_whole_backward() -> None:
     for name, grad in want.items():
         assert got[name] is not None, name
         assert torch.allclose(got[name], grad, rtol=1e-12, atol=1e-12), name
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_recomputed_stages_weight_gradients_equal_one_whole_backward(defer: bool) -> None:
+    """Recomputing in B (the checkpointed forward run again) changes no gradient, deferred or not."""
+    gx, got = _run(defer=defer, recompute=True)
+    want_x, want = _run(defer=False)
+    assert torch.allclose(gx, want_x, rtol=1e-12, atol=1e-12)
+    for name, grad in want.items():
+        assert got[name] is not None, name
+        assert torch.allclose(got[name], grad, rtol=1e-12, atol=1e-12), name
+
+
+def test_a_recomputed_forward_keeps_no_layer_input_until_the_recompute() -> None:
+    """The first run leaves a slot per deferred call and holds no input; the recompute fills the slots in
+    call order with the inputs it computes again, which W then reads."""
+    torch.manual_seed(0)
+    stage = Stage().double()
+    grads = defer_weight_grads(stage)
+    grads.enabled = True
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 10, (3, 4))
+    calls = Replayed()
+    with replaying(calls, False):
+        stage(x, idx)
+    assert calls.slots == [[], [], [], []]  # a, b, a, b: nothing of the forward kept
+    with torch.no_grad():
+        h = stage.b(torch.tanh(stage.a(x))) + stage.emb(idx)
+    with replaying(calls, True):
+        stage(x, idx)
+    assert [tuple(s[0].shape) for s in calls.slots] == [(3, 4, 6), (3, 4, 8), (3, 4, 6), (3, 4, 8)]
+    assert torch.equal(calls.slots[0][0], x.detach()) and torch.equal(calls.slots[2][0], stage.norm(h))
+    with replaying(calls, True):  # a second recompute (another backward) fills them again, from the first
+        stage(x, idx)
+    assert calls.next == 4
+    grads.remove()
 
 
 def test_deferred_under_bf16_autocast_match_autocast_backward() -> None:

@@ -158,9 +158,11 @@ def test_a_peer_gone_before_posting_is_a_transport_error_naming_it(monkeypatch) 
             closed()
 
 
-def test_zb_h1_with_recompute_is_refused_in_the_callers_process() -> None:
+def test_recompute_is_checked_in_the_callers_process_and_combines_with_every_schedule() -> None:
     from fxpipe.runtime.loop import TrainConfig
     from passes.errors import FxpipeError
 
-    with pytest.raises(FxpipeError, match="--schedule zb-h1 with --recompute is not supported"):
-        TrainConfig(schedule="zb-h1", recompute="all")
+    for schedule in ("1f1b-flush", "1f1b-stash", "gpipe", "zb-h1", "2bw"):
+        assert TrainConfig(schedule=schedule, recompute="all").recompute == "all"
+    with pytest.raises(FxpipeError, match="--recompute 'some' is not one of"):
+        TrainConfig(schedule="zb-h1", recompute="some")
