@@ -365,7 +365,7 @@ def plan_bandwidth(plan) -> Bandwidth:
 def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                   tied_stages: Optional[Sequence[int]] = None, links: Optional[Sequence[Tuple[int, int]]] = None,
                   step_s: Optional[Sequence[float]] = None, compute_scale: float = 1.0,
-                  **sim_options) -> Tuple[SimResult, "object"]:
+                  recompute: Optional[Sequence[bool]] = None, **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
@@ -373,7 +373,10 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
     that share a weight with another (``StagePlan.tied_bytes``); ``step_s``: per stage, the optimizer step's seconds (the plan has
     none: the optimizer is a training option); ``compute_scale``: multiplies
     every forward and backward (workers running more threads than the
-    profile's, ``fxpipe.runtime.threadcost``); ``sim_options`` go to
+    profile's, ``fxpipe.runtime.threadcost``); ``recompute``: per stage, whether it
+    recomputes its activations (``fxpipe.runtime.recompute``): its ``B`` runs the
+    forward again (``W`` keeps its share of the backward: the runtime's
+    deferred weight gradients); ``sim_options`` go to
     ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
@@ -390,6 +393,11 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         if len(step_s) != len(costs):
             raise ScheduleError(f"step_s has {len(step_s)} entries for a plan of {len(costs)} stages")
         costs = [dataclasses.replace(c, step_s=float(t)) for c, t in zip(costs, step_s)]
+    if recompute is not None:
+        if len(recompute) != len(costs):
+            raise ScheduleError(f"recompute has {len(recompute)} entries for a plan of {len(costs)} stages")
+        costs = [dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s, wgrad_s=c.w_s) if again else c
+                 for c, again in zip(costs, recompute)]
     if compute_scale != 1.0:
         costs = [dataclasses.replace(c, fwd_s=c.fwd_s * compute_scale, bwd_s=c.bwd_s * compute_scale,
                                      wgrad_s=None if c.wgrad_s is None else c.wgrad_s * compute_scale) for c in costs]

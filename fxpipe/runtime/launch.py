@@ -216,6 +216,7 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     if split.plan is None:
         return None
     from fxpipe.runtime.postcost import message_cost_s
+    from fxpipe.runtime.recompute import recomputes
     from fxpipe.runtime.stepcost import step_costs
     from fxpipe.runtime.threadcost import thread_speedup
     from fxpipe.simulate import simulate_split
@@ -227,13 +228,16 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
     if on_cpu and world > 1:  # one rank sends nothing
         post_s, post_per_byte_s = message_cost_s()
         extra.update(post_s=post_s, post_per_byte_s=post_per_byte_s)
+    again = [recomputes(cfg.recompute, cfg.recompute_stages, j) for j in range(len(split.plan.stages))]
     try:
         sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, compute_scale=1.0 / speed,
-                             **extra)
+                             recompute=again if any(again) else None, **extra)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None
     with_step = "optimizer step included" if steps else "optimizer step not included"
+    if any(again):
+        with_step += f", stages {','.join(str(j) for j, a in enumerate(again) if a)} recomputing"
     shared = f"; {world} ranks share {cores} cores" if on_cpu and world > cores else ""
     if speed != 1.0:
         shared += f"; {threads} threads per worker run the model {speed:.2f}x as fast as the profile's one"

@@ -916,10 +916,16 @@ def stage_input_bytes(graph: CostGraph, assignment: Mapping[str, int], stage: in
 def recompute_cost(stage: StagePlan, in_bytes: int, index: int, replicas: Sequence[int],
                    opts: CostOptions) -> StagePlan:
     """``stage`` recomputing its activations: every backward pays one more forward; per microbatch in
-    flight only its inputs stay, plus one microbatch's activations alive during the recompute."""
+    flight only its inputs stay, plus one microbatch's activations alive during the recompute. Under
+    ``zb-h1`` the microbatches between their ``B`` and their deferred ``W`` (its window less 1F1B-flush's)
+    keep what ``W`` reads, counted as their activations (an upper bound: a deferred Linear layer keeps its
+    input and its output's gradient, ``fxpipe.runtime.deferred``)."""
     r = stage.replicas
     compute = (2 * stage.fwd_s + stage.bwd_s) / r
     kept = memory_bytes(stage.param_bytes, in_bytes, index, replicas, opts) + stage.act_bytes
+    if opts.schedule == "zb-h1":
+        M = planned_microbatches(opts)
+        kept += (in_flight(index, replicas, "zb-h1", M) - in_flight(index, replicas, "1f1b-flush", M)) * stage.act_bytes
     time_s = float(combine_stage_time(2 * stage.fwd_s + stage.bwd_s, r, stage.allreduce_s, stage.comm_s))
     return dataclasses.replace(stage, compute_s=compute, time_s=time_s, memory_bytes=int(kept))
 

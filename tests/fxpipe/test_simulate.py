@@ -186,6 +186,23 @@ def test_compute_scale_scales_forwards_and_backwards_only():
     assert with_steps.step_s == pytest.approx(free.step_s / 2 + 0.5)  # the optimizer step is timed as is
 
 
+def test_a_recomputing_stage_runs_its_forward_again_in_b():
+    """``recompute``: one more forward per backward on the stages that recompute (in B, zb-h1's W as before)."""
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 0, "c": 0, "out": 0}, [1])
+    fwd = costs_from_plan(plan, g)[0][0].fwd_s
+    for schedule in ("1f1b-flush", "zb-h1", "gpipe"):
+        base, _ = simulate_plan(plan, schedule=schedule, microbatches=4, graph=g, bandwidth=math.inf)
+        again, _ = simulate_plan(plan, schedule=schedule, microbatches=4, graph=g, bandwidth=math.inf,
+                                 recompute=[True])
+        assert again.step_s == pytest.approx(base.step_s + 4 * fwd), schedule  # one stage: all compute
+        same, _ = simulate_plan(plan, schedule=schedule, microbatches=4, graph=g, bandwidth=math.inf,
+                                recompute=[False])
+        assert same.step_s == pytest.approx(base.step_s)
+    with pytest.raises(ScheduleError, match="2 entries for a plan of 1 stages"):
+        simulate_plan(plan, graph=g, recompute=[True, True])
+
+
 def test_stage_step_cost_is_timed_on_copies():
     import torch
 

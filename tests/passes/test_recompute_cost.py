@@ -31,3 +31,15 @@ def test_recompute_keeps_inputs_and_pays_a_forward() -> None:
                                                              memory=4000))
     assert choice == [True, False]
     assert recompute_choice(g, assign, [1, 1], opts) == [False, False]  # no budget: never
+
+
+def test_recompute_under_zb_h1_keeps_what_w_reads_between_b_and_w() -> None:
+    """zb-h1 holds every stage at the input stage's window (2 here); the last stage's own 1F1B window is 1,
+    so one microbatch at a time waits between its B and its W with what W reads (its activations, at most)."""
+    g, assign = _graph(), {"x": 0, "a": 0, "b": 0, "c": 0, "d": 1}
+    opts = CostOptions(devices=2, schedule="zb-h1", microbatches=4)
+    first, last = evaluate(g, assign, [1, 1], opts).stages
+    assert recompute_cost(first, 10, 0, [1, 1], opts).memory_bytes == 900 + 2 * 10 + 2010  # as 1F1B-flush
+    assert last.memory_bytes == 300 + 2 * 5000  # its 5000 activation bytes, two microbatches in flight
+    again = recompute_cost(last, 10, 1, [1, 1], opts)
+    assert again.memory_bytes == 300 + 2 * 10 + 5000 + 1 * 5000
