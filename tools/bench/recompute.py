@@ -1,10 +1,13 @@
 """Benchmark: peak memory per rank with and without activation recomputation, measured and predicted.
 
     python -m tools.bench.recompute [--layers 16] [--dim 128] [--batch 32] [--microbatches 4] [--steps 3]
+        [--schedules 1f1b-flush,zb-h1]
 
 examples/gpt.py's GPT made deeper (``--layers``) and wider, split by fxpipe
-into 2 stages (1f1b-flush), trained for ``--steps`` steps on 2 CPU ranks over
-gloo with ``--recompute none`` and ``--recompute all``.
+into 2 stages, trained for ``--steps`` steps on 2 CPU ranks over gloo with
+``--recompute none`` and ``--recompute all`` under each of ``--schedules``
+(default 1f1b-flush; zb-h1's recomputing stages hand W the recomputed layer
+inputs, ``fxpipe.runtime.deferred``).
 
 Measured: per rank, the growth of the resident set during training (Linux
 ``VmHWM`` reset when training starts, minus the resident size then; see
@@ -59,12 +62,12 @@ def _split(args: argparse.Namespace, folder: str) -> Any:
     return result
 
 
-def _predicted(result: Any, recompute: bool) -> List[float]:
+def _predicted(result: Any, recompute: bool, schedule: str) -> List[float]:
     """MiB per stage the cost model predicts, minus one copy of the weights (loaded before the mark)."""
     from passes.partition.costmodel import evaluate, recompute_cost, stage_input_bytes
 
     plan, graph = result.plan, result.profile
-    opts = plan.cost_options()
+    opts = plan.cost_options(schedule=schedule)
     assignment, replicas = plan.assignment(), [s.replicas for s in plan.stages]
     out = []
     for j, s in enumerate(evaluate(graph, assignment, replicas, opts).stages):
@@ -74,7 +77,8 @@ def _predicted(result: Any, recompute: bool) -> List[float]:
     return out
 
 
-def _entry(rank: int, port: int, folder: str, mode: str, batch: int, M: int, steps: int, out: str) -> None:
+def _entry(rank: int, port: int, folder: str, mode: str, schedule: str, batch: int, M: int, steps: int,
+           out: str) -> None:
     import torch.nn as nn
 
     from fxpipe.layout import Layout
@@ -91,7 +95,7 @@ def _entry(rank: int, port: int, folder: str, mode: str, batch: int, M: int, ste
     try:
         split = SplitModel.load(folder)
         mark_baseline()
-        cfg = TrainConfig(schedule="1f1b-flush", microbatches=M, steps=steps, log=False, recompute=mode)
+        cfg = TrainConfig(schedule=schedule, microbatches=M, steps=steps, log=False, recompute=mode)
         res = train(rank=rank, layout=Layout.of((1, 1)), split=split, cfg=cfg, data=_data(batch), loss_fn=gpt.loss_fn)
         torch.save({"growth": growth_mib(), "sps": res.samples_per_s},
                    os.path.join(out, f"rank{rank}.pt"))
@@ -99,10 +103,10 @@ def _entry(rank: int, port: int, folder: str, mode: str, batch: int, M: int, ste
         dist.destroy_process_group()
 
 
-def run(folder: str, mode: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
+def run(folder: str, mode: str, schedule: str, args: argparse.Namespace) -> List[Dict[str, Any]]:
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_entry, args=(port, folder, mode, args.batch, args.microbatches, args.steps, out),
+        mp.start_processes(_entry, args=(port, folder, mode, schedule, args.batch, args.microbatches, args.steps, out),
                            nprocs=2, join=True, start_method="spawn")
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
@@ -114,21 +118,25 @@ def main(argv: Sequence[str] = ()) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--schedules", default="1f1b-flush", help="comma-separated (default: 1f1b-flush)")
     args = p.parse_args(list(argv) or None)
+    schedules = [s for s in args.schedules.split(",") if s]
     with tempfile.TemporaryDirectory() as folder:
         result = _split(args, folder)
         rows = []
-        for mode in ("none", "all"):
-            measured = run(folder, mode, args)
-            predicted = _predicted(result, mode == "all")
-            for j in range(2):
-                sps = measured[1]["sps"]
-                rows.append((mode, j, predicted[j], measured[j]["growth"], sorted(sps)[len(sps) // 2] if sps else 0.0))
+        for schedule in schedules:
+            for mode in ("none", "all"):
+                measured = run(folder, mode, schedule, args)
+                predicted = _predicted(result, mode == "all", schedule)
+                for j in range(2):
+                    sps = measured[1]["sps"]
+                    rows.append((schedule, mode, j, predicted[j], measured[j]["growth"],
+                                 sorted(sps)[len(sps) // 2] if sps else 0.0))
     print(f"GPT {args.layers} layers, dim {args.dim}, microbatch {args.batch}, {args.microbatches} microbatches, "
-          f"2 stages 1f1b-flush; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'recompute':<10} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'samples/s':>10}")
-    for mode, j, pred, meas, sps in rows:
-        print(f"{mode:<10} {j:>5} {pred:>14.1f} {meas:>13.1f} {sps:>10.1f}")
+          f"2 stages; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'schedule':<11} {'recompute':<10} {'stage':>5} {'predicted MiB':>14} {'measured MiB':>13} {'samples/s':>10}")
+    for schedule, mode, j, pred, meas, sps in rows:
+        print(f"{schedule:<11} {mode:<10} {j:>5} {pred:>14.1f} {meas:>13.1f} {sps:>10.1f}")
     return 0
 
 
