@@ -47,9 +47,14 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
 # on the 24-layer Llama its lattices take 0.5 s to build and a pass 1.5-6 s (quick and slow days on this
 # machine), and a pass cut off proves nothing
-WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.chained, wide_segments.paired)  # the wide path's plans, in
-# order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; where the
-# bound is kept the search on merged blocks comes after ``finer_bound`` (``_merged_plan``), else third
+WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
+# order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; the search
+# on merged blocks comes after ``finer_bound`` (``_merged_plan``). Not the chained search: ``paired`` holds
+# every chained plan, and on the 24-layer Llama its 0.7-1.5 s went to ``finer_bound`` on a slow day (32, 128
+# and 256 devices 2.06 -> 1.55, 5.09 -> 2.58 and 7.20 -> 3.67 % open; 8 and 16 planned 0.06 and 0.02 % slower,
+# where the chained plan scored best once its loose nodes were placed; 96 layers: the same plans)
+WIDE_UNBOUNDED = (wide_segments.narrowed, wide_segments.chained, wide_segments.merged, wide_segments.paired)  # where
+# the bound is dropped (``bound_kept``): no bound runs, and the chained plan is the quickest after the first
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -113,8 +118,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                      quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
     exits: List[anchors.Exit] = []
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
-    wide: list = []  # the searches on narrowed, chained, paired (and merged, where the bound is dropped) wide
-    # segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
+    wide: list = []  # the searches on narrowed and paired (and chained and merged, where the bound is dropped)
+    # wide segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
     if found is None and opts.replication != "none" and opts.gpus_per_node is None:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
@@ -124,12 +129,12 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None
         if found is None and deep:  # a block too wide for its lattice (Llama's attention): its weighted
-            # units with the rest folded into them, the block a chain, two chains, or the block whole
-            # (``wide_segments.py``); after the first, the relaxation's bound under its plan (``early_bound``),
-            # the others then improve the plan (the order: ``WIDE_SEARCHES``)
+            # units with the rest folded into them, two chains (the heaviest path and the rest), or (where the
+            # bound is dropped) one chain or the block whole (``wide_segments.py``); after the first, the
+            # relaxation's bound under its plan (``early_bound``), the others then improve the plan (the
+            # order: ``WIDE_SEARCHES``, ``WIDE_UNBOUNDED``)
             deadline -= _scoring_reserve(graph, opts)
-            narrowed, chained, paired = WIDE_SEARCHES
-            for widen in WIDE_SEARCHES if bound_kept else (narrowed, chained, wide_segments.merged, paired):
+            for widen in WIDE_SEARCHES if bound_kept else WIDE_UNBOUNDED:
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen)
                 wide += [f] if f is not None else []
                 if bound_kept and early is None and f is not None and f[0] is not None:
@@ -343,7 +348,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
     the rotary tables, 27,228 downsets: freed), a DP pass takes 1.5-6 s and up to 0.4 GB here (10-16 s
     before the pass's shortcuts, ``chain.ChainSolver._near``), so this runs with the time the plans
-    leave (``chain_plan``: right after the narrowed, chained and paired searches, ``FINER_AFTER``): at
+    leave (``chain_plan``: right after the narrowed and paired searches, ``FINER_AFTER``): at
     10 s one to four passes there, depending on the day. One infeasible pass is the answer: a first
     pass 1 % under the plan (``chain.solve``'s default) is feasible on 32-512 devices, where the bound
     run to its end stays over 1 % under the plan (64 devices: that pass at 1.028 x sum C / K, the bound
