@@ -375,8 +375,9 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
     every forward and backward (workers running more threads than the
     profile's, ``fxpipe.runtime.threadcost``); ``recompute``: per stage, whether it
     recomputes its activations (``fxpipe.runtime.recompute``): its ``B`` runs the
-    forward again (``W`` keeps its share of the backward: the runtime's
-    deferred weight gradients); ``sim_options`` go to
+    forward again (``W`` keeps its share of the backward, as a stage that defers
+    its Linear layers' weight gradients runs it; a recomputing stage that does
+    not defer runs its whole backward in ``B``, not modelled); ``sim_options`` go to
     ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
