@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from functools import partial
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -68,9 +68,9 @@ from passes.errors import FxpipeError
 CHEAP = (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.Embedding) + \
     ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
-# one deferred layer call: (layer, weight, bias or None, its input, the input's version, the output's gradient);
-# under recomputation the input is the call's ``Replayed`` slot and the version None (the slot holds both)
-Entry = Tuple[nn.Module, torch.Tensor, Optional[torch.Tensor], Union[torch.Tensor, list], Optional[int], torch.Tensor]
+# one deferred layer call: (layer, weight, bias or None, [its input, the input's version], the output's gradient);
+# the input's slot is filled at once, or by the recompute in B where the stage recomputes (``Replayed``)
+Entry = Tuple[nn.Module, torch.Tensor, Optional[torch.Tensor], list, torch.Tensor]
 
 
 class Replayed:
@@ -133,11 +133,11 @@ class WeightGradDeferral:
             layer.__dict__.pop("_fxpipe_deferral", None)
         self.layers = {}
 
-    def _take(self, layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              x: Union[torch.Tensor, list], version: Optional[int], grad_outputs: tuple) -> None:
+    def _take(self, layer: nn.Module, weight: torch.Tensor, bias: Optional[torch.Tensor], kept: list,
+              grad_outputs: tuple) -> None:
         if grad_outputs[0] is None:  # no gradient reached the output: nothing to add
             return
-        entry = (layer, weight, bias, x, version, grad_outputs[0])
+        entry = (layer, weight, bias, kept, grad_outputs[0])
         if self._open is None:
             _accumulate(entry)
         else:
@@ -196,21 +196,20 @@ class _Defers:
         if not (grads.enabled and weight.requires_grad and x.requires_grad and torch.is_grad_enabled()):
             return self.plain(x, weight, bias)  # nothing to defer (a first layer on data: its weights go in B)
         deferred_bias = bias if bias is not None and bias.requires_grad else None
-        run = _RUN.get()
-        if run is not None and run[1]:  # a recompute: the first run's slot gets this call's input
-            calls = run[0]
+        calls, again = _RUN.get() or (None, False)
+        x_kept = x.detach()  # shares x's version counter: an in-place write after this call shows in W
+        if again:  # a recompute: the first run's slot gets this call's input (before the layer runs: the
+            # recompute may stop inside it once autograd has every tensor it saved)
             if calls.next >= len(calls.slots):
                 raise DeferredGradError("a recomputed forward called more deferring layers than the first run")
-            x_kept = x.detach()
             calls.slots[calls.next][:] = [x_kept, x_kept._version]
             calls.next += 1
         out = self.plain(x, weight.detach(), bias.detach() if deferred_bias is not None else bias)
-        if run is not None and not run[1]:  # recomputed later: the input comes from the recompute
-            run[0].slots.append([])
-            out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, run[0].slots[-1], None))
-        elif run is None:
-            x_kept = x.detach()  # shares x's version counter: an in-place write after this call shows in W
-            out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, x_kept, x_kept._version))
+        if not again:  # the graph B runs is this run's; recomputed later, the slot waits for the recompute
+            kept = [x_kept, x_kept._version] if calls is None else []
+            if calls is not None:
+                calls.slots.append(kept)
+            out.grad_fn.register_prehook(partial(grads._take, self, weight, deferred_bias, kept))
         return out
 
 
@@ -259,14 +258,13 @@ _DEFERRING = {nn.Linear: _DeferringLinear, nn.Conv1d: _DeferringConv1d, nn.Conv2
 
 
 def _accumulate(entry: Entry) -> None:
-    layer, weight, bias, x, version, dy = entry
-    if isinstance(x, list):  # a recomputed stage's slot (``Replayed``)
-        if not x:
-            _, name = layer._fxpipe_deferral
-            raise DeferredGradError(f"layer '{name}' got its output gradient but the recompute never ran it "
-                                    "again, so its deferred weight gradient has no input; train this stage "
-                                    "without --recompute or with --schedule 1f1b-flush")
-        x, version = x
+    layer, weight, bias, kept, dy = entry
+    if not kept:  # a recomputed stage's slot (``Replayed``) the recompute never filled
+        _, name = layer._fxpipe_deferral
+        raise DeferredGradError(f"layer '{name}' got its output gradient but the recompute never ran it "
+                                "again, so its deferred weight gradient has no input; train this stage "
+                                "without --recompute or with --schedule 1f1b-flush")
+    x, version = kept
     if x._version != version:
         _, name = layer._fxpipe_deferral
         raise DeferredGradError(
