@@ -12,10 +12,12 @@ from tests.fxpipe.runtime import cases
 from tests.fxpipe.runtime.harness import spawn
 
 # zb-h1: chain4's stages defer their Linear weight gradients to W with the recompute's inputs; tied's last
-# stage (a weight used directly) runs its whole backward in B when it recomputes (fxpipe.runtime.recompute)
+# stage (a weight used directly) runs its whole backward in B when it recomputes (fxpipe.runtime.recompute).
+# 2bw: the second step's backwards run after the first update, on the version before it (recomputing on the
+# master's weights fails both 2bw rows)
 CASES = [("1f1b-stash", "chain4", (1, 1, 1, 1)), ("1f1b-stash", "tied", (1, 1)), ("1f1b-flush", "skip", (1, 1, 1)),
          ("gpipe", "chain2", (2, 1)), ("1f1b-flush", "tied", (1, 1)), ("zb-h1", "chain4", (1, 1, 1, 1)),
-         ("zb-h1", "tied", (1, 1))]
+         ("zb-h1", "tied", (1, 1)), ("2bw", "chain4", (1, 1, 1, 1)), ("2bw", "tied", (1, 1))]
 
 
 def _train(schedule: str, name: str, replicas: tuple, recompute: str) -> dict:
