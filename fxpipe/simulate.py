@@ -365,7 +365,8 @@ def plan_bandwidth(plan) -> Bandwidth:
 def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[int] = None, graph=None,
                   tied_stages: Optional[Sequence[int]] = None, links: Optional[Sequence[Tuple[int, int]]] = None,
                   step_s: Optional[Sequence[float]] = None, compute_scale: float = 1.0,
-                  recompute: Optional[Sequence[bool]] = None, **sim_options) -> Tuple[SimResult, "object"]:
+                  recompute: Optional[Sequence[bool]] = None, defers: Optional[Sequence[bool]] = None,
+                  **sim_options) -> Tuple[SimResult, "object"]:
     """Build the schedule a plan asks for and simulate it; returns ``(result, schedule)``.
 
     ``links`` (e.g. ``SplitModel.links``) override the links read from the
@@ -375,10 +376,12 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
     every forward and backward (workers running more threads than the
     profile's, ``fxpipe.runtime.threadcost``); ``recompute``: per stage, whether it
     recomputes its activations (``fxpipe.runtime.recompute``): its ``B`` runs the
-    forward again (``W`` keeps its share of the backward, as a stage that defers
-    its Linear layers' weight gradients runs it; a recomputing stage that does
-    not defer runs its whole backward in ``B``, not modelled); ``sim_options`` go to
-    ``simulate`` (``overlap_comm``, ``latency_s``...).
+    forward again; ``W`` keeps its share of the backward where the stage defers
+    its Linear and convolution weight gradients (``defers``: per stage, as
+    ``fxpipe.runtime.deferred.qualifies`` says; default every stage), and is
+    empty where it does not or where the stage receives nothing (the executor
+    runs such a stage's whole backward in ``B`` when it recomputes);
+    ``sim_options`` go to ``simulate`` (``overlap_comm``, ``latency_s``...).
     """
     from fxpipe.schedule import build_schedule
 
@@ -394,15 +397,18 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         if len(step_s) != len(costs):
             raise ScheduleError(f"step_s has {len(step_s)} entries for a plan of {len(costs)} stages")
         costs = [dataclasses.replace(c, step_s=float(t)) for c, t in zip(costs, step_s)]
+    links = list(links) if links is not None else found
     if recompute is not None:
-        if len(recompute) != len(costs):
-            raise ScheduleError(f"recompute has {len(recompute)} entries for a plan of {len(costs)} stages")
-        costs = [dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s, wgrad_s=c.w_s) if again else c
-                 for c, again in zip(costs, recompute)]
+        for name, flags in (("recompute", recompute), ("defers", defers)):
+            if flags is not None and len(flags) != len(costs):
+                raise ScheduleError(f"{name} has {len(flags)} entries for a plan of {len(costs)} stages")
+        receives = {b for _, b in links}
+        keeps_w = [j in receives and (defers is None or bool(defers[j])) for j in range(len(costs))]
+        costs = [dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s, wgrad_s=c.w_s if keeps_w[j] else 0.0)
+                 if again else c for j, (c, again) in enumerate(zip(costs, recompute))]
     if compute_scale != 1.0:
         costs = [dataclasses.replace(c, fwd_s=c.fwd_s * compute_scale, bwd_s=c.bwd_s * compute_scale,
                                      wgrad_s=None if c.wgrad_s is None else c.wgrad_s * compute_scale) for c in costs]
-    links = list(links) if links is not None else found
     if schedule == "1f1b-stash":
         M = _round_up_for_stash(M, layout)
     if not tied_stages:

@@ -157,12 +157,24 @@ class Deferred:
 
 
 def defer_weight_grads(module: nn.Module) -> Optional[WeightGradDeferral]:
-    """``module``'s Linear and convolution layers set up for deferral, or None where the stage does not qualify.
+    """``module``'s Linear and convolution layers set up for deferral, or None where the stage does not qualify
+    (``qualifies``). Layers run as before until ``enabled`` is set."""
+    layers = _layers(module)
+    return None if layers is None else WeightGradDeferral(layers)
+
+
+def qualifies(module: nn.Module) -> bool:
+    """Whether ``module``'s weight gradients can be deferred, without changing it (what the prediction asks:
+    a recomputing stage that does not qualify runs its whole backward in ``B``).
 
     A stage qualifies when it has a deferrable layer (``_deferrable``) and
     every other trainable parameter belongs to such a layer or to a module of
-    a ``CHEAP`` type. Layers run as before until ``enabled`` is set.
+    a ``CHEAP`` type.
     """
+    return _layers(module) is not None
+
+
+def _layers(module: nn.Module) -> Optional[Dict[str, nn.Module]]:
     layers: Dict[str, nn.Module] = {}
     cheap: set = set()
     for name, sub in module.named_modules():
@@ -173,7 +185,7 @@ def defer_weight_grads(module: nn.Module) -> Optional[WeightGradDeferral]:
             cheap.update(id(p) for p in sub.parameters(recurse=False))
     if not layers or any(p.requires_grad and id(p) not in cheap for p in module.parameters()):
         return None
-    return WeightGradDeferral(layers)
+    return layers
 
 
 def _deferrable(sub: nn.Module) -> bool:

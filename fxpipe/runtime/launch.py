@@ -229,9 +229,12 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
         post_s, post_per_byte_s = message_cost_s()
         extra.update(post_s=post_s, post_per_byte_s=post_per_byte_s)
     again = [recomputes(cfg.recompute, cfg.recompute_stages, j) for j in range(len(split.plan.stages))]
+    if any(again):
+        from fxpipe.runtime.deferred import qualifies
+        extra.update(recompute=again, defers=[qualifies(m) for m in split.stages])
     try:
         sim = simulate_split(split, cfg.schedule, cfg.microbatches, step_s=steps, compute_scale=1.0 / speed,
-                             recompute=again if any(again) else None, **extra)
+                             **extra)
     except FxpipeError as exc:  # a plan the simulator cannot replay must not stop training
         _log(f"no prediction: {exc}")
         return None

@@ -203,6 +203,30 @@ def test_a_recomputing_stage_runs_its_forward_again_in_b():
         simulate_plan(plan, graph=g, recompute=[True, True])
 
 
+def test_a_recomputing_stage_that_does_not_defer_runs_its_whole_backward_in_b():
+    """zb-h1 + recompute: ``W`` keeps its share only on a stage that receives a value and defers (``defers``);
+    the first stage (receives nothing) and a stage that does not qualify run the whole backward in ``B``."""
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 1, "out": 1}, [1, 1])
+    costs = costs_from_plan(plan, g)[0]
+
+    def spent(result, kind: str) -> dict:
+        return {r: sum(e.end - e.start for e in ev if e.activity == "compute" and e.action.kind.name == kind)
+                for r, ev in result.events.items()}
+
+    kw = dict(schedule="zb-h1", microbatches=4, graph=g, bandwidth=math.inf)
+    base, _ = simulate_plan(plan, **kw)
+    for defers, w1 in ((None, costs[1].w_s), ([True, True], costs[1].w_s), ([True, False], 0.0)):
+        again, _ = simulate_plan(plan, recompute=[True, True], defers=defers, **kw)
+        w, b = spent(again, "W"), spent(again, "B")
+        assert w[0] == pytest.approx(0.0) and w[1] == pytest.approx(4 * w1), defers
+        for r in (0, 1):  # the backward and one forward per microbatch, between B and W
+            assert w[r] + b[r] == pytest.approx(4 * (costs[r].bwd_s + costs[r].fwd_s)), (defers, r)
+    assert costs[0].w_s > 0 and spent(base, "W")[0] == pytest.approx(4 * costs[0].w_s)  # without recompute: W
+    with pytest.raises(ScheduleError, match="defers has 1 entries for a plan of 2 stages"):
+        simulate_plan(plan, recompute=[True, True], defers=[True], **kw)
+
+
 def test_stage_step_cost_is_timed_on_copies():
     import torch
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxpipe.runtime.deferred import DeferredGradError, Replayed, defer_weight_grads, replaying
+from fxpipe.runtime.deferred import DeferredGradError, Replayed, defer_weight_grads, qualifies, replaying
 from fxpipe.runtime.recompute import recomputed
 from passes import comm
 from tests.fxpipe.runtime import fakes
@@ -208,8 +208,10 @@ def test_only_stages_whose_other_weights_are_cheap_qualify() -> None:
     assert defer_weight_grads(WithParameter()) is None
     assert defer_weight_grads(nn.Sequential(Sub(4, 4))) is None  # a subclass may have its own forward
     assert defer_weight_grads(nn.Sequential(nn.LayerNorm(4))) is None  # nothing to defer
+    assert not qualifies(WithParameter()) and not qualifies(WithAttention())
     frozen = WithParameter()
     frozen.scale.requires_grad_(False)
+    assert qualifies(frozen) and type(frozen.lin) is nn.Linear  # asking changes nothing
     assert set(defer_weight_grads(frozen).layers) == {"lin"}
 
 
