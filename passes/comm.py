@@ -157,7 +157,7 @@ class MailboxTransport:
     gradient, the stage gets a clone of it (a C++ autograd node; in-place ops
     on it stay legal), and after the backward ``collect_grads`` moves the
     leaf's ``.grad`` into ``grad_out``. That costs less per microbatch than
-    the ``_RecvFn`` path's Python autograd Function (README, "Stage overhead
+    the ``_RecvFn`` path's Python autograd Function (docs/results.md, "Stage overhead
     without communication"). ``sent_as_roots=True`` likewise replaces
     ``_SendFn``: a differentiable sent value is kept in ``sent``, ``send``
     returns no token, and the runtime starts the backward from those values

@@ -271,7 +271,7 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     one miss what only the whole run pays (the autograd engine walking the
     graph, gradient accumulation, per-call dispatch between nodes), so the
     parts sum to less than the whole and a plan built on them predicts too
-    fast a pipeline (README, "Predicted against measured"). The factors go to
+    fast a pipeline (docs/results.md, "Predicted against measured"). The factors go to
     ``info["calibration"]``; the node meta on ``gm`` keeps the raw timings.
     """
     meta.require(gm, meta.NodeCost, needed_by="to_cost_graph", made_by="passes.profile.profile")

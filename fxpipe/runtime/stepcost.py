@@ -5,8 +5,8 @@ training option (``--optimizer``), so the plan knows nothing of the step. It
 matters most for ``1f1b-stash``, which steps after every backward and makes a
 new weight version at the next forward: there the step is paid once per
 microbatch, not once per minibatch, and a small stage's step is a visible share
-of its forward and backward (numbers in the README, "Predicted against
-measured").
+of its forward and backward (numbers in docs/results.md, "Predicted
+against measured").
 
 So before training the parent times, per stage, the very optimizer the
 workers build (``make_optimizer``) on throwaway copies of the stage's

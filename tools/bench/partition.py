@@ -10,7 +10,7 @@ PipeDream does not finish on, at K = 8 and 16, with the proven gap.
     python -m tools.bench.partition [--time-limit 10] [--branchy-time-limit 60] [--only vgg16,resnet50]
         [--branchy-only] [--branchy-devices 8,16] [--branchy-cost-models pipedream]
 
-The branchy rows at 10 s on 8-32 devices under both cost models (the README's inception_v3 table):
+The branchy rows at 10 s on 8-32 devices under both cost models (the inception_v3 table in docs/results.md):
 ``--branchy-only --only inception_v3 --branchy-time-limit 10 --branchy-devices 8,16,32
 --branchy-cost-models fxpipe,pipedream``.
 
