@@ -153,6 +153,9 @@ class _Overlay:
 def _run_file(path: Path) -> Any:
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
+    if path.is_dir() and (path / "split.json").exists():
+        raise ModelLoadError(f"{path} is a folder from `fxpipe split`, not a model file: pass the model's .py "
+                             f"file and the folder as --split (fxpipe train MODEL.py --split {path})")
     if path.is_dir() or path.suffix != ".py":
         raise ModelLoadError(f"model file must be a .py file: {path}")
     name = "fxpipe_model_" + re.sub(r"\W", "_", path.stem)

@@ -57,6 +57,14 @@ def test_missing_file(tmp_path):
         load_model(str(tmp_path / "nope.py"))
 
 
+def test_a_split_folder_given_as_the_model_says_to_pass_it_as_split(tmp_path):
+    (tmp_path / "split.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"folder from `fxpipe split`.*--split"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="must be a .py file"):  # any other folder
+        load_model(str(tmp_path / ".." ))
+
+
 @pytest.mark.parametrize("body, message", [
     ("import torch\nexample_inputs = (torch.randn(2, 2),)\n", "defines no 'model'"),
     ("from torch import nn\nmodel = nn.Linear(2, 2)\n", "defines no 'example_inputs'"),
