@@ -26,7 +26,7 @@ one thread per rank. Per configuration a fresh set of processes runs:
 Throughput is samples/s of one step (M microbatches) measured on the last
 stage between consecutive step ends (optimizer step included), median over
 ``--steps`` steps after ``--warmup``; every configuration runs ``--rounds``
-times, interleaved with the others, and the best median is kept (load from
+times, interleaved with the others (every other round in reverse order), and the best median is kept (load from
 other processes only ever slows a run down). The ratio divides an fxpipe
 schedule's rate by the fastest torch schedule's in the same configuration;
 the summary line per configuration is fxpipe's fastest over torch's fastest;
@@ -278,8 +278,11 @@ def main(argv: Sequence[str] = ()) -> int:
     for model in args.models.split(","):
         for stages in [int(s) for s in args.stages.split(",")]:
             got: Dict[str, Dict[str, Any]] = {}
-            for _ in range(args.rounds):  # interleaved, best round kept: others' load only slows a run down
-                for kind in kinds:
+            for i in range(args.rounds):  # interleaved, best round kept: others' load only slows a run down
+                # every other round in reverse order, so a machine that speeds up or slows down within a
+                # round favours neither side (2026-12-04: every fxpipe schedule of one row ran its second
+                # round 1.05-1.57x faster, torch's, run before them, did not)
+                for kind in (kinds if i % 2 == 0 else kinds[::-1]):
                     try:
                         r = run_config(kind, model, stages, args.microbatches, args.warmup + args.steps)
                     except Exception as exc:  # a torch schedule this torch cannot run here: reported, not fatal
