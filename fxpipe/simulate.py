@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from passes.partition.costmodel import (DEFAULT_SCHEDULE, CostOptions, activation_bytes, assignment_of,
                                         device_memory_bytes, link_bandwidth)
@@ -341,9 +341,15 @@ def weight_grad_s(graph, nodes: Sequence[str], stage: int, links: Mapping[Tuple[
     in ``B``, is charged here like a matmul's. A stage that receives nothing
     has no input half: its whole backward is ``W`` (``fxpipe.runtime.wgrad``).
     """
-    if not any(b == stage for _, b in links):
+    if stage not in receiving(links):
         return sum(graph.nodes[n].bwd_s for n in nodes)
     return sum(graph.nodes[n].bwd_s for n in nodes if graph.nodes[n].param_bytes or graph.nodes[n].params) / 2
+
+
+def receiving(links: Iterable[Tuple[int, int]]) -> Set[int]:
+    """The stages that receive a value over ``links`` ((src, dst) pairs): a stage that receives none has no
+    input-gradient half of its backward (``weight_grad_s``; the executor's recomputing stages)."""
+    return {b for _, b in links}
 
 
 def plan_options(plan) -> CostOptions:
@@ -402,7 +408,7 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         for name, flags in (("recompute", recompute), ("defers", defers)):
             if flags is not None and len(flags) != len(costs):
                 raise ScheduleError(f"{name} has {len(flags)} entries for a plan of {len(costs)} stages")
-        receives = {b for _, b in links}
+        receives = receiving(links)
         keeps_w = [j in receives and (defers is None or bool(defers[j])) for j in range(len(costs))]
         costs = [dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s, wgrad_s=c.w_s if keeps_w[j] else 0.0)
                  if again else c for j, (c, again) in enumerate(zip(costs, recompute))]

@@ -62,7 +62,7 @@ def test_a_split_folder_given_as_the_model_says_to_pass_it_as_split(tmp_path):
     with pytest.raises(ModelLoadError, match=r"folder from `fxpipe split`.*--split"):
         load_model(str(tmp_path))
     with pytest.raises(ModelLoadError, match="must be a .py file"):  # any other folder
-        load_model(str(tmp_path / ".." ))
+        load_model(str(tmp_path.parent))
 
 
 @pytest.mark.parametrize("body, message", [

@@ -26,8 +26,9 @@ one thread per rank. Per configuration a fresh set of processes runs:
 Throughput is samples/s of one step (M microbatches) measured on the last
 stage between consecutive step ends (optimizer step included), median over
 ``--steps`` steps after ``--warmup``; every configuration runs ``--rounds``
-times, interleaved with the others (every other round in reverse order), and the best median is kept (load from
-other processes only ever slows a run down). The ratio divides an fxpipe
+times, interleaved with the others (every other round in reverse order), and
+the best median is kept (load from other processes only ever slows a run
+down). The ratio divides an fxpipe
 schedule's rate by the fastest torch schedule's in the same configuration;
 the summary line per configuration is fxpipe's fastest over torch's fastest;
 "/ flush" compares the stashing schedules with fxpipe's ``1f1b-flush`` of the

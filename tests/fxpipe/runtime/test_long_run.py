@@ -27,8 +27,6 @@ from tests.fxpipe.runtime import fakes
 from tests.fxpipe.runtime.harness import spawn
 
 STEPS, M = 36, 4
-
-
 TENSORS_EVERY = 2  # steps between tensor counts (a count walks every object: 0.1-0.25 s here)
 
 
