@@ -57,7 +57,7 @@ from fxpipe.runtime.failure import check_loss, mark_action
 from fxpipe.runtime.groups import GradReducer
 from fxpipe.runtime.optim import allow_in_place, run_step
 from fxpipe.runtime.precision import LossScaler, autocast, wire_value
-from fxpipe.runtime.recompute import recomputed
+from fxpipe.runtime.recompute import Buffers, recomputed
 from fxpipe.runtime.stash import WeightStash
 from fxpipe.runtime.trace import Tracer
 from fxpipe.runtime.transport import P2P
@@ -127,6 +127,7 @@ class Executor:
         self._stage_of = {r: layout.stage_of(r) for r in range(layout.world_size)}
         self._lag = send_lag(layout)
         self.recompute, self.scaler = recompute, scaler
+        self._buffers = Buffers(module) if recompute else None  # a recompute must not update BatchNorm again
         self._autocast = lambda: autocast(precision, p2p.device)
         self._wire_dtypes = {w.tag: p2p.dtype_of(w) for w in p2p.wires if w.tensor is not None
                              and w.src_stage == stage} if precision != "fp32" else {}
@@ -205,7 +206,7 @@ class Executor:
         inputs, targets = self.data(g) if self.input_indices or self.is_last else ((), None)
         flat = self.flatten(inputs) if self.input_indices else ()
         args = [flat[i] for i in self.input_indices]
-        wrap = (lambda call, a: recomputed(call, a, box)) if self.recompute else None
+        wrap = (lambda call, a: recomputed(call, a, box, self._buffers)) if self.recompute else None
         with comm.bind(box), torch.enable_grad(), self._autocast():
             # the runtime's mailbox keeps what the stage sent (``box.sent``): the graph returns no tokens
             outputs, _ = self.stash.forward(g, args, versioned=g in self._versioned, wrap=wrap)

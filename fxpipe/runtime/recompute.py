@@ -25,12 +25,18 @@ Two things make a pipeline stage different from a plain module:
   (the executor) and its ``W`` is empty.
 
 Randomness (dropout) is replayed: checkpoint restores the RNG state, and the
-autocast state, of the first run. BatchNorm running statistics, however, are
-updated twice (once per run): a known limitation of recomputation.
+autocast state, of the first run. Buffers the forward writes (BatchNorm's
+running statistics and batch count) must change once per microbatch, as
+without recomputation, so ``Buffers`` puts them back after every recompute
+(``torch.utils.checkpoint`` alone would update them twice). Which buffers a
+stage writes is found on its first forward: BatchNorm's kernel updates its
+running statistics without bumping their version counter, so the values are
+compared too.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -76,8 +82,43 @@ class _Replay:
         return value
 
 
-def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transport) -> Any:
-    """``call(*args)`` with ``box`` bound, its activations recomputed in backward instead of kept."""
+class Buffers:
+    """The buffers a stage's forward writes, kept as they are across a recompute.
+
+    ``first_run`` wraps a forward: on the stage's first one it compares every
+    buffer before and after (version counter and value) and remembers those
+    written; ``unchanged`` then saves those before a recompute and writes them
+    back after it. A buffer the first forward leaves alone is never copied.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.written: Optional[List[torch.Tensor]] = None
+
+    def first_run(self, call: Callable[[], Any]) -> Any:
+        if self.written is not None:
+            return call()
+        before = {id(b): (b, b._version, b.detach().clone()) for b in self.module.buffers()}
+        out = call()
+        self.written = [b for b, version, old in before.values()
+                        if b._version != version or not torch.equal(b, old)]
+        return out
+
+    @contextmanager
+    def unchanged(self) -> Iterator[None]:
+        saved = [(b, b.detach().clone()) for b in self.written or ()]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, old in saved:
+                    b.copy_(old)
+
+
+def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transport,
+               buffers: Optional[Buffers] = None) -> Any:
+    """``call(*args)`` with ``box`` bound, its activations recomputed in backward instead of kept; the
+    recompute leaves ``buffers`` (the stage's, ``Buffers``) as it found them."""
     recording = _Recording(box)
     state: Dict[str, Optional[Any]] = {"first": recording}
     calls = Replayed()  # deferred weight gradients' inputs, from the recompute (``fxpipe.runtime.deferred``)
@@ -86,7 +127,12 @@ def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transpor
         first = state["first"]
         state["first"] = None
         with comm.bind(first if first is not None else _Replay(recording.received)), replaying(calls, first is None):
-            return call(*a)
+            if buffers is None:
+                return call(*a)
+            if first is not None:
+                return buffers.first_run(lambda: call(*a))
+            with buffers.unchanged():
+                return call(*a)
 
     return checkpoint(run, *args, use_reentrant=False)
 
