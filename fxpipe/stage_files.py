@@ -258,7 +258,15 @@ def save_split(split: "SplitModel", folder: Path) -> Path:
 
 
 class _StageTracer(torch.fx.Tracer):
-    """Re-traces a saved stage: every module stays a call, comm calls stay calls."""
+    """Re-traces a saved stage: every module stays a call, comm calls stay calls.
+
+    Buffers read by attribute become graph values (``proxy_buffer_attributes``):
+    an exported graph updates them in place (BatchNorm's ``num_batches_tracked
+    += 1``, with no proxy among its arguments), which a plain trace would run
+    once while tracing and leave out of the graph, with the buffer itself.
+    """
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True

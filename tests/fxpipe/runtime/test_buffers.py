@@ -7,7 +7,9 @@ layer in each stage, float64, two ranks: after three steps of ``1f1b-flush``
 or ``zb-h1`` with ``--recompute all`` every parameter AND buffer (running mean,
 running variance, batch count) equals plain gradient accumulation on the
 unsplit model. Without ``recompute.Buffers`` the statistics were updated
-again by every recompute (the batch count twice the reference's).
+again by every recompute (the batch count twice the reference's). A stage file of an exported graph
+keeps the in-place update of the batch count (loading it once ran the update
+while re-tracing and left the buffer out of the stage).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fxpipe import run_local
 from fxpipe.layout import Layout
 from fxpipe.runtime.loop import TrainConfig, train
 from fxpipe.runtime.recompute import Buffers, recomputed
@@ -75,7 +78,7 @@ def _rank(rank: int, folder: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
     return {"stage": res.stage, "state": res.state}
 
 
-@pytest.mark.parametrize("method,schedule", [("fx", "1f1b-flush"), ("fx", "zb-h1")])
+@pytest.mark.parametrize("method,schedule", [("fx", "1f1b-flush"), ("fx", "zb-h1"), ("export", "1f1b-flush")])
 def test_recomputing_stages_update_batchnorm_statistics_once(tmp_path, method: str, schedule: str) -> None:
     folder = str(tmp_path / "split")
     _split(folder, method)
@@ -111,3 +114,18 @@ def test_buffers_found_on_the_first_forward_and_put_back_after_each_recompute() 
     for k, v in again.state_dict().items():
         assert torch.equal(v, plain.state_dict()[k]), k
 
+
+def test_exported_stage_file_keeps_its_in_place_buffer_update(tmp_path) -> None:
+    folder = str(tmp_path / "split")
+    _split(folder, "export")
+    split = _load(folder)
+    counts = {k: v for st in split.stages for k, v in st.state_dict().items() if k.endswith("num_batches_tracked")}
+    assert sorted(counts) == ["1.num_batches_tracked", "4.num_batches_tracked"]
+    assert all(v.item() == 0 for v in counts.values())  # loading ran nothing
+    model = _model()
+    model.load_state_dict(split.original_state_dict([st.state_dict() for st in split.stages]))
+    x = _data(0)[0][0]
+    torch.testing.assert_close(run_local(split, x), model(x), rtol=0, atol=1e-12)
+    got = split.original_state_dict([st.state_dict() for st in split.stages])
+    for k, v in model.state_dict().items():  # the batch counts at 1, the running statistics moved alike
+        assert torch.equal(got[k], v), k
