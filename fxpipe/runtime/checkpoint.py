@@ -6,17 +6,23 @@ so no weight version other than the current one exists and nothing is in
 flight. Replica 0 of each stage writes ``step-NNNNNNNN/stage<j>.pt`` (replicas
 hold identical weights and optimizer state); after a barrier rank 0 records
 the step in ``latest.json`` and removes older step folders, so a run killed
-mid-write resumes from the previous complete checkpoint.
+mid-write resumes from the previous complete checkpoint. Every rank also
+writes its random-number state (``rng<rank>.pt``: the CPU generator's, and
+its GPU's on CUDA), which dropout draws from.
 
-Resuming restores weights, buffers and optimizer state and starts at the
-next step; the data stream continues at that step's first microbatch, so a
-resumed run computes what the uninterrupted run would have.
+Resuming restores weights, buffers, optimizer state and each rank's random
+numbers and starts at the next step; the data stream continues at that
+step's first microbatch, so a resumed run computes what the uninterrupted run
+would have, dropout included. (A checkpoint written before the random-number
+files existed resumes with a warning: its dropout masks differ from the
+uninterrupted run's.)
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -36,13 +42,27 @@ def _step_dir(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step:08d}")
 
 
+def _rng_path(where: str, rank: int) -> str:
+    return os.path.join(where, f"rng{rank}.pt")
+
+
+def _rng_state(device: torch.device) -> Dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
 def save(folder: str, step: int, rank: int, layout: Layout, module: nn.Module,
-         optimizer: torch.optim.Optimizer, info: Dict[str, Any]) -> None:
+         optimizer: torch.optim.Optimizer, info: Dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
     """Collective: every rank calls it after ``step`` steps completed."""
     stage = layout.stage_of(rank)
     where = _step_dir(folder, step)
+    os.makedirs(where, exist_ok=True)
+    tmp = _rng_path(where, rank) + ".tmp"
+    torch.save(_rng_state(device), tmp)
+    os.replace(tmp, _rng_path(where, rank))
     if layout.replica_of(rank) == 0:
-        os.makedirs(where, exist_ok=True)
         state = {"step": step, "stage": stage, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
         tmp = os.path.join(where, f".stage{stage}.pt.tmp")
         torch.save(state, tmp)
@@ -137,13 +157,21 @@ def _load(path: str, mmap: bool = False) -> Any:
 
 
 def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer: torch.optim.Optimizer,
-            info: Dict[str, Any]) -> int:
-    """Load this rank's stage from the newest checkpoint; returns the step to start at."""
+            info: Dict[str, Any], device: torch.device = torch.device("cpu")) -> int:
+    """Load this rank's stage and random-number state from the newest checkpoint; returns the step to start at."""
     record = _record(folder, layout, info)
     stage = layout.stage_of(rank)
-    path = os.path.join(_step_dir(folder, record["step"]), f"stage{stage}.pt")
-    state = _load(path)
+    where = _step_dir(folder, record["step"])
+    state = _load(os.path.join(where, f"stage{stage}.pt"))
     with torch.no_grad():
         module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])
+    if os.path.exists(_rng_path(where, rank)):
+        rng = _load(_rng_path(where, rank))
+        torch.set_rng_state(rng["cpu"])
+        if device.type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    else:
+        warnings.warn(f"--resume: {where} holds no random-number state for rank {rank} (written by an older "
+                      "fxpipe): dropout draws differ from the uninterrupted run's from here on")
     return int(record["step"])

@@ -245,7 +245,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
         r.ex.on_step = lambda: observe(r.ex)
     M, update_per_mb, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
     info = checkpoint_info(cfg)
-    start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info) if cfg.resume else 0
+    start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info, device) if cfg.resume else 0
     stats = StepStats(clipping=r.clipper is not None)
     reporter = None
     if r.stage == layout.num_stages - 1:
@@ -271,7 +271,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
             reporter.step_done(first)
         done = first + n
         if cfg.checkpoint and (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info)
+            checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info, device)
             if reporter is not None:
                 reporter.restart_clock()
     lrs, norms = stats.done()

@@ -6,6 +6,8 @@ each stage calls ``passes.comm.send/recv`` itself and returns
 the tests compare the pipeline with plain single-process training.
 
 - ``chain``: tests.models.MLP cut into stage chunks (a chain of links);
+  ``chain2-dropout`` adds dropout after every hidden activation (random
+  numbers drawn on every rank, for the resume test);
 - ``tied``: the input layer's weight reused, transposed, as the output
   projection in the last stage (a parameter tied across stages);
 - ``skip``: three stages where stage 0 also sends to stage 2 (a link that skips
@@ -58,10 +60,11 @@ def _tmeta(shape: Sequence[int]) -> ValueMeta:
 
 
 class ChainStage(nn.Module):
-    def __init__(self, layers: Sequence[nn.Module], index: int, last: bool, width_in: int, act_last: bool) -> None:
+    def __init__(self, layers: Sequence[nn.Module], index: int, last: bool, width_in: int, act_last: bool,
+                 drop: float = 0.0) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.index, self.last, self.width_in, self.act_last = index, last, width_in, act_last
+        self.index, self.last, self.width_in, self.act_last, self.drop = index, last, width_in, act_last, drop
 
     def forward(self, *inputs: torch.Tensor) -> Tuple[Any, Tuple[Any, ...]]:
         if self.index == 0:
@@ -72,13 +75,16 @@ class ChainStage(nn.Module):
             x = layer(x)
             if not self.last or i < len(self.layers) - 1:
                 x = torch.tanh(x)
+                if self.drop:
+                    x = F.dropout(x, self.drop, self.training)
         if self.last:
             return x, ()
         return None, (comm.send(x, f"h{self.index}", self.index + 1),)
 
 
-def chain(cuts: Sequence[int]) -> Tuple[nn.Module, FakeSplit]:
-    """MLP split before the layer indices in ``cuts`` (e.g. (2,) -> 2 stages)."""
+def chain(cuts: Sequence[int], drop: float = 0.0) -> Tuple[nn.Module, FakeSplit]:
+    """MLP split before the layer indices in ``cuts`` (e.g. (2,) -> 2 stages); ``drop``: dropout's probability
+    (the unsplit model has none: it is for runs compared with runs)."""
     torch.manual_seed(0)
     model = MLP().double()
     bounds = [0, *cuts, len(model.layers)]
@@ -86,7 +92,7 @@ def chain(cuts: Sequence[int]) -> Tuple[nn.Module, FakeSplit]:
     for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         last = j == len(bounds) - 2
         layers = [_copy(model.layers[i]) for i in range(a, b)]
-        stages.append(ChainStage(layers, j, last, model.layers[a].in_features, not last))
+        stages.append(ChainStage(layers, j, last, model.layers[a].in_features, not last, drop))
         names.append({f"layers.{i - a}.{p}": f"layers.{i}.{p}" for i in range(a, b) for p in ("weight", "bias")})
         if not last:
             edges.append(Edge(f"h{j}", j, j + 1, _tmeta((MICRO, model.layers[b - 1].out_features))))
@@ -193,7 +199,8 @@ def skip() -> Tuple[nn.Module, FakeSplit]:
     return model, FakeSplit(stages, [[0], [], []], edges, names)
 
 
-MODELS = {"chain2": lambda: chain((2,)), "chain4": lambda: chain((1, 3, 4)), "tied": tied, "skip": skip}
+MODELS = {"chain2": lambda: chain((2,)), "chain4": lambda: chain((1, 3, 4)), "tied": tied, "skip": skip,
+          "chain2-dropout": lambda: chain((2,), drop=0.3)}
 
 
 class Data:
@@ -208,7 +215,7 @@ class Data:
         return (x,), torch.randn(MICRO, self.out_dim, generator=gen, dtype=torch.float64)
 
 
-DIMS = {"chain2": (16, 8), "chain4": (16, 8), "tied": (16, 16), "skip": (16, 6)}
+DIMS = {"chain2": (16, 8), "chain4": (16, 8), "tied": (16, 16), "skip": (16, 6), "chain2-dropout": (16, 8)}
 
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

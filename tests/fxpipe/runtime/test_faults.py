@@ -24,18 +24,46 @@ def test_failing_worker_stops_the_others(how: str) -> None:
         assert "injected failure" in out.results[1]["error"]
 
 
+MODEL = "chain2-dropout"  # every rank draws dropout masks: the resumed run must draw the same ones
+
+
 def _run(steps: int, ckpt: str, resume: bool = False) -> list:
     cfg = TrainConfig(log=False, schedule="1f1b-stash", microbatches=2, steps=steps, optimizer="adamw", lr=0.01,
                       checkpoint=ckpt, checkpoint_every=2, resume=resume).to_json()
-    return spawn(cases.train_case, 2, ("chain2", (1, 1), cfg)).ok()
+    return spawn(cases.train_case, 2, (MODEL, (1, 1), cfg)).ok()
 
 
 def test_resume_continues_like_an_uninterrupted_run(tmp_path) -> None:
+    """Weights, optimizer state and each rank's random numbers (dropout) continue where they stopped."""
     whole = _run(4, str(tmp_path / "a"))
     _run(2, str(tmp_path / "b"))
     resumed = _run(4, str(tmp_path / "b"), resume=True)
     assert resumed[0]["start"] == 2 and len(resumed[1]["losses"]) == 2
     assert whole[1]["losses"][2:] == pytest.approx(resumed[1]["losses"], rel=1e-12)
-    got, want = cases.merged_state("chain2", resumed), cases.merged_state("chain2", whole)
+    got, want = cases.merged_state(MODEL, resumed), cases.merged_state(MODEL, whole)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-12)
+
+
+def test_checkpoint_without_random_state_resumes_with_a_warning(tmp_path) -> None:
+    """A checkpoint an older fxpipe wrote (no ``rng<rank>.pt``) still resumes, and says what differs."""
+    import json
+
+    from fxpipe.layout import Layout
+    from fxpipe.runtime import checkpoint
+
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    where = tmp_path / "step-00000002"
+    where.mkdir()
+    torch.save({"step": 2, "stage": 0, "module": module.state_dict(), "optimizer": optimizer.state_dict()},
+               where / "stage0.pt")
+    (tmp_path / "latest.json").write_text(json.dumps({"step": 2, "replicas": [1]}))
+    before = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="no random-number state for rank 0"):
+        assert checkpoint.restore(str(tmp_path), 0, Layout.of((1,)), module, optimizer, {}) == 2
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.save({"cpu": before}, where / "rng0.pt")  # with the file: the generator is put back as saved
+    torch.rand(3)
+    checkpoint.restore(str(tmp_path), 0, Layout.of((1,)), module, optimizer, {})
+    assert torch.equal(torch.get_rng_state(), before)
