@@ -190,7 +190,7 @@ class _Rank:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     ex: Executor
-    loss_group: Optional[Any]
+    replica_group: Optional[Any]  # this stage's replicas (None: one)
     tracer: Tracer
     clipper: Optional[GradClipper]
 
@@ -225,7 +225,7 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
                   flatten=getattr(split, "flatten_inputs", list),
                   unflatten=getattr(split, "unflatten_outputs", lambda out: out), precision=cfg.precision,
                   recompute=recomputes(cfg.recompute, cfg.recompute_stages, stage), scaler=scaler)
-    return _Rank(stage, module, optimizer, ex, None if cfg.schedule in CONTINUOUS else groups.replica, tracer, clipper)
+    return _Rank(stage, module, optimizer, ex, groups.replica, tracer, clipper)
 
 
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
@@ -249,8 +249,11 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     stats = StepStats(clipping=r.clipper is not None)
     reporter = None
     if r.stage == layout.num_stages - 1:
+        # flush/gpipe sum the loss over the replicas every step; stash/2bw once, after the run (report.py)
+        each, after = (None, r.replica_group) if continuous else (r.replica_group, None)
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
-                            r.ex.losses, r.loss_group, notes=stats.note, settle=r.ex.settle_losses)
+                            r.ex.losses, each, notes=stats.note, settle=r.ex.settle_losses, final_group=after,
+                            device=device)
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
     tied_stages = sorted({s for st in split.tied.values() for s in st})
@@ -277,6 +280,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     lrs, norms = stats.done()
     result = TrainResult(rank, r.stage, start, lrs=lrs, grad_norms=norms)
     if reporter is not None:
+        reporter.finish()
         result.losses, result.samples_per_s = reporter.step_losses, reporter.samples_per_s
     return _finish(cfg, result, r.module, layout, rank, r.tracer)
 

@@ -10,8 +10,11 @@ global norm (flush, gpipe) or, with stash, the largest norm of the last
 stage's updates in the step (``fxpipe.runtime.clipping``).
 
 With a replicated last stage, flush and gpipe sum the loss over its replicas
-(one small all-reduce per step); with stash each replica's share is printed
-by replica 0 only, to keep collectives out of the running pipeline.
+(one small all-reduce per step). With stash and 2bw the step lines show
+replica 0's microbatches only, to keep collectives out of the running
+pipeline (the first line says so); ``finish`` then sums every step over the
+replicas once, after the last step, so the losses a run returns
+(``TrainResult.losses``, ``fxpipe.train``, result.json) cover every microbatch.
 """
 from __future__ import annotations
 
@@ -28,13 +31,18 @@ from fxpipe.runtime.transport import peer_guard
 class Reporter:
     def __init__(self, steps: int, microbatches: int, samples_per_step: int, printing: bool,
                  losses: List[Tuple[int, Any]], loss_group: Optional[Any] = None,
-                 notes: Optional[Callable[[int], str]] = None, settle: Optional[Callable[[], None]] = None) -> None:
+                 notes: Optional[Callable[[int], str]] = None, settle: Optional[Callable[[], None]] = None,
+                 final_group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
         """``notes(step)``: more of the step line after the loss (the learning rate, the gradient norm);
-        ``settle()``: reads into floats (and checks) losses the executor still holds as device tensors."""
+        ``settle()``: reads into floats (and checks) losses the executor still holds as device tensors;
+        ``loss_group``: the replicas summed at every step; ``final_group``: those summed by ``finish``;
+        ``device``: where the sums cross (NCCL groups take no CPU tensor)."""
         self.steps, self.M, self.samples = steps, microbatches, samples_per_step
         self.notes, self.settle = notes, settle
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
+        self.final_group, self.device = final_group, device or torch.device("cpu")
         self.left: Dict[int, int] = {}
+        self.totals: List[torch.Tensor] = []  # per step: [sum of losses, microbatches] (this replica's, stash)
         self.step_losses: List[float] = []
         self.samples_per_s: List[float] = []
         self.t_last = time.perf_counter()
@@ -66,16 +74,29 @@ class Reporter:
         self.t_last = now
         mine = [l for g, l in self.losses if g // self.M == s]
         self.losses[:] = [(g, l) for g, l in self.losses if g // self.M != s]
-        total = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64)
+        total = torch.tensor([sum(mine), float(len(mine))], dtype=torch.float64, device=self.device)
         if self.loss_group is not None:
             with peer_guard("all-reduce of the step's loss"):
                 dist.all_reduce(total, group=self.loss_group)
         loss = (total[0] / total[1].clamp_min(1)).item()
+        self.totals.append(total)
         self.step_losses.append(loss)
         self.samples_per_s.append(sps)
         if self.printing:
+            if self.final_group is not None and len(self.totals) == 1:
+                print("the step lines show the loss of the last stage's replica 0 (its share of the "
+                      "microbatches); the run's losses cover every replica", flush=True)
             notes = self.notes(s) if self.notes is not None else ""
             print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {sps:.1f}", flush=True)
+
+    def finish(self) -> None:
+        """Collective over ``final_group`` (every replica of the last stage): each step's loss over all of them."""
+        if self.final_group is None or not self.totals:
+            return
+        total = torch.stack(self.totals)
+        with peer_guard("all-reduce of the run's losses"):
+            dist.all_reduce(total, group=self.final_group)
+        self.step_losses = (total[:, 0] / total[:, 1].clamp_min(1)).tolist()
 
 
 class StepStats:

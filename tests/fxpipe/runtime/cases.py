@@ -151,8 +151,9 @@ def orders_of(schedule: Dict[int, list], layout: Layout) -> Dict[Tuple[int, int]
 
 
 def pipedream(cuts: Sequence[int], replicas: Sequence[int], orders: Dict[Tuple[int, int], list],
-              lr: float) -> Dict[str, torch.Tensor]:
-    """Weight stashing on the MLP chain cut at ``cuts``; returns the final weights (original names)."""
+              lr: float, losses: Optional[Dict[int, float]] = None) -> Dict[str, torch.Tensor]:
+    """Weight stashing on the MLP chain cut at ``cuts``; returns the final weights (original names) and
+    fills ``losses`` (microbatch -> its loss, on the weights its forward used) if given."""
     model, _ = fakes.chain(cuts)
     data = fakes.Data(*fakes.DIMS["chain2"])
     bounds = [0, *cuts, len(model.layers)]
@@ -177,6 +178,8 @@ def pipedream(cuts: Sequence[int], replicas: Sequence[int], orders: Dict[Tuple[i
             return None
         Wv, inp, out = saved.pop((j, m))
         root, g = (fakes.mse(out, data(m)[1]), None) if j == S - 1 else (out, grad_to.pop((j, m)))
+        if losses is not None and j == S - 1:
+            losses[m] = root.item()
         grads = torch.autograd.grad(root, list(Wv.values()) + ([inp] if j > 0 else []), g)
         if j > 0:
             grad_to[(j - 1, m)] = grads[-1]

@@ -77,6 +77,22 @@ def test_replicated_stage_flush_and_stash() -> None:
     assert _rel(cases.merged_state("chain2", stash), want) <= 1e-5
 
 
+def test_stash_losses_cover_every_replica_of_the_last_stage() -> None:
+    """The step lines show replica 0's microbatches; the run's losses average every replica's."""
+    layout, M, steps = Layout.of((1, 2)), 4, 2
+    stash = spawn(cases.train_case, 3, ("chain2", (1, 2), _cfg(schedule="1f1b-stash", microbatches=M, steps=steps,
+                                                                 optimizer="sgd", lr=0.1))).ok()
+    orders = cases.orders_of(build_schedule("1f1b-stash", layout, steps * M, [(0, 1)]), layout)
+    per_mb: dict = {}
+    want = cases.pipedream((2,), (1, 2), orders, 0.1, losses=per_mb)
+    assert _rel(cases.merged_state("chain2", stash), want) <= 1e-5
+    expected = [sum(per_mb[s * M + m] for m in range(M)) / M for s in range(steps)]
+    for rank in (1, 2):  # both replicas of the last stage
+        assert stash[rank]["losses"] == pytest.approx(expected, rel=1e-9)
+    shares = [sum(per_mb[s * M + m] for m in range(0, M, 2)) / (M // 2) for s in range(steps)]
+    assert shares != pytest.approx(expected, rel=1e-6)  # replica 0's share alone is not the step's loss
+
+
 def _within_change(got: dict, want: dict, name: str, tol: float = 1e-9) -> None:
     """Every parameter within ``tol`` of its change over the run (Frobenius norms)."""
     start = {k: v.detach() for k, v in fakes.MODELS[name]()[0].state_dict().items()}
