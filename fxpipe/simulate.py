@@ -91,11 +91,12 @@ class SimResult:
     samples_per_microbatch: int
     events: Dict[int, List[Event]]
     step_s: float                 # makespan of the whole schedule
-    samples_per_s: float          # microbatches x samples / step_s
+    samples_per_s: float          # every microbatch of the schedule x samples / step_s (2bw: several steps)
     steady_samples_per_s: float   # from the input stage's backward rate in the middle of the run
     bubble_fraction: float        # idle share of ranks x step_s
     busy_s: Dict[int, float]
     peak_memory: Dict[int, int]
+    steps: int = 1  # the steps ``step_s`` covers (2bw's window: several, with no drain between them)
 
     def idle_s(self, rank: int, t0: float, t1: float) -> float:
         """Time in ``[t0, t1]`` when ``rank`` neither computes nor all-reduces."""
@@ -261,15 +262,15 @@ def _result(schedule, sim: _Clock, samples: int) -> SimResult:
     makespan = max([e.end for evs in sim.events.values() for e in evs] + [0.0])
     busy = {r: sum(e.end - e.start for e in evs if e.activity in BUSY) for r, evs in sim.events.items()}
     world = max(len(sim.events), 1)
-    M = getattr(schedule, "microbatches", 0) or len({a.mb for acts in schedule.values() for a in acts
-                                                     if a.kind is Kind.F})
+    ran = len({a.mb for acts in schedule.values() for a in acts if a.kind is Kind.F})  # 2bw: steps x M
+    M = getattr(schedule, "microbatches", 0) or ran
     bubble = 1.0 - sum(busy.values()) / (world * makespan) if makespan > 0 else 0.0
     return SimResult(
         schedule=getattr(schedule, "name", "custom"), microbatches=M, samples_per_microbatch=samples,
         events=sim.events, step_s=makespan,
-        samples_per_s=M * samples / makespan if makespan > 0 else math.inf,
-        steady_samples_per_s=_steady_rate(sim, samples) or (M * samples / makespan if makespan > 0 else math.inf),
-        bubble_fraction=bubble, busy_s=busy, peak_memory=dict(sim.peak))
+        samples_per_s=ran * samples / makespan if makespan > 0 else math.inf,
+        steady_samples_per_s=_steady_rate(sim, samples) or (ran * samples / makespan if makespan > 0 else math.inf),
+        bubble_fraction=bubble, busy_s=busy, peak_memory=dict(sim.peak), steps=max(1, ran // max(M, 1)))
 
 
 def _steady_rate(sim: _Clock, samples: int) -> Optional[float]:
@@ -419,8 +420,9 @@ def simulate_plan(plan, schedule: Optional[str] = None, microbatches: Optional[i
         M = _round_up_for_stash(M, layout)
     if not tied_stages:
         tied_stages = [s.index for s in plan.stages if s.tied_bytes]
-    # 2bw: two steps, so the second runs on the first's weights (two versions, no drain between them)
-    steps = {"steps": 2} if schedule == "2bw" else {}
+    # 2bw: steps without a drain between them (the second on the first's weights), as many as make a
+    # window of 4 x devices microbatches, like the stash window above: the one fill and drain weigh little
+    steps = {"steps": max(2, -(-4 * layout.world_size // M))} if schedule == "2bw" else {}
     built = build_schedule(schedule, layout, M, links, tied_stages, **steps)
     sim_options.setdefault("bandwidth", plan_bandwidth(plan))
     result = simulate(built, costs, layout, samples_per_microbatch=int(plan.batch_size or 1), **sim_options)

@@ -93,7 +93,8 @@ def _summary_html(plan: Any, sim: Any) -> str:
                                            f"{opts['gpus_per_node']} devices per node"))
     if sim is not None:
         items += [("simulated schedule", f"{sim.schedule}, {sim.microbatches} {batches_word(sim.schedule)}"),
-                  ("simulated step", fmt_s(sim.step_s)), ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
+                  ("simulated step" if sim.steps == 1 else f"simulated {sim.steps} steps", fmt_s(sim.step_s)),
+                  ("simulated samples/s", f"{sim.samples_per_s:.4g}"),
                   ("steady-state samples/s", f"{sim.steady_samples_per_s:.4g}"),
                   ("bubble", f"{100 * sim.bubble_fraction:.1f} %")]
     return "".join(f"<div class='kv'><span>{html.escape(k)}</span><b>{html.escape(str(v))}</b></div>"

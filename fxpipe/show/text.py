@@ -28,7 +28,8 @@ def ascii_timeline(sim: Any, layout: Any, width: int = 100) -> str:
     """One line per rank over the simulated step."""
     T = sim.step_s or 1.0
     dt = T / width
-    lines = [f"{sim.schedule}: {sim.microbatches} {batches_word(sim.schedule)}, step {fmt_s(sim.step_s)}, "
+    span = "step" if sim.steps == 1 else f"{sim.steps} steps"
+    lines = [f"{sim.schedule}: {sim.microbatches} {batches_word(sim.schedule)}, {span} {fmt_s(sim.step_s)}, "
              f"{sim.samples_per_s:.4g} samples/s, bubble {100 * sim.bubble_fraction:.1f} %"]
     for rank in sorted(sim.events):
         row = [" "] * width

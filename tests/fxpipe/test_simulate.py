@@ -162,6 +162,21 @@ def test_simulate_plan_uses_profile_links_and_batch_size():
     assert no_graph.schedule == "gpipe" and no_graph.microbatches == 2
 
 
+def test_2bw_predicted_over_a_window_of_steps_counting_every_microbatch():
+    """2bw runs without a drain between steps: the prediction simulates steps enough for a window of
+    4 x devices microbatches and counts every one of them (it had counted one step's over two steps'
+    time: about half the rate a run reaches)."""
+    g = tiny_graph()
+    plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
+    two, sched = simulate_plan(plan, schedule="2bw", microbatches=4, graph=g, bandwidth=math.inf)
+    flush, _ = simulate_plan(plan, schedule="1f1b-flush", microbatches=4, graph=g, bandwidth=math.inf)
+    ran = {a.mb for acts in sched.values() for a in acts if a.kind.value == "F"}
+    assert two.microbatches == 4 and two.steps == 3 and len(ran) == 12  # 4 x 3 devices
+    assert two.samples_per_s == pytest.approx(12 * 8 / two.step_s)
+    assert two.samples_per_s > flush.samples_per_s  # no drain per step
+    assert two.samples_per_s == pytest.approx(two.steady_samples_per_s, rel=0.15)  # one fill and drain left
+
+
 def test_optimizer_step_times_lengthen_the_step_once_per_step_or_per_backward():
     g = tiny_graph()
     plan = fake_plan(g, {"x": 0, "a": 0, "b": 1, "c": 2, "out": 2}, [1, 1, 1])
