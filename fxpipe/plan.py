@@ -105,6 +105,9 @@ class Plan:
             lines.insert(1, f"{self.devices} devices on {self.devices // int(self.options['gpus_per_node'])} nodes of "
                             f"{self.options['gpus_per_node']}: {_rate(self.options.get('intra_bandwidth'))} inside a "
                             f"node, {_rate(self.options.get('bandwidth'))} between nodes")
+        if solver.get("memory_stop_mb") is not None:
+            lines[-1] += (f"; the searches stopped at the memory limit ({float(solver['memory_stop_mb']):.0f} MB), "
+                          "before the time limit")
         levels = solver.get("pipedream_hierarchical")
         if levels:
             lines.append(f"PipeDream's hierarchical optimizer (levels solved one after another): "

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -54,6 +53,7 @@ from passes.partition.coarsen import Units, model_nodes
 from passes.partition.costmodel import CostOptions
 from passes.partition.segment_plan import segment_dp
 from passes.partition.segments import MAX_DOWNSETS, folded_units
+from passes.partition.memory_guard import past
 
 LIGHT = 1e-3  # the planner's relaxation frees nodes with weights up to this share of the heaviest's (``relaxed``)
 TOLERANCE = 2e-3  # where the bisections stop (the bound's, the restriction's plan's)
@@ -180,7 +180,7 @@ def bound(graph: CostGraph, opts: CostOptions, relax: Relaxed, deadline: float, 
           ceiling: float = math.inf) -> Optional[float]:
     """The relaxation's bound on the optimum of ``graph`` (at least ``floor``), its bisection started
     under ``ceiling`` (a plan's time, if known) and cut off at ``deadline``; None if no pass finished."""
-    if time.monotonic() >= deadline:
+    if past(deadline):
         return None
     lower = segment_dp(relax.graph, opts, deadline, hidden=lambda units: hidden(graph, relax, units),
                        floor=floor, ceiling=ceiling, bound_only=True, tolerance=TOLERANCE)

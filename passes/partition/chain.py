@@ -47,6 +47,7 @@ from passes.partition.canon import Canon
 from passes.partition.offsets import count
 from passes.partition.pins import Pins
 from passes.partition.segments import Segment, bridged_units, user_pairs
+from passes.partition.memory_guard import past
 
 
 PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it proves the plan within 1 %, where
@@ -189,7 +190,7 @@ class ChainSolver:
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
         dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            if time.monotonic() > deadline:
+            if past(deadline):
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full(d, K + 1, dtype=np.int64)
@@ -549,7 +550,7 @@ class ChainSolver:
                 continue
             parts = []
             for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
-                if time.monotonic() > self.deadline:
+                if past(self.deadline):
                     raise DeadlineExceeded()
                 part = self._near_slice(ends, pairs, a, min(a + NEAR_SLICE, n), T, one)
                 # gathered anew, that many counts are kept for the pass: in the fewest bytes that hold K

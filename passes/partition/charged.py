@@ -17,7 +17,6 @@ more than 1 % open).
 """
 from __future__ import annotations
 
-import time
 from typing import List, NamedTuple, Optional
 
 import numpy as np
@@ -32,6 +31,7 @@ from passes.partition.offsets import EPS, cut_floors, cut_load_table
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
+from passes.partition.memory_guard import past
 
 KNOWN_CELLS = 1 << 24  # the most (pair, count, offset) cells ``_known_fits`` keeps for one level
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
@@ -297,7 +297,7 @@ class ChargedChainSolver(PlacedChainSolver):
         least = rows.min(axis=1)[s]
         entered, came = rows, None  # per source row and start offset, the fewest devices (and their class)
         for w in range(cols.shape[1]):
-            if time.monotonic() > self.deadline:  # one segment's pairs can take seconds on many devices
+            if past(self.deadline):  # one segment's pairs can take seconds on many devices
                 raise DeadlineExceeded()
             live = np.nonzero(inside[:, w])[0]
             if not live.size:
@@ -450,7 +450,7 @@ class ChargedChainSolver(PlacedChainSolver):
         out = np.zeros(cols.shape + (G,), dtype=bool)
         same = self.opts.replication == "pow2"
         for w in range(cols.shape[1]):
-            if time.monotonic() > self.deadline:
+            if past(self.deadline):
                 raise DeadlineExceeded()
             live = np.nonzero(inside[:, w])[0]
             if not live.size:

@@ -25,6 +25,7 @@ import numpy as np
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff_at, combine_stage_time, cut_at, stage_time_s
 from passes.partition.heuristic import Solution
+from passes.partition.memory_guard import past
 
 
 def enumerate_downsets(units: Units, limit: int, deadline: float = math.inf) -> Optional[List[int]]:
@@ -64,7 +65,7 @@ def downsets_from(pred: List[int], start: int, outputs: int, limit: int,
     while level:
         nxt = []
         for s, can in level:
-            if time.monotonic() > deadline:
+            if past(deadline):
                 return None
             rest = can
             while rest:
@@ -180,7 +181,7 @@ def _search(masks: List[int], n: int, lat: _Lattice, opts: CostOptions, upper: f
     best[0, 0] = 0.0
     choice = np.zeros((D, K + 1, 2), dtype=np.int64)
     for i in range(1, D):
-        if time.monotonic() > deadline:
+        if past(deadline):
             return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
         if js.size:
@@ -250,7 +251,7 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
     low = np.full(D, np.inf)  # each downset's best over its states, final once it is relaxed
     low[0] = 0.0
     for i in range(1, D):
-        if time.monotonic() > deadline:
+        if past(deadline):
             return None
         js = np.nonzero(~(packed[:i] & ~packed[i]).any(axis=1) & (work[i] - work[:i] >= 1))[0]
         js = js[low[js] <= bound]

@@ -28,6 +28,7 @@ from passes.partition.coarsen import Units, build_units, coarsen, ideal_s, model
 from passes.partition.downsets import cheap_cut_plan, default_limit, downset_dp, enumerate_downsets
 from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution, best_order_dp
+from passes.partition.memory_guard import MemoryGuard, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition.work_floor import work_floor
@@ -96,17 +97,29 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
     deadline = start + time_limit - finish_reserve(time_limit)
-    fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
-    _check_devices(fine, opts)
-    try:
-        found = _searched_plan(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
-                               downset_limit, progress)
-    except InfeasibleError:
-        found = _uniform_only(graph, opts, start)
-        if found is None:
-            raise
-        return _floored(graph, opts, found)
-    return _floored(graph, opts, _uniform_kept(graph, opts, found, start))
+    with planning() as budget:  # the searches stop once they have grown the process by LIMIT_MB
+        fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
+        _check_devices(fine, opts)
+        try:
+            found = _searched_plan(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, solver,
+                                   downset_limit, progress)
+        except InfeasibleError:
+            found = _uniform_only(graph, opts, start)
+            if found is None:
+                raise
+            return _floored(graph, opts, _budget_noted(found, budget, progress))
+        return _floored(graph, opts, _budget_noted(_uniform_kept(graph, opts, found, start), budget, progress))
+
+
+def _budget_noted(found: PartitionResult, budget: MemoryGuard, progress) -> PartitionResult:
+    """``found`` with the memory the searches reached, where they stopped at the planning budget."""
+    if budget.tripped:
+        found.memory_stop_mb = budget.peak_mb
+        if progress is not None:
+            progress(f"partition: the searches stopped at {budget.peak_mb:.0f} MB of memory, "
+                     f"{budget.peak_mb - budget.start_mb:.0f} MB more than when planning began (limit "
+                     f"{budget.limit_mb:.0f} MB more); answering with the best plan and bound found by then")
+    return found
 
 
 def _floored(graph: CostGraph, opts: CostOptions, found: PartitionResult) -> PartitionResult:

@@ -13,7 +13,6 @@ Cost: O(n · |allowed r|) numpy operations on n × K arrays.
 from __future__ import annotations
 
 import math
-import time
 from typing import List, NamedTuple, Optional, Sequence
 
 import networkx as nx
@@ -21,6 +20,7 @@ import numpy as np
 
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, stage_time_s
+from passes.partition.memory_guard import past
 
 class Solution(NamedTuple):
     """A plan on units, as the DPs return it."""
@@ -72,7 +72,7 @@ def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: fl
     best[0, 0] = 0.0
     choice = np.zeros((n + 1, K + 1, 2), dtype=np.int64)
     for i in range(1, n + 1):
-        if time.monotonic() > deadline:
+        if past(deadline):
             return None
         js = np.arange(i)
         ok = (work[i] - work[:i] >= 1) & ((js == 0) | (js >= first_cut))

@@ -47,7 +47,6 @@ searches that exactly (see ``costmodel.allreduce_at`` for its charges).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -58,6 +57,7 @@ from passes.errors import FxpipeError
 from passes.partition.coarsen import build_units
 from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import enumerate_downsets
+from passes.partition.memory_guard import past
 
 
 @dataclass
@@ -132,7 +132,7 @@ class OutOfTime(FxpipeError):
 
 
 def _check(deadline: float) -> None:
-    if time.monotonic() > deadline:
+    if past(deadline):
         raise OutOfTime("hierarchical: PipeDream's optimizer did not finish within the time limit")
 
 

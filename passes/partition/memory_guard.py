@@ -1,4 +1,4 @@
-"""Stop a CP-SAT search when it has grown the process's memory past a limit.
+"""Stop the planner's searches when they have grown the process's memory past a limit.
 
 CP-SAT's learned clauses grow with the time it is given: HF GPT-2 with a tied
 head on 64 devices took the planner's process to 349 MB after 30 s of search
@@ -13,6 +13,15 @@ process may hold a captured model, torch and whatever its caller loaded
 (pytest's process after a thousand tests, or ``fxpipe split`` on a large
 model, sits far above 1 GiB before any search), and a limit on the size
 stopped every search there at once.
+
+The dynamic programs allocate too: on the H100-profiled 8-block GPT, two-level
+machine of 256 devices under PipeDream's charges, the placed DP's passes took a
+planner-only process from 51 MB to 953 MB within a 60-s limit (the memory is
+given back when the passes end). So ``partition`` runs inside ``planning()``:
+a watcher measures the growth from the call's start, and once it passes
+``LIMIT_MB`` every deadline check of the searches (``past``) answers "past",
+so each search stops as it would at the time limit; CP-SAT's guard counts
+from the same start.
 """
 from __future__ import annotations
 
@@ -20,7 +29,9 @@ import os
 import resource
 import sys
 import threading
-from typing import Callable, Optional
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 LIMIT_MB = 600.0  # growth: a planner-only process starts at 50-190 MB, so it stays under 1 GiB with room for
 # what the search allocates before it stops (44 MB seen between polls; at 800 MB, the H100-profiled HF GPT-2
@@ -40,8 +51,9 @@ def resident_mb() -> float:
 
 class MemoryGuard:
     """``with MemoryGuard(solver.stop_search): solver.Solve(...)`` stops the search once the process has
-    grown by ``limit_mb`` since the block began; ``tripped`` says whether it did, ``peak_mb`` the most
-    the process held, ``start_mb`` what it held at the start."""
+    grown by ``limit_mb`` since the block began (inside ``planning()``: since the planning began);
+    ``tripped`` says whether it did, ``peak_mb`` the most the process held, ``start_mb`` what it held at
+    the start."""
 
     def __init__(self, stop: Callable[[], None], limit_mb: Optional[float] = None, poll_s: float = POLL_S) -> None:
         self.stop, self.poll_s = stop, poll_s
@@ -52,20 +64,46 @@ class MemoryGuard:
 
     def _watch(self) -> None:
         while True:
-            now = resident_mb()
-            self.peak_mb = max(self.peak_mb, now)
-            if now - self.start_mb > self.limit_mb:
-                self.tripped = True
+            if not self.tripped:
+                now = resident_mb()
+                self.peak_mb = max(self.peak_mb, now)
+                self.tripped = now - self.start_mb > self.limit_mb
+            if self.tripped:  # again at every poll: a stop that comes before the search has begun is lost
                 self.stop()
-                return
             if self._done.wait(self.poll_s):
                 return
 
     def __enter__(self) -> "MemoryGuard":
-        self.start_mb = self.peak_mb = resident_mb()
+        self.peak_mb = resident_mb()
+        self.start_mb = min(self.peak_mb, _active.start_mb) if _active is not None else self.peak_mb
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+
+
+_active: Optional[MemoryGuard] = None  # the planning budget of the ``partition`` call running now
+
+
+@contextmanager
+def planning(limit_mb: Optional[float] = None) -> Iterator[MemoryGuard]:
+    """The budget of one planning call: ``past`` answers True once the process has grown by
+    ``limit_mb`` (default ``LIMIT_MB``) since it began. A call inside another shares the outer budget."""
+    global _active
+    if _active is not None:
+        yield _active
+        return
+    guard = MemoryGuard(lambda: None, limit_mb)
+    with guard:
+        _active = guard
+        try:
+            yield guard
+        finally:
+            _active = None
+
+
+def past(deadline: float) -> bool:
+    """Whether a search must stop now: the deadline has passed, or the planning budget is spent."""
+    return time.monotonic() > deadline or (_active is not None and _active.tripped)

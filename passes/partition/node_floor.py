@@ -37,7 +37,6 @@ higher.
 from __future__ import annotations
 
 import math
-import time
 from typing import List
 
 import numpy as np
@@ -48,6 +47,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_st
                                         tied_floor_s)
 from passes.partition.offsets import EPS
 from passes.partition.segments import Segment
+from passes.partition.memory_guard import past
 
 MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
 
@@ -139,7 +139,7 @@ class NodeFloor:
         for _ in range(MAX_BANDS):
             if not open_.size:
                 return out
-            if time.monotonic() > self.deadline:
+            if past(self.deadline):
                 raise DeadlineExceeded()
             top = np.minimum(n * G, K)
             args = (C[open_], own[open_], tied[open_], q[open_], cut[open_])
@@ -173,7 +173,7 @@ class NodeFloorSolver(ChainSolver):
         self.machine, self.G = machine, machine.gpus_per_node
 
     def _stage_r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
-        if time.monotonic() > self.deadline:  # few, large segments on many devices: one can take a second
+        if past(self.deadline):  # few, large segments on many devices: one can take a second
             raise DeadlineExceeded()
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         q = self._partner_count(shares, flags, T)

@@ -41,7 +41,6 @@ and memory limits are bracketed by the driver with the flat models.
 from __future__ import annotations
 
 import math
-import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -55,6 +54,7 @@ from passes.partition.canon import Canon
 from passes.partition.pool_rows import RowStore
 from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_floors, every_offset,
                                       intervals, targets, tied_intervals)
+from passes.partition.memory_guard import past
 
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
 PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
@@ -284,7 +284,7 @@ class PlacedChainSolver(ChainSolver):
         back = np.zeros((total, S, 3), dtype=np.int64)
         pool = None  # earlier points that may still start a stage (``_from_pool``)
         for a, seg in enumerate(self.segs):
-            if time.monotonic() > deadline:
+            if past(deadline):
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full((d, S), K + 1, dtype=np.int64)

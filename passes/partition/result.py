@@ -44,6 +44,7 @@ class PartitionResult:
     trace: List[tuple] = field(default_factory=list)
     method: str = "CP-SAT"  # or "segment DP" (segments.py, chain.py) or "downset DP" (downsets.py)
     hierarchical: Optional[Dict[str, object]] = None  # PipeDream's level-by-level answer (pipedream model, G set)
+    memory_stop_mb: Optional[float] = None  # the searches stopped at the planning memory budget, at this RSS
 
     @property
     def gap(self) -> float:
@@ -56,4 +57,5 @@ class PartitionResult:
     def solver_stats(self) -> Dict[str, object]:
         return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
                 "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s,
-                "method": self.method, **({"pipedream_hierarchical": self.hierarchical} if self.hierarchical else {})}
+                "method": self.method, **({"pipedream_hierarchical": self.hierarchical} if self.hierarchical else {}),
+                **({"memory_stop_mb": self.memory_stop_mb} if self.memory_stop_mb is not None else {})}

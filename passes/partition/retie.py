@@ -18,11 +18,11 @@ graph, the best kept. Only plans change: the bound still comes from the DP.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition.costmodel import CostOptions, StagePlan, allreduce_s, evaluate, tied_floor_s
+from passes.partition.memory_guard import past
 
 Plan = Tuple[Dict[str, int], List[int]]  # node -> stage, replicas per stage
 
@@ -52,7 +52,7 @@ def recharged(graph: CostGraph, opts: CostOptions, best_s: float, stages: List[S
     tied = {p for p, count in users.items() if count > 1}
     scale, found = 1.0, None
     for _ in range(rounds):
-        if best_s <= good_enough or time.monotonic() > deadline:
+        if best_s <= good_enough or past(deadline):
             break
         ratio = excess(stages, opts)
         if ratio <= scale * (1 + 1e-9):

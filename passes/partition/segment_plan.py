@@ -22,6 +22,7 @@ from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import MAX_DOWNSETS, build_segments, fold_margin, folded_units
 from passes.partition.tie_floor import tie_floor
 from passes.partition.work_floor import work_floor
+from passes.partition.memory_guard import past
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped
@@ -520,7 +521,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs
     whatever they cost (``QUIET_PLACED``; their compute bridged, ``Units.bridged``), or up to ``quiet``
     where given."""
-    if time.monotonic() > deadline:
+    if past(deadline):
         return None
     ideal = graph.total_compute_s() / opts.devices
     fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
@@ -529,7 +530,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     silent = math.inf if quiet == math.inf else quiet * ideal
     units, folded = folded_units(graph, opts, tiny_silent=silent, keep_dead=keep_dead, bridge=placed_dp,
                                 chain_above=CHAIN_ABOVE * ideal if chain_reads else None, **fold)
-    if time.monotonic() > deadline:  # a search begun just before the deadline went on to build its segments and
+    if past(deadline):  # a search begun just before the deadline went on to build its segments and
         # widen them before its first check: 0.4-0.5 s past it on a 96-layer Llama (1-1.3 s on a slow day)
         return None
     if placed_dp or opts.replication == "none":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -35,6 +34,7 @@ from passes.partition.coarsen import Hidden, Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
 from passes.partition import read_chains
+from passes.partition.memory_guard import past
 
 MAX_DOWNSETS = 4000  # a segment of more downsets has no lattice here (``build_segments``)
 
@@ -344,7 +344,7 @@ def _build_segments(units: Units, limit: int, deadline: float) -> Optional[List[
     ends, starts = bridged_units(units)
     own = np.asarray(units.compute, dtype=float)
     for a in range(len(bounds) - 1):
-        if time.monotonic() > deadline:
+        if past(deadline):
             return None
         lo, hi = bounds[a], bounds[a + 1]
         seg = _segment(units, list(range(lo, hi)), a == 0, hi == n, lattices, live[a], shared, base_c, base_p,

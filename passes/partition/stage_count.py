@@ -21,7 +21,6 @@ point that reaches k - 1 and starts a stage that meets T.
 from __future__ import annotations
 
 import math
-import time
 from typing import List, Tuple
 
 import numpy as np
@@ -30,6 +29,7 @@ from passes.partition.chain import ChainSolver, DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
 from passes.partition.segments import Segment
+from passes.partition.memory_guard import past
 
 
 def applies(opts: CostOptions, units: Units) -> bool:
@@ -78,7 +78,7 @@ class StageCountSolver(ChainSolver):
         reach = np.zeros((self.offsets[-1], self.words), dtype=np.uint64)
         pool = np.zeros(0, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            if time.monotonic() > deadline:
+            if past(deadline):
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             mine = reach[off:off + d]

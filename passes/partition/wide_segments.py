@@ -43,13 +43,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-import time
 from typing import Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
 from passes.partition.segments import Segment, _Lattices, folded_units, separators
+from passes.partition.memory_guard import past
 
 LIMIT = 2000  # a segment of more downsets is wide here: a flat DP pass over 24 Llama layers of 3,220 each
 # (the rotary reads left out like inputs) took the whole 10 s and 1.6 GB; the H100-profiled GPT's 1,588 are
@@ -96,7 +96,7 @@ def wide_runs(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> O
     lattices = _Lattices(units, limit)
     runs: List[range] = []
     for a, b in zip(cuts, cuts[1:]):
-        if time.monotonic() > deadline:
+        if past(deadline):
             return None
         if b - a > 1 and lattices.downsets(list(range(a, b)), b == n) is None:
             runs.append(range(a, b))

@@ -21,7 +21,7 @@ def test_guard_stops_once_the_block_has_grown_past_the_limit(monkeypatch):
     calls = []
     with MemoryGuard(lambda: calls.append(time.monotonic()), limit_mb=20.0, poll_s=0.01) as guard:
         time.sleep(0.2)
-    assert guard.tripped and len(calls) == 1 and guard.start_mb == 500.0 and guard.peak_mb == 540.0
+    assert guard.tripped and calls and guard.start_mb == 500.0 and guard.peak_mb == 540.0  # stop, again each poll
 
 
 def test_guard_limits_growth_not_the_size_the_process_began_with():
@@ -59,3 +59,35 @@ def test_cp_sat_search_is_stopped_and_says_so(monkeypatch):
     assert solved.wall_s < 30.0
     assert any("CP-SAT stopped at 5000 MB" in line and "4900 MB more" in line and "limit 1 MB more" in line
                for line in said), said
+
+
+def test_planning_budget_stops_every_search_and_the_answer_says_so(monkeypatch):
+    """The dynamic programs allocate too: past the budget every deadline check answers "past", the
+    best plan found by then (here the uniform layout: the budget is spent at once) answers, bounded,
+    and the result and its progress say the memory stopped it."""
+    from passes.partition import partition
+    from tools.bench.partition_scale import deep_gpt
+
+    readings = iter([100.0])  # the process when planning begins, then 900 MB more at every poll
+    monkeypatch.setattr(memory_guard, "resident_mb", lambda: next(readings, 1000.0))
+    said = []
+    start = time.monotonic()
+    res = partition(deep_gpt(8), 64, time_limit=30.0, progress=said.append)
+    assert time.monotonic() - start < 10.0  # no search ran to the limit
+    assert res.memory_stop_mb == 1000.0 and res.solver_stats()["memory_stop_mb"] == 1000.0
+    assert res.replicas and sum(res.replicas) == 64 and 0 < res.bound_s <= res.bottleneck_s
+    assert any("searches stopped at 1000 MB" in line and "900 MB more" in line for line in said), said
+
+
+def test_past_and_nested_planning_share_one_budget(monkeypatch):
+    readings = iter([100.0])
+    monkeypatch.setattr(memory_guard, "resident_mb", lambda: next(readings, 100.0))
+    far = time.monotonic() + 60
+    with memory_guard.planning() as outer:
+        with memory_guard.planning() as inner:
+            assert inner is outer and not memory_guard.past(far)
+            with MemoryGuard(lambda: None, poll_s=0.01) as cpsat:
+                assert cpsat.start_mb == 100.0  # CP-SAT's growth counts from the planning's start
+            outer.tripped = True
+            assert memory_guard.past(far)
+    assert not memory_guard.past(far) and memory_guard.past(time.monotonic() - 1)
