@@ -215,7 +215,7 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
     if cfg.clip_grad_norm is not None:  # after make_groups: every rank creates groups in one order
         clipper = make_clipper(cfg.clip_grad_norm, layout, rank, stash.master, split.param_names[stage],
                                split.tied, update_per_mb, device)
-    tracer = Tracer(rank, enabled=bool(cfg.trace))
+    tracer = Tracer(rank, enabled=bool(cfg.trace), spill=rank_path(cfg.trace, rank) if cfg.trace else None)
     scaler = LossScaler(device=device) if cfg.precision == "fp16" else None
     p2p = P2P(wires_of(split.comm), device, cfg.timeout_s, tracer.wait_span if cfg.trace else None)
     ex = Executor(rank=rank, layout=layout, stage=stage, module=module, input_indices=split.stage_inputs[stage],

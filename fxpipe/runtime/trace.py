@@ -10,6 +10,11 @@ wall time minus that is time the thread was blocked or waited for a core
 (with more ranks than cores, a forward that took 2.8 ms of wall for 1.9 ms of
 CPU was descheduled for the rest). A disabled tracer costs one attribute
 check per action.
+
+A long run is not held in memory: given its file (``spill``), a tracer writes
+its events there every ``SPILL_EVENTS``, one per line, and ``save`` finishes
+the file. ``merge`` reads the rank files line by line, so the parent joining
+them holds no more than a line at a time either.
 """
 from __future__ import annotations
 
@@ -17,16 +22,22 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO
 
 _THREADS = {"compute": 0, "comm": 1, "wait": 2}
+SPILL_EVENTS = 4096  # events a tracer holds before it writes them out (a few hundred bytes each)
+_HEAD, _TAIL = '{"traceEvents": [\n', '\n], "displayTimeUnit": "ms"}\n'
 
 
 class Tracer:
-    def __init__(self, rank: int, enabled: bool = True) -> None:
+    def __init__(self, rank: int, enabled: bool = True, spill: Optional[str] = None) -> None:
+        """``spill``: the file ``save`` will write; events go there as they pile up (else all are kept)."""
         self.rank = rank
         self.enabled = enabled
-        self.events: List[Dict[str, Any]] = []
+        self.events: List[Dict[str, Any]] = []  # the events not written out yet
+        self.spill = spill
+        self._out: Optional[TextIO] = None
+        self.written = 0
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
@@ -43,16 +54,35 @@ class Tracer:
             self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank,
                                 "tid": _THREADS.get(cat, 0), "ts": start / 1000.0,
                                 "dur": (end - start) / 1000.0, "args": args})
+            if self.spill is not None and len(self.events) >= SPILL_EVENTS:
+                self._write_out(self.spill)
 
     def wait_span(self, what: str) -> Any:
         return self.span(f"wait {what}", "wait") if self.enabled else None
 
+    def _write_out(self, path: str) -> None:
+        """The events held to ``path``, one per line (opened, with the rank's names, the first time)."""
+        if self._out is None:
+            self._out = open(path, "w")
+            self._out.write(_HEAD)
+            meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+            meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": cat}}
+                     for cat, tid in _THREADS.items()]
+            self._out.write(",\n".join(json.dumps(e) for e in meta))
+        for e in self.events:
+            self._out.write(",\n" + json.dumps(e))
+        self.written += len(self.events)
+        self.events = []
+
     def save(self, path: str) -> None:
-        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
-        meta += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": cat}}
-                 for cat, tid in _THREADS.items()]
-        with open(path, "w") as f:
-            json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
+        """The trace file: the events written out so far (``spill`` must be ``path`` then), then the rest."""
+        if self._out is not None and os.path.abspath(path) != os.path.abspath(self.spill or ""):
+            raise ValueError(f"this tracer writes {self.spill}, not {path}")
+        self._write_out(path)
+        out, self._out = self._out, None
+        if out is not None:
+            out.write(_TAIL)
+            out.close()
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -60,21 +90,30 @@ def rank_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}"
 
 
+def _events(path: str) -> Iterator[Dict[str, Any]]:
+    """The events of a rank's file, a line at a time (as ``Tracer.save`` writes them)."""
+    with open(path) as f:
+        for line in f:
+            line = line.strip().rstrip(",")
+            if line.startswith("{") and not line.startswith('{"traceEvents"'):
+                yield json.loads(line)
+
+
 def merge(parts: Sequence[str], out: str, remove: bool = True) -> int:
-    """Join per-rank trace files into one; timestamps start at zero. Returns the event count."""
-    events: List[Dict[str, Any]] = []
-    for p in parts:
-        if os.path.exists(p):
-            with open(p) as f:
-                events += json.load(f)["traceEvents"]
-    t0 = min((e["ts"] for e in events if "ts" in e), default=0.0)
-    for e in events:
-        if "ts" in e:
-            e["ts"] -= t0
+    """Join per-rank trace files into one, streaming; timestamps start at zero. Returns the event count."""
+    parts = [p for p in parts if os.path.exists(p)]
+    t0 = min((e["ts"] for p in parts for e in _events(p) if "ts" in e), default=0.0)
+    n = 0
     with open(out, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        f.write(_HEAD)
+        for p in parts:
+            for e in _events(p):
+                if "ts" in e:
+                    e["ts"] -= t0
+                f.write((",\n" if n else "") + json.dumps(e))
+                n += 1
+        f.write(_TAIL)
     if remove:
         for p in parts:
-            if os.path.exists(p):
-                os.remove(p)
-    return len(events)
+            os.remove(p)
+    return n

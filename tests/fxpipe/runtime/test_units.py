@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -166,3 +167,28 @@ def test_recompute_is_checked_in_the_callers_process_and_combines_with_every_sch
         assert TrainConfig(schedule=schedule, recompute="all").recompute == "all"
     with pytest.raises(FxpipeError, match="--recompute 'some' is not one of"):
         TrainConfig(schedule="zb-h1", recompute="some")
+
+
+def test_long_trace_is_written_as_it_grows_and_merged_line_by_line(tmp_path, monkeypatch) -> None:
+    """A tracer given its file keeps at most ``SPILL_EVENTS`` events in memory; the saved file and the
+    merge hold every event, in order, as JSON that Perfetto and ``fxpipe show --trace`` read."""
+    from fxpipe.runtime import trace
+
+    monkeypatch.setattr(trace, "SPILL_EVENTS", 3)
+    out = str(tmp_path / "t.json")
+    held = []
+    for r in range(2):
+        t = Tracer(r, spill=rank_path(out, r))
+        for m in range(10):
+            with t.span(f"F{m}", mb=m):
+                pass
+            held.append(len(t.events))
+        t.save(rank_path(out, r))
+        assert t.written == 10 and not t.events
+        part = json.load(open(rank_path(out, r)))["traceEvents"]
+        assert [e["name"] for e in part if e["ph"] == "X"] == [f"F{m}" for m in range(10)]
+    assert max(held) < 3
+    assert merge([rank_path(out, r) for r in range(2)], out) == 2 * (10 + 4)  # and each rank's 4 names
+    events = [e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 20 and min(e["ts"] for e in events) == 0
+    assert not any(os.path.exists(rank_path(out, r)) for r in range(2))
