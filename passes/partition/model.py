@@ -318,7 +318,8 @@ class PartitionModel:
         wall = time.monotonic() - start
         if guard.tripped and report:
             report(f"partition: CP-SAT stopped at {guard.peak_mb:.0f} MB of memory after {wall:.1f}s, "
-                   f"{guard.peak_mb - guard.start_mb:.0f} MB more than when it began (limit "
+                   f"{guard.peak_mb - guard.start_mb:.0f} MB more than at its start (the planning's, inside "
+                   f"partition; limit "
                    f"{guard.limit_mb:.0f} MB more); answering with what it found")
         status = STATUS.get(code, str(code))
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
