@@ -42,7 +42,7 @@ class Reporter:
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
         self.final_group, self.device = final_group, device or torch.device("cpu")
         self.left: Dict[int, int] = {}
-        self.totals: List[torch.Tensor] = []  # per step: [sum of losses, microbatches] (this replica's, stash)
+        self.totals: List[Tuple[float, float]] = []  # per step: sum of losses, microbatches (this replica's)
         self.step_losses: List[float] = []
         self.samples_per_s: List[float] = []
         self.t_last = time.perf_counter()
@@ -79,7 +79,7 @@ class Reporter:
             with peer_guard("all-reduce of the step's loss"):
                 dist.all_reduce(total, group=self.loss_group)
         loss = (total[0] / total[1].clamp_min(1)).item()
-        self.totals.append(total)
+        self.totals.append((float(total[0]), float(total[1])))  # floats: no tensor kept per step
         self.step_losses.append(loss)
         self.samples_per_s.append(sps)
         if self.printing:
@@ -93,7 +93,7 @@ class Reporter:
         """Collective over ``final_group`` (every replica of the last stage): each step's loss over all of them."""
         if self.final_group is None or not self.totals:
             return
-        total = torch.stack(self.totals)
+        total = torch.tensor(self.totals, dtype=torch.float64, device=self.device)
         with peer_guard("all-reduce of the run's losses"):
             dist.all_reduce(total, group=self.final_group)
         self.step_losses = (total[:, 0] / total[:, 1].clamp_min(1)).tolist()
