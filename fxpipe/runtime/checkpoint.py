@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,8 +54,10 @@ def _rng_state(device: torch.device) -> Dict[str, torch.Tensor]:
 
 
 def save(folder: str, step: int, rank: int, layout: Layout, module: nn.Module,
-         optimizer: torch.optim.Optimizer, info: Dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
-    """Collective: every rank calls it after ``step`` steps completed."""
+         optimizer: torch.optim.Optimizer, info: Dict[str, Any], device: torch.device = torch.device("cpu"),
+         older: Optional[Dict[str, Any]] = None) -> None:
+    """Collective: every rank calls it after ``step`` steps completed. ``older``: 2bw's previous weight
+    version (``WeightStash.older_state``), which the next batch runs on."""
     stage = layout.stage_of(rank)
     where = _step_dir(folder, step)
     os.makedirs(where, exist_ok=True)
@@ -64,6 +66,8 @@ def save(folder: str, step: int, rank: int, layout: Layout, module: nn.Module,
     os.replace(tmp, _rng_path(where, rank))
     if layout.replica_of(rank) == 0:
         state = {"step": step, "stage": stage, "module": module.state_dict(), "optimizer": optimizer.state_dict()}
+        if older is not None:
+            state["older"] = older
         tmp = os.path.join(where, f".stage{stage}.pt.tmp")
         torch.save(state, tmp)
         os.replace(tmp, os.path.join(where, f"stage{stage}.pt"))
@@ -157,8 +161,12 @@ def _load(path: str, mmap: bool = False) -> Any:
 
 
 def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer: torch.optim.Optimizer,
-            info: Dict[str, Any], device: torch.device = torch.device("cpu")) -> int:
-    """Load this rank's stage and random-number state from the newest checkpoint; returns the step to start at."""
+            info: Dict[str, Any], device: torch.device = torch.device("cpu"),
+            older: Optional[Callable[[Dict[str, Any]], None]] = None) -> int:
+    """Load this rank's stage and random-number state from the newest checkpoint; returns the step to start at.
+
+    ``older``: takes 2bw's previous weight version back (``WeightStash.load_older_state``); a 2bw
+    checkpoint at a step past the first holds it."""
     record = _record(folder, layout, info)
     stage = layout.stage_of(rank)
     where = _step_dir(folder, record["step"])
@@ -166,6 +174,12 @@ def restore(folder: str, rank: int, layout: Layout, module: nn.Module, optimizer
     with torch.no_grad():
         module.load_state_dict(state["module"])
     optimizer.load_state_dict(state["optimizer"])
+    if older is not None and int(record["step"]) > 0:
+        if "older" not in state:
+            raise CheckpointError(f"--resume: {where} holds no earlier weight version for stage {stage}, which "
+                                  "2bw's next batch runs on (written by another schedule or an older fxpipe); "
+                                  "resume with the schedule it was taken with")
+        older(state["older"])
     if os.path.exists(_rng_path(where, rank)):
         rng = _load(_rng_path(where, rank))
         torch.set_rng_state(rng["cpu"])

@@ -117,9 +117,6 @@ def _check_2bw(cfg: TrainConfig) -> None:
         # the global norm would make every stage wait at its update for the last one to finish the batch
         raise FxpipeError("--clip-grad-norm is not supported with --schedule 2bw; use 1f1b-flush or gpipe "
                           "to clip, or drop --clip-grad-norm")
-    if cfg.resume:
-        raise FxpipeError("--resume is not supported with --schedule 2bw: a checkpoint holds one weight version "
-                          "and 2bw's next batch runs on the one before it; resume with 1f1b-flush, or start over")
 
 
 def make_optimizer(cfg: TrainConfig, module: nn.Module, copy_free: bool = False) -> torch.optim.Optimizer:
@@ -245,7 +242,9 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
         r.ex.on_step = lambda: observe(r.ex)
     M, update_per_mb, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
     info = checkpoint_info(cfg)
-    start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info, device) if cfg.resume else 0
+    two_bw = cfg.schedule == "2bw"
+    start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info, device,
+                               older=r.ex.stash.load_older_state if two_bw else None) if cfg.resume else 0
     stats = StepStats(clipping=r.clipper is not None)
     reporter = None
     if r.stage == layout.num_stages - 1:
@@ -274,7 +273,8 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
             reporter.step_done(first)
         done = first + n
         if cfg.checkpoint and (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info, device)
+            checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info, device,
+                            older=r.ex.stash.older_state() if two_bw else None)
             if reporter is not None:
                 reporter.restart_clock()
     lrs, norms = stats.done()

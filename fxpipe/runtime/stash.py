@@ -202,6 +202,27 @@ class WeightStash:
         for v in list(self._versions):
             self._release(v)
 
+    def older_state(self) -> Optional[Dict[str, Any]]:
+        """What a checkpoint needs besides the master (2bw, at a step boundary): the version the next
+        batch's forwards run on (``version - 1``), with the master's version number; None elsewhere."""
+        if not self.stash or self.batch is None or self.version == 0:
+            return None
+        older = self._versions.get(self.version - 1)
+        if older is None:
+            raise StashError(f"2bw checkpoint at version {self.version}: version {self.version - 1}, which the "
+                             "next batch runs on, is not kept")
+        return {"version": self.version, "older": {n: t.detach().clone() for n, t in zip(self._names, older)}}
+
+    def load_older_state(self, state: Dict[str, Any]) -> None:
+        """``older_state`` back (``--resume``): the master's version number and the version before it."""
+        older = state["older"]
+        missing = [n for n in self._names if n not in older]
+        if missing:
+            raise StashError(f"the checkpoint's older 2bw weights lack {missing[0]}")
+        self.version = int(state["version"])
+        self._versions[self.version - 1] = [
+            older[n].to(p.device, p.dtype).requires_grad_(p.requires_grad) for n, p in zip(self._names, self._params)]
+
     def _release(self, v: int) -> None:
         """Drop ``v`` once no microbatch in flight uses it and no later forward will."""
         oldest_needed = self.version if self.batch is None else self.version - 1

@@ -95,7 +95,6 @@ def test_cost_model_counts_two_weight_versions_and_1f1b_activations():
 
 @pytest.mark.parametrize("options,message", [
     ({"clip_grad_norm": 1.0}, "--clip-grad-norm is not supported with --schedule 2bw"),
-    ({"resume": True, "checkpoint": "ck"}, "--resume is not supported with --schedule 2bw"),
     ({"precision": "fp16"}, "not 2bw; use --precision bf16 with 2bw"),
 ])
 def test_what_2bw_does_not_support_is_refused_in_one_line(options, message):

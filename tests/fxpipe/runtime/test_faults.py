@@ -27,17 +27,19 @@ def test_failing_worker_stops_the_others(how: str) -> None:
 MODEL = "chain2-dropout"  # every rank draws dropout masks: the resumed run must draw the same ones
 
 
-def _run(steps: int, ckpt: str, resume: bool = False) -> list:
-    cfg = TrainConfig(log=False, schedule="1f1b-stash", microbatches=2, steps=steps, optimizer="adamw", lr=0.01,
+def _run(schedule: str, steps: int, ckpt: str, resume: bool = False) -> list:
+    cfg = TrainConfig(log=False, schedule=schedule, microbatches=2, steps=steps, optimizer="adamw", lr=0.01,
                       checkpoint=ckpt, checkpoint_every=2, resume=resume).to_json()
     return spawn(cases.train_case, 2, (MODEL, (1, 1), cfg)).ok()
 
 
-def test_resume_continues_like_an_uninterrupted_run(tmp_path) -> None:
-    """Weights, optimizer state and each rank's random numbers (dropout) continue where they stopped."""
-    whole = _run(4, str(tmp_path / "a"))
-    _run(2, str(tmp_path / "b"))
-    resumed = _run(4, str(tmp_path / "b"), resume=True)
+@pytest.mark.parametrize("schedule", ["1f1b-stash", "2bw"])
+def test_resume_continues_like_an_uninterrupted_run(tmp_path, schedule: str) -> None:
+    """Weights, optimizer state and each rank's random numbers (dropout) continue where they stopped;
+    2bw's checkpoint also holds the version before the master's, which its next batch runs on."""
+    whole = _run(schedule, 4, str(tmp_path / "a"))
+    _run(schedule, 2, str(tmp_path / "b"))
+    resumed = _run(schedule, 4, str(tmp_path / "b"), resume=True)
     assert resumed[0]["start"] == 2 and len(resumed[1]["losses"]) == 2
     assert whole[1]["losses"][2:] == pytest.approx(resumed[1]["losses"], rel=1e-12)
     got, want = cases.merged_state(MODEL, resumed), cases.merged_state(MODEL, whole)
