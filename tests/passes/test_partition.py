@@ -71,15 +71,46 @@ def valid(g: CostGraph, stage, S: int, model: str) -> bool:
     return model == "fxpipe" or all(stage[n] == 0 for n, nd in g.nodes.items() if nd.is_input)
 
 
+def monotone_assignments(g: CostGraph, S: int):
+    """Every map of the nodes to stages ``0 .. S-1`` with no edge going back (``valid``'s first rule),
+    made node by node in a topological order, each node at or after its producers' stages: the same
+    maps as filtering all ``S ** n`` of them, without walking the others."""
+    preds = {n: [] for n in g.nodes}
+    for u, v in g.edges:
+        preds[v].append(u)
+    order, seen = [], set()
+
+    def visit(n):
+        if n not in seen:
+            seen.add(n)
+            for u in preds[n]:
+                visit(u)
+            order.append(n)
+
+    for n in g.nodes:
+        visit(n)
+    stage: dict = {}
+
+    def walk(i: int):
+        if i == len(order):
+            yield dict(stage)
+            return
+        n = order[i]
+        for s in range(max((stage[u] for u in preds[n]), default=0), S):
+            stage[n] = s
+            yield from walk(i + 1)
+        del stage[n]
+
+    yield from walk(0)
+
+
 def brute_force(g: CostGraph, K: int, model: str, allowed) -> float:
-    names = list(g.nodes)
     best = float("inf")
     for S in range(1, K + 1):
         rep_vectors = [v for v in itertools.product(allowed, repeat=S) if sum(v) == K]
         if not rep_vectors:
             continue
-        for combo in itertools.product(range(S), repeat=len(names)):
-            stage = dict(zip(names, combo))
+        for stage in monotone_assignments(g, S):
             if valid(g, stage, S, model):
                 best = min(best, min(reference_cost(g, stage, v, model) for v in rep_vectors))
     return best
@@ -106,6 +137,15 @@ def test_brute_force_straight_pipeline():
     res = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, replication="none", time_limit=20, solver="cpsat")
     assert res.replicas == [1, 1, 1]
     assert res.bottleneck_s <= brute_force(g, 3, "fxpipe", [1]) * 1.001
+
+
+def test_monotone_assignments_are_the_filtered_product():
+    g = random_dag(7, 3, output=True)
+    for S in (1, 2, 3):
+        every = [dict(zip(g.nodes, c)) for c in itertools.product(range(S), repeat=len(g.nodes))]
+        want = sorted(tuple(sorted(a.items())) for a in every if not any(a[u] > a[v] for u, v in g.edges))
+        got = sorted(tuple(sorted(a.items())) for a in monotone_assignments(g, S))
+        assert got == want and len(got) < S ** len(g.nodes) or S == 1
 
 
 def chain_dp(costs, params, acts, K: int, model: str) -> float:
@@ -263,10 +303,9 @@ def test_tied_weight_counts_in_every_stage_that_uses_it():
     assert res.method in ("segment DP", "CP-SAT")  # the segment DP counts a shared weight once per stage
     cp = partition(g, 3, bandwidth=B, allreduce_bandwidth=BAR, time_limit=20, solver="cpsat")
     assert cp.bottleneck_s == pytest.approx(res.bottleneck_s, rel=1e-3)
-    names, best = list(g.nodes), float("inf")
+    best = float("inf")
     for S in (1, 2, 3):
-        for combo in itertools.product(range(S), repeat=len(names)):
-            stage = dict(zip(names, combo))
+        for stage in monotone_assignments(g, S):
             if valid(g, stage, S, "fxpipe"):
                 for reps in (v for v in itertools.product(range(1, 4), repeat=S) if sum(v) == 3):
                     best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
@@ -309,11 +348,10 @@ def test_tied_weight_with_replicas_is_charged_its_group_under_a_valid_bound(meth
     res = partition(g, K, bandwidth=B, allreduce_bandwidth=BAR, cost_model=model, time_limit=20, solver=method)
     assert res.bottleneck_s == pytest.approx(tied_reference_cost(g, res.assignment, res.replicas, model, "emb"),
                                              rel=1e-9)
-    names, best = list(g.nodes), float("inf")
+    best = float("inf")
     for S in range(1, K + 1):
         vectors = [v for v in itertools.product(range(1, K + 1), repeat=S) if sum(v) == K]
-        for combo in itertools.product(range(S), repeat=len(names)):
-            stage = dict(zip(names, combo))
+        for stage in monotone_assignments(g, S):
             if valid(g, stage, S, model):
                 best = min(best, min(tied_reference_cost(g, stage, v, model, "emb") for v in vectors))
     assert res.bound_s <= best * (1 + 1e-9) and res.bottleneck_s >= best * (1 - 1e-9)

@@ -22,7 +22,7 @@ import pytest
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition
 from passes.partition import branches, chain, segment_plan
-from tests.passes.test_partition import B, BAR, brute_force, valid
+from tests.passes.test_partition import B, BAR, brute_force, monotone_assignments, valid
 
 GPT2 = Path(__file__).parent / "data" / "hf_gpt2_12_layers.json"
 
@@ -202,12 +202,11 @@ def tied_masked_graph(seed: int, tied_bytes: float) -> CostGraph:
 
 def evaluated_brute_force(g: CostGraph, opts: CostOptions) -> float:
     """The best ``evaluate`` gives any valid plan (the reference cost model has no tied weights)."""
-    names, best = list(g.nodes), math.inf
+    best = math.inf
     for S in range(1, opts.devices + 1):
         vectors = [v for v in itertools.product(opts.allowed_replicas(), repeat=S) if sum(v) == opts.devices]
-        for combo in itertools.product(range(S), repeat=len(names)):
-            stage = dict(zip(names, combo))
-            if vectors and valid(g, stage, S, opts.cost_model):
+        for stage in (monotone_assignments(g, S) if vectors else ()):
+            if valid(g, stage, S, opts.cost_model):
                 best = min(best, min(evaluate(g, stage, list(v), opts).bottleneck_s for v in vectors))
     return best
 
