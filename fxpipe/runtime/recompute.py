@@ -42,6 +42,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fxpipe.runtime.deferred import Replayed, replaying
+from passes.capture_check import restore_buffers
 from passes import comm
 from passes.errors import FxpipeError
 
@@ -110,9 +111,7 @@ class Buffers:
         try:
             yield
         finally:
-            with torch.no_grad():
-                for b, old in saved:
-                    b.copy_(old)
+            restore_buffers(saved)
 
 
 def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transport,

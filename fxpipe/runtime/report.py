@@ -42,8 +42,8 @@ class Reporter:
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
         self.final_group, self.device = final_group, device or torch.device("cpu")
         self.left: Dict[int, int] = {}
-        self.totals: List[Tuple[float, float]] = []  # per step: sum of losses, microbatches (this replica's)
-        self.step_losses: List[float] = []
+        self.totals: List[Tuple[float, float]] = []  # per step: sum of losses, microbatches (over the replicas
+        # summed so far: every step's with ``loss_group``, this replica's alone until ``finish`` with ``final_group``)
         self.samples_per_s: List[float] = []
         self.t_last = time.perf_counter()
 
@@ -78,9 +78,8 @@ class Reporter:
         if self.loss_group is not None:
             with peer_guard("all-reduce of the step's loss"):
                 dist.all_reduce(total, group=self.loss_group)
-        loss = (total[0] / total[1].clamp_min(1)).item()
         self.totals.append((float(total[0]), float(total[1])))  # floats: no tensor kept per step
-        self.step_losses.append(loss)
+        loss = self.step_losses[-1]
         self.samples_per_s.append(sps)
         if self.printing:
             if self.final_group is not None and len(self.totals) == 1:
@@ -96,7 +95,12 @@ class Reporter:
         total = torch.tensor(self.totals, dtype=torch.float64, device=self.device)
         with peer_guard("all-reduce of the run's losses"):
             dist.all_reduce(total, group=self.final_group)
-        self.step_losses = (total[:, 0] / total[:, 1].clamp_min(1)).tolist()
+        self.totals = [(s, c) for s, c in total.tolist()]
+
+    @property
+    def step_losses(self) -> List[float]:
+        """Each step's mean loss so far."""
+        return [s / max(c, 1.0) for s, c in self.totals]
 
 
 class StepStats:

@@ -133,7 +133,8 @@ class OutOfTime(FxpipeError):
 
 def _check(deadline: float) -> None:
     if past(deadline):
-        raise OutOfTime("hierarchical: PipeDream's optimizer did not finish within the time limit")
+        raise OutOfTime("hierarchical: PipeDream's optimizer did not finish within the time limit "
+                        "(or the planner's memory budget)")
 
 
 def _level(T, P, st: _States, n: int, B: float, within: int, starts, activations: bool,

@@ -1,13 +1,11 @@
 """Buffers a forward writes (BatchNorm statistics) train as in the unsplit model.
 
-Recomputation updates BatchNorm statistics once per microbatch, as training without it does.
-
-A real split (fx capture -> split -> stage files) of a model with a BatchNorm
-layer in each stage, float64, two ranks: after three steps of ``1f1b-flush``
-or ``zb-h1`` with ``--recompute all`` every parameter AND buffer (running mean,
-running variance, batch count) equals plain gradient accumulation on the
-unsplit model. Without ``recompute.Buffers`` the statistics were updated
-again by every recompute (the batch count twice the reference's). A stage file of an exported graph
+A real split (fx capture or export -> split -> stage files) of a model with a
+BatchNorm layer in each stage, float64, two ranks: after three steps of
+``1f1b-flush`` or ``zb-h1`` with ``--recompute all`` every parameter AND buffer
+(running mean, running variance, batch count) equals plain gradient
+accumulation on the unsplit model. Without ``recompute.Buffers`` every
+recompute updated the statistics again. A stage file of an exported graph
 keeps the in-place update of the batch count (loading it once ran the update
 while re-tracing and left the buffer out of the stage).
 """
