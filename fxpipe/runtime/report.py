@@ -14,7 +14,8 @@ With a replicated last stage, flush and gpipe sum the loss over its replicas
 replica 0's microbatches only, to keep collectives out of the running
 pipeline (the first line says so); ``finish`` then sums every step over the
 replicas once, after the last step, so the losses a run returns
-(``TrainResult.losses``, ``fxpipe.train``, result.json) cover every microbatch.
+(``TrainResult.losses``, ``fxpipe.train``, result.json) cover every microbatch,
+and prints the first and last of them.
 """
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ class Reporter:
         with peer_guard("all-reduce of the run's losses"):
             dist.all_reduce(total, group=self.final_group)
         self.totals = [(s, c) for s, c in total.tolist()]
+        if self.printing:
+            losses = self.step_losses
+            print(f"over every replica: loss {losses[0]:.6f} at step 1, {losses[-1]:.6f} at step {len(losses)}"
+                  if len(losses) > 1 else f"over every replica: loss {losses[0]:.6f}", flush=True)
 
     @property
     def step_losses(self) -> List[float]:

@@ -195,3 +195,23 @@ def test_step_line_shows_lr_and_grad_norm() -> None:
     with redirect_stdout(buf):
         rep.step_done(0)
     assert buf.getvalue().startswith("step 1/3  loss 3.000000  lr 0.05  grad norm 1.5  samples/s "), buf.getvalue()
+
+
+def test_finish_prints_the_loss_over_every_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stash / 2bw: step lines carry replica 0's share; ``finish`` sums the replicas and prints the result."""
+    import fxpipe.runtime.report as report
+
+    def as_if_two_replicas(total: torch.Tensor, group: Any = None) -> None:  # the other replica: 2x the losses
+        total[:, 0] *= 3.0
+        total[:, 1] *= 2.0
+
+    monkeypatch.setattr(report.dist, "all_reduce", as_if_two_replicas)
+    rep = Reporter(2, 2, 8, True, [(0, 2.0), (1, 4.0), (2, 1.0), (3, 1.0)], final_group=object())
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rep.step_done(0)
+        rep.step_done(1)
+        rep.finish()
+    lines = buf.getvalue().splitlines()
+    assert lines[-1] == "over every replica: loss 4.500000 at step 1, 1.500000 at step 2", lines
+    assert rep.step_losses == [4.5, 1.5]
