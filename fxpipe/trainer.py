@@ -143,7 +143,7 @@ def train(model: Any, batches: Any = None, *, devices: Optional[int] = None, ste
         return outcome
     code = launch(prep, threads, debug)
     if code != 0:  # the run folder stays: the error names its workers.log
-        raise failed(run_dir, code, cfg.checkpoint)
+        raise failed(run_dir, code, cfg.checkpoint, (cfg.trace, prep.layout.world_size) if cfg.trace else None)
     finish(prep, cfg, save)
     _collect(outcome, run_dir, weights if return_state else None, model)
     if own:

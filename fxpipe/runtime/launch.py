@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint, failure, payload
@@ -305,8 +305,10 @@ _LISTED = re.compile(r"local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)")  # it
 _STOPPED = -15  # SIGTERM: how torchrun stops the others after a failure, so named only when nothing else is
 
 
-def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> LaunchError:
-    """The error for a failed run: the root cause's line, the checkpoint left, and where the rest is."""
+def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None,
+           trace: Optional[Tuple[str, int]] = None) -> LaunchError:
+    """The error for a failed run: the root cause's line, the checkpoint left, the trace up to the failure
+    (``trace``: path and world size), and where the rest is."""
     log = os.path.join(run_dir, WORKERS_LOG)
     records = failure.read(run_dir)
     first = failure.root_cause(records)
@@ -321,7 +323,22 @@ def failed(run_dir: str, code: int, checkpoint_dir: Optional[str] = None) -> Lau
         except FxpipeError:
             record = None
     kept = f"; the last complete checkpoint is step {record['step']} in {checkpoint_dir} (--resume)" if record else ""
+    if trace is not None:
+        kept += _partial_trace(*trace)
     return LaunchError(f"{cause}{kept} (all worker output: {log})")
+
+
+def _partial_trace(path: str, world: int) -> str:
+    """Merge what the ranks traced before a failure (each saves its events as it fails; a killed rank's
+    file ends where it stopped) and name the file; nothing where no rank wrote one."""
+    parts = [rank_path(path, r) for r in range(world)]
+    if not any(os.path.exists(p) for p in parts):
+        return ""
+    try:
+        n = merge(parts, path, partial=True)
+    except OSError as exc:
+        return f"; the ranks' trace files {rank_path(path, 0)}... could not be merged ({exc})"
+    return f"; what the ranks did up to the failure: {path} ({n} events)"
 
 
 def _silent_exit(log: str, reported: set) -> str:

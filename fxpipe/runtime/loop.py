@@ -27,6 +27,7 @@ Reporting: see ``fxpipe.runtime.report``.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -238,6 +239,19 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
         from fxpipe.schedule import build_schedule as build
     keep_freed_memory()  # every step allocates the same again (fxpipe.runtime.heap)
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
+    try:
+        return _steps(r, rank, layout, split, cfg, data, build, device, observe)
+    except BaseException:
+        if cfg.trace:  # what this rank did up to the failure: the parent merges it and names the file
+            with contextlib.suppress(Exception):
+                r.tracer.save(rank_path(cfg.trace, rank))
+        raise
+
+
+def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
+           build: Callable[..., Dict[int, list]], device: torch.device,
+           observe: Optional[Callable[[Executor], None]]) -> TrainResult:
+    """``train``'s steps on the rank ``_setup`` made: schedules built, run, reported, checkpointed."""
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
     M, update_per_mb, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS

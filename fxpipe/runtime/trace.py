@@ -38,6 +38,7 @@ class Tracer:
         self.spill = spill
         self._out: Optional[TextIO] = None
         self.written = 0
+        self.saved = False  # a second ``save`` (after a failure past the first) leaves the file as it is
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
@@ -78,6 +79,9 @@ class Tracer:
         """The trace file: the events written out so far (``spill`` must be ``path`` then), then the rest."""
         if self._out is not None and os.path.abspath(path) != os.path.abspath(self.spill or ""):
             raise ValueError(f"this tracer writes {self.spill}, not {path}")
+        if self.saved:
+            return
+        self.saved = True
         self._write_out(path)
         out, self._out = self._out, None
         if out is not None:
@@ -90,24 +94,35 @@ def rank_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}"
 
 
-def _events(path: str) -> Iterator[Dict[str, Any]]:
-    """The events of a rank's file, a line at a time (as ``Tracer.save`` writes them)."""
+def _events(path: str, partial: bool = False) -> Iterator[Dict[str, Any]]:
+    """The events of a rank's file, a line at a time (as ``Tracer.save`` writes them).
+
+    ``partial``: the file may be cut short (a rank killed while writing it);
+    it is read up to its last whole event."""
     with open(path) as f:
         for line in f:
             line = line.strip().rstrip(",")
             if line.startswith("{") and not line.startswith('{"traceEvents"'):
-                yield json.loads(line)
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    if partial:
+                        return
+                    raise
+                yield event
 
 
-def merge(parts: Sequence[str], out: str, remove: bool = True) -> int:
-    """Join per-rank trace files into one, streaming; timestamps start at zero. Returns the event count."""
+def merge(parts: Sequence[str], out: str, remove: bool = True, partial: bool = False) -> int:
+    """Join per-rank trace files into one, streaming; timestamps start at zero. Returns the event count.
+
+    ``partial``: after a failed run, where a killed rank's file may end mid-event."""
     parts = [p for p in parts if os.path.exists(p)]
-    t0 = min((e["ts"] for p in parts for e in _events(p) if "ts" in e), default=0.0)
+    t0 = min((e["ts"] for p in parts for e in _events(p, partial) if "ts" in e), default=0.0)
     n = 0
     with open(out, "w") as f:
         f.write(_HEAD)
         for p in parts:
-            for e in _events(p):
+            for e in _events(p, partial):
                 if "ts" in e:
                     e["ts"] -= t0
                 f.write((",\n" if n else "") + json.dumps(e))

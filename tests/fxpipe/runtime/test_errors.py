@@ -205,11 +205,16 @@ WORKER_SIDE = {
 def test_worker_failure_is_one_line_and_stops_every_rank(work: Path, tmp_path: Path, case: str) -> None:
     kwargs, patterns = WORKER_SIDE[case]
     path = model_file(tmp_path, case.replace("-", "_"), **kwargs)
-    ck = tmp_path / "ck"
+    ck, trace = tmp_path / "ck", tmp_path / "trace.json"
     code, out, err = cli(["train", path, "--split", str(work / "split_good"), "--steps", "4", "--microbatches", "2",
-                          "--threads", "1", "--timeout", "60", "--checkpoint", str(ck), "--checkpoint-every", "1"])
-    assert_one_line(code, out, err, *patterns)
+                          "--threads", "1", "--timeout", "60", "--checkpoint", str(ck), "--checkpoint-every", "1",
+                          "--trace", str(trace)])
+    assert_one_line(code, out, err, *patterns, re.escape(f"up to the failure: {trace}"))
     assert "step 1/4" in out and "step 2/4" not in out  # stopped in step 2: no rank waits for the timeout
+    events = json.loads(trace.read_text())["traceEvents"]  # every rank that lived saved what it did
+    ranks = {e["pid"] for e in events if e.get("ph") == "X"}
+    assert ranks == ({0} if case == "worker-killed" else {0, 1}), ranks
+    assert not list(tmp_path.glob("trace.json.rank*"))
     assert json.loads((ck / "latest.json").read_text())["step"] == 1  # the last complete checkpoint stays
     assert os.path.exists(ck / "step-00000001" / "stage1.pt")
 

@@ -192,3 +192,30 @@ def test_long_trace_is_written_as_it_grows_and_merged_line_by_line(tmp_path, mon
     events = [e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 20 and min(e["ts"] for e in events) == 0
     assert not any(os.path.exists(rank_path(out, r)) for r in range(2))
+
+
+def test_trace_of_a_failed_run_merges_a_file_cut_mid_event(tmp_path, monkeypatch) -> None:
+    """A rank killed while writing leaves its file without an end and maybe half an event: after a failure
+    the merge keeps every whole event; a finished run's merge still refuses a broken file."""
+    from fxpipe.runtime import trace
+
+    monkeypatch.setattr(trace, "SPILL_EVENTS", 2)
+    out = str(tmp_path / "t.json")
+    for r in range(2):
+        t = Tracer(r, spill=rank_path(out, r))
+        for m in range(5):
+            with t.span(f"F{m}", mb=m):
+                pass
+        if r == 0:
+            t.save(rank_path(out, r))
+            t.save(rank_path(out, r))  # a second save (a failure after the first) leaves the file whole
+        else:
+            t._out.flush()  # rank 1 "killed" after writing 4 events: no end, the 4th cut in half
+            text = open(rank_path(out, 1)).read()
+            open(rank_path(out, 1), "w").write(text[:-20])
+    with pytest.raises(json.JSONDecodeError):
+        merge([rank_path(out, r) for r in range(2)], out, remove=False)
+    merge([rank_path(out, r) for r in range(2)], out, partial=True)
+    events = [e for e in json.load(open(out))["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in events if e["pid"] == 0] == [f"F{m}" for m in range(5)]
+    assert [e["name"] for e in events if e["pid"] == 1] == ["F0", "F1", "F2"]
