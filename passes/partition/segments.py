@@ -396,7 +396,7 @@ def _grouped(bounds: List[int], units: Units, lattices: "_Lattices", target: int
         sizes.append(len(masks) - 1)
     kept, run = [bounds[0]], 0
     for a, size in enumerate(sizes):
-        if run and run + size > target:
+        if run and size and run + size > target:  # a segment adding no point (output only) joins its predecessor
             kept.append(bounds[a])
             run = 0
         run += size
@@ -411,8 +411,9 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
     masks = lattices.downsets(local, last)
     if masks is None:
         return None
-    if not first:
-        masks = masks[1:]  # the empty local set is the previous segment's full set
+    if not first and masks and masks[0] == 0:
+        masks = masks[1:]  # the empty local set is the previous segment's full set (a last segment
+        # without compute has no empty set: ``_Lattices.downsets`` keeps only points that leave compute)
     L = len(local)
     member = lattices.member(masks, L)
     pos = {u: k for k, u in enumerate(local)}
