@@ -69,6 +69,12 @@ class LeafTracer(ShapeAnsweringTracer):
     (``module_stack_objs``, kept by ``ShapeAnsweringTracer``) names the place.
     """
 
+    # A buffer read by attribute is a graph value (``get_attr``): without this, a value computed from
+    # it (``self.index.view(-1)``, torchvision's MaxViT) became a traced constant, and the buffer
+    # was in no stage (a saved state_dict lacked it); an in-place update of it in ``forward`` ran
+    # once while tracing and was left out of the graph (now tracing fails and export takes over).
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_modules: Iterable[LeafSpec] = (),
                  example_inputs: Optional[Sequence[Any]] = None) -> None:
         super().__init__(example_inputs)
@@ -144,6 +150,7 @@ def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Opt
         # forward's optional arguments the example leaves out are fixed to their defaults (as export
         # does): a ``mask=None`` passed on into torch.nn's modules must be None there, not a Proxy
         concrete_args = {**_unsupplied_defaults(model, len(inputs)), **(concrete_args or {})}
+    slots = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items()]
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
@@ -151,6 +158,13 @@ def _trace_fx(model: nn.Module, leaves: Tuple[LeafSpec, ...], concrete_args: Opt
         exc._fxpipe_module_path = tracer.path_of_module(inner) if inner is not model else ""  # type: ignore[attr-defined]
         exc._fxpipe_module_type = type(inner).__name__  # type: ignore[attr-defined]
         raise
+    finally:
+        # ``self.count += 1`` in forward stores a Proxy in the module's buffer slot: put every buffer
+        # back, so the user's model is left as it was (the capture check then finds the update missing
+        # from the graph, and export takes over)
+        for m, name, buf in slots:
+            if m._buffers.get(name) is not buf:
+                m._buffers[name] = buf
     name = type(model).__name__
     gm = torch.fx.GraphModule(tracer.root, graph, name)
     if concrete_args:

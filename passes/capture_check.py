@@ -7,7 +7,11 @@ RNG state (dropout draws the same masks), and compared:
 
 - every output leaf (tensors, and plain Python values by equality);
 - the gradient of a fixed weighted sum of the floating outputs with respect to
-  every parameter of the captured module (same tensors as the model's).
+  every parameter of the captured module (same tensors as the model's);
+- every buffer the two share by name, after the forward: an update the
+  forward makes (BatchNorm's statistics, a counter ``self.n += 1``) must be in
+  the graph (symbolic tracing runs a Python-level update once, while tracing,
+  and leaves it out).
 
 Tolerance, per tensor: ``max |captured - original| <= 1e-4 * max(1, max |original|)``;
 bit-identical kernels usually agree exactly, ATen decompositions may differ in
@@ -38,7 +42,10 @@ def check_capture(model: nn.Module, gm: torch.nn.Module, inputs: Sequence[Any], 
     saved = save_buffers(model, gm)
     try:
         ref_out, ref_grads = _run(model, inputs, [p for _, p in params])
+        ref_bufs = {name: b.detach().clone() for name, b in model.named_buffers()}
+        restore_buffers(saved)  # the graph starts from the same buffers (fx shares the model's)
         got_out, got_grads = _run(gm, inputs, [p for _, p in params])
+        got_bufs = {name: b.detach().clone() for name, b in gm.named_buffers()}
     finally:
         restore_buffers(saved)
     label = f"capture ({method})" if method else "capture"
@@ -52,6 +59,8 @@ def check_capture(model: nn.Module, gm: torch.nn.Module, inputs: Sequence[Any], 
         _compare(a, b, f"{label}: output {i}")
     for (name, _), a, b in zip(params, got_grads, ref_grads):
         _compare(a, b, f"{label}: gradient of parameter '{name}'")
+    for name in ref_bufs.keys() & got_bufs.keys():
+        _compare(got_bufs[name], ref_bufs[name], f"{label}: buffer '{name}' after the forward")
 
 
 def _run(module: Callable, inputs: Sequence[Any], params: List[torch.Tensor]) -> Tuple[Any, List[Any]]:

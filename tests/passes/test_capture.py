@@ -171,3 +171,51 @@ def test_export_metadata_checks_are_dropped_so_cast_weights_have_one_reader():
     assert {"n1.weight", "n2.weight"} <= set(readers)
     assert all(len(r) == 1 for r in readers.values()), readers  # no weight looks tied
     torch.testing.assert_close(gm(x), model(x))
+
+
+class _Counting(nn.Module):
+    """Counts its calls in a buffer from ``forward`` (a Python-level update fx runs once, while tracing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_buffer_updated_in_forward_is_kept_by_falling_back_to_export():
+    model = _Counting()
+    inputs = (torch.randn(3, 4),)
+    with pytest.raises(CaptureMismatchError, match="buffer .calls. after the forward"):
+        capture(model, inputs, method="fx")
+    assert isinstance(model.calls, torch.Tensor) and model.calls.item() == 0  # tracing left the model as it was
+    gm = capture(model, inputs)  # auto: fx leaves the update out, the check sees it, export keeps it
+    assert meta.get(gm, meta.CaptureInfo).method == "export"
+    gm(*inputs)
+    gm(*inputs)
+    assert dict(gm.named_buffers())["calls"].item() == 2
+
+
+class _IndexTable(nn.Module):
+    """A bias gathered through an index buffer read by attribute (torchvision's MaxViT): fx must keep the
+    buffer as a graph value, not fold ``index.view(-1)`` into a constant the model's state has no key for."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = nn.Parameter(torch.randn(7))
+        self.register_buffer("index", torch.tensor([[0, 3, 6, 2]]))
+
+    def forward(self, x):
+        return self.lin(x) + self.table[self.index.view(-1)]
+
+
+def test_a_buffer_read_by_attribute_is_a_graph_value():
+    model = _IndexTable()
+    gm = capture(model, (torch.randn(3, 4),))
+    assert meta.get(gm, meta.CaptureInfo).method == "fx"
+    assert "index" in {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert not any(name.startswith("_tensor_constant") for name, _ in gm.named_buffers())
