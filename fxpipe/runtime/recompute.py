@@ -79,7 +79,9 @@ class _Replay:
     def recv(self, tag: str, src: int, shape: Any, dtype: Any, requires_grad: bool) -> Any:
         value = self.received[tag]
         if isinstance(value, torch.Tensor):
-            return value.detach().requires_grad_(value.requires_grad)
+            if value.requires_grad:  # not a leaf, as the first forward's (comm's recv): the stage may
+                return value.detach().requires_grad_().clone()  # write it in place (ReLU(inplace=True))
+            return value.detach()
         return value
 
 

@@ -77,3 +77,38 @@ def test_recompute_runs_forward_again_on_the_stashed_version() -> None:
     assert m.calls == 2  # forward, then the recompute in backward
     for (name, p), g in zip(m.named_parameters(), want):
         assert torch.allclose(p.grad, g, rtol=0, atol=1e-12), name
+
+
+class _InPlaceOnReceived(torch.nn.Module):
+    """A stage whose first op writes its received value in place (torchvision's GoogLeNet cut after a
+    BatchNorm: ``relu(inplace=True)`` on the value the previous stage sent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+
+    def forward(self) -> torch.Tensor:
+        from passes import comm
+
+        h = comm.recv("h", 0, (4, 3), torch.float64, True)
+        return self.lin(torch.relu_(h)).pow(2).sum()
+
+
+def test_recompute_may_write_a_received_value_in_place() -> None:
+    """The recompute replays what the first forward received as a value it may write (a leaf may not be)."""
+    from fxpipe.runtime.recompute import recomputed
+    from passes import comm
+
+    torch.manual_seed(0)
+    m = _InPlaceOnReceived()
+    h = torch.randn(4, 3, dtype=torch.float64)
+    wanted = h.clone().requires_grad_()
+    want = torch.autograd.grad(m.lin(torch.relu(wanted)).pow(2).sum(), [wanted, *m.parameters()])
+    box = comm.MailboxTransport(owns_inbox=True)
+    box.inbox["h"] = h.clone()
+    loss = recomputed(m, [], box)
+    loss.backward()
+    box.collect_grads()
+    got = [box.grad_out["h"], *(p.grad for p in m.parameters())]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=0, atol=1e-12)
