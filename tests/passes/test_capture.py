@@ -6,7 +6,7 @@ import torch.nn as nn
 from passes import meta
 from passes.capture import CaptureError, CaptureMismatchError, capture, check_capture
 from passes.errors import FxpipeError
-from tests.models import ALL, Gate, example
+from tests.models import Gate, example
 
 
 def _same_on_fresh_inputs(model, gm, inputs):
