@@ -51,9 +51,9 @@ from passes.costgraph import CostGraph, closure
 from passes.partition import branches, wide_segments
 from passes.partition.coarsen import Units, model_nodes
 from passes.partition.costmodel import CostOptions
+from passes.partition.memory_guard import past
 from passes.partition.segment_plan import segment_dp
 from passes.partition.segments import MAX_DOWNSETS, folded_units
-from passes.partition.memory_guard import past
 
 LIGHT = 1e-3  # the planner's relaxation frees nodes with weights up to this share of the heaviest's (``relaxed``)
 TOLERANCE = 2e-3  # where the bisections stop (the bound's, the restriction's plan's)

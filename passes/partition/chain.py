@@ -44,10 +44,10 @@ from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_flo
                                         partner_replicas, stage_time_s, tied_floor_coeff, tied_floor_s,
                                         tied_sync_s)
 from passes.partition.canon import Canon
+from passes.partition.memory_guard import past
 from passes.partition.offsets import count
 from passes.partition.pins import Pins
 from passes.partition.segments import Segment, bridged_units, user_pairs
-from passes.partition.memory_guard import past
 
 
 PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it proves the plan within 1 %, where

@@ -26,12 +26,12 @@ from passes.partition.chain import DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
                                         stage_time_s, tied_floor_s)
+from passes.partition.memory_guard import past
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
 from passes.partition.offsets import EPS, cut_floors, cut_load_table
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
-from passes.partition.memory_guard import past
 
 KNOWN_CELLS = 1 << 24  # the most (pair, count, offset) cells ``_known_fits`` keeps for one level
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)

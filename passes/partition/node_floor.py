@@ -45,9 +45,9 @@ from passes.partition.chain import ChainSolver, DeadlineExceeded, stage_compute
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
                                         tied_floor_s)
+from passes.partition.memory_guard import past
 from passes.partition.offsets import EPS
 from passes.partition.segments import Segment
-from passes.partition.memory_guard import past
 
 MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
 

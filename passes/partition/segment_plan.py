@@ -18,11 +18,11 @@ from passes.partition import (anchors, branches, charged, node_floor, placed, re
 from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
+from passes.partition.memory_guard import past
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segments import MAX_DOWNSETS, build_segments, fold_margin, folded_units
 from passes.partition.tie_floor import tie_floor
 from passes.partition.work_floor import work_floor
-from passes.partition.memory_guard import past
 
 
 QUIET = 1e-3  # nodes that send nothing and cost up to this x sum C / K fold, their compute dropped

@@ -30,10 +30,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from passes.costgraph import CostGraph
+from passes.partition import read_chains
 from passes.partition.coarsen import Hidden, Units, build_units, model_nodes
 from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
-from passes.partition import read_chains
 from passes.partition.memory_guard import past
 
 MAX_DOWNSETS = 4000  # a segment of more downsets has no lattice here (``build_segments``)

@@ -28,8 +28,8 @@ import numpy as np
 from passes.partition.chain import ChainSolver, DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
-from passes.partition.segments import Segment
 from passes.partition.memory_guard import past
+from passes.partition.segments import Segment
 
 
 def applies(opts: CostOptions, units: Units) -> bool:

@@ -48,8 +48,8 @@ from typing import Dict, List, Optional, Tuple
 from passes.costgraph import CostGraph
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
-from passes.partition.segments import Segment, _Lattices, folded_units, separators
 from passes.partition.memory_guard import past
+from passes.partition.segments import Segment, _Lattices, folded_units, separators
 
 LIMIT = 2000  # a segment of more downsets is wide here: a flat DP pass over 24 Llama layers of 3,220 each
 # (the rotary reads left out like inputs) took the whole 10 s and 1.6 GB; the H100-profiled GPT's 1,588 are
