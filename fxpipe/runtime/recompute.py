@@ -28,15 +28,20 @@ Randomness (dropout) is replayed: checkpoint restores the RNG state, and the
 autocast state, of the first run. Buffers the forward writes (BatchNorm's
 running statistics and batch count) must change once per microbatch, as
 without recomputation, so ``Buffers`` puts them back after every recompute
-(``torch.utils.checkpoint`` alone would update them twice). Which buffers a
-stage writes is found on its first forward: BatchNorm's kernel updates its
-running statistics without bumping their version counter, so the values are
-compared too.
+(``torch.utils.checkpoint`` alone would update them twice), and the
+recompute reads them as the microbatch's forward found them: other
+microbatches' forwards have updated them since, and a forward whose output
+depends on one (a running statistic used in training, a counter) would
+otherwise recompute other activations. Which buffers a stage writes is found
+on its first forward: BatchNorm's kernel updates its running statistics
+without bumping their version counter, so the values are compared too. Each
+microbatch in flight keeps a copy of those buffers (BatchNorm: two vectors
+and a count a layer).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -86,34 +91,39 @@ class _Replay:
 
 
 class Buffers:
-    """The buffers a stage's forward writes, kept as they are across a recompute.
+    """The buffers a stage's forward writes: as each microbatch's forward found them during its
+    recompute, and as they are after it.
 
-    ``first_run`` wraps a forward: on the stage's first one it compares every
+    ``first_run`` wraps a forward and returns its output with a copy of those
+    buffers from before it; on the stage's first forward it compares every
     buffer before and after (version counter and value) and remembers those
-    written; ``unchanged`` then saves those before a recompute and writes them
-    back after it. A buffer the first forward leaves alone is never copied.
+    written. ``as_before(copy)`` then runs a recompute on that copy and writes
+    the current values back after it. A buffer the first forward leaves alone
+    is never copied.
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.written: Optional[List[torch.Tensor]] = None
 
-    def first_run(self, call: Callable[[], Any]) -> Any:
+    def first_run(self, call: Callable[[], Any]) -> Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]:
         if self.written is not None:
-            return call()
+            found = [(b, b.detach().clone()) for b in self.written]
+            return call(), found
         before = {id(b): (b, b._version, b.detach().clone()) for b in self.module.buffers()}
         out = call()
         self.written = [b for b, version, old in before.values()
                         if b._version != version or not torch.equal(b, old)]
-        return out
+        return out, [(b, old) for b, version, old in before.values() if any(b is w for w in self.written)]
 
     @contextmanager
-    def unchanged(self) -> Iterator[None]:
-        saved = [(b, b.detach().clone()) for b in self.written or ()]
+    def as_before(self, found: List[Tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+        now = [(b, b.detach().clone()) for b, _ in found]
+        restore_buffers(found)
         try:
             yield
         finally:
-            restore_buffers(saved)
+            restore_buffers(now)
 
 
 def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transport,
@@ -124,6 +134,8 @@ def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transpor
     state: Dict[str, Optional[Any]] = {"first": recording}
     calls = Replayed()  # deferred weight gradients' inputs, from the recompute (``fxpipe.runtime.deferred``)
 
+    found: List[Tuple[torch.Tensor, torch.Tensor]] = []  # the written buffers as the forward found them
+
     def run(*a: Any) -> Any:
         first = state["first"]
         state["first"] = None
@@ -131,8 +143,10 @@ def recomputed(call: Callable[..., Any], args: Sequence[Any], box: comm.Transpor
             if buffers is None:
                 return call(*a)
             if first is not None:
-                return buffers.first_run(lambda: call(*a))
-            with buffers.unchanged():
+                out, kept = buffers.first_run(lambda: call(*a))
+                found.extend(kept)
+                return out
+            with buffers.as_before(found):
                 return call(*a)
 
     return checkpoint(run, *args, use_reentrant=False)

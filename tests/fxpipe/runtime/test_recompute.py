@@ -112,3 +112,37 @@ def test_recompute_may_write_a_received_value_in_place() -> None:
     got = [box.grad_out["h"], *(p.grad for p in m.parameters())]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=0, atol=1e-12)
+
+
+class _Decaying(torch.nn.Module):
+    """A forward whose output depends on a buffer it also updates (a decaying scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(x) * self.scale.clone()).pow(2).sum()  # what autograd saves: the copy
+        self.scale.mul_(0.5)
+        return out
+
+
+def test_recompute_reads_buffers_as_its_forward_found_them() -> None:
+    """Two microbatches in flight: each backward's recompute sees the buffer its own forward read (not
+    the value the later forward left), and leaves the buffer where both forwards put it."""
+    from fxpipe.runtime.recompute import Buffers, recomputed
+    from passes import comm
+
+    torch.manual_seed(0)
+    m = _Decaying()
+    xs = [torch.randn(4, 3, dtype=torch.float64) for _ in range(2)]
+    want = [torch.autograd.grad(m(x), list(m.parameters())) for x in xs]  # scale 1, then 0.5
+    m.scale.fill_(1.0)
+    buffers = Buffers(m)
+    losses = [recomputed(m, [x], comm.MailboxTransport(), buffers) for x in xs]
+    for loss, w in zip(losses, want):
+        got = torch.autograd.grad(loss, list(m.parameters()))
+        for g, e in zip(got, w):
+            assert torch.allclose(g, e, rtol=0, atol=1e-12)
+    assert m.scale.item() == 0.25  # two forwards, no more
