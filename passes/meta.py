@@ -157,6 +157,7 @@ class ProfileInfo:
     whole_fwd_s: float = 0.0
     whole_bwd_s: float = 0.0
     clock: str = ""  # what timed the nodes: "thread CPU time", "wall time" or "cuda events (host clock for ...)"
+    precision: str = "fp32"  # the autocast the nodes ran under: fp32 (none), bf16 or fp16
 
 
 Record = Union[ModuleInfo, ValueMeta, NodeCost, StageAssign, CommInfo, CaptureInfo, ProfileInfo]

@@ -43,6 +43,7 @@ from passes.values import COMPUTE_OPS, ValueRecorder, node_failed, value_bytes
 __all__ = ["profile", "to_cost_graph", "ProfileError"]
 
 ProgressFn = Callable[..., None]
+_PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # ProfileInfo's
 
 
 class ProfileError(FxpipeError):
@@ -95,6 +96,7 @@ def profile(
     meta.put(gm, meta.ProfileInfo(
         device=str(dev), repeats=repeats, batch_size=_batch_size(inputs),
         torch_version=torch.__version__, whole_fwd_s=fwd_s, whole_bwd_s=bwd_s, clock=clock.name,
+        precision=_PRECISION.get(autocast_dtype, str(autocast_dtype)),
     ))
     return gm
 
@@ -288,7 +290,7 @@ def to_cost_graph(gm: torch.fx.GraphModule, calibrate: bool = True) -> CostGraph
     if meta.has(gm, meta.ProfileInfo):
         p = meta.get(gm, meta.ProfileInfo)
         info.update(device=p.device, repeats=p.repeats, batch_size=p.batch_size, torch_version=p.torch_version,
-                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s, clock=p.clock)
+                    whole_fwd_s=p.whole_fwd_s, whole_bwd_s=p.whole_bwd_s, clock=p.clock, precision=p.precision)
     if meta.has(gm, meta.CaptureInfo):
         info["capture_method"] = meta.get(gm, meta.CaptureInfo).method
     sizes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters()}

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from passes.errors import FxpipeError
 from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
@@ -20,12 +20,21 @@ from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 if TYPE_CHECKING:
     from passes.costgraph import CostGraph
 
+PRECISIONS = ("fp32", "bf16", "fp16")  # autocast a model is profiled under (``fxpipe.runtime.precision``)
+
+
+def add_precision_option(p: argparse.ArgumentParser, default: Optional[str] = "fp32") -> None:
+    p.add_argument("--precision", choices=PRECISIONS, default=default,
+                   help="profile the model under this autocast, as training with --precision runs it "
+                        "(fp32: none; default fp32)")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="partition a model into pipeline stages (CP-SAT)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="profile JSON, PipeDream graph.txt, model .py file or package.module:factory")
     add_plan_options(p)
+    add_precision_option(p, default=None)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     p.add_argument("-o", "--output", default=None, help="also write the plan JSON here")
     p.set_defaults(func=run)
@@ -77,16 +86,24 @@ def partition_kwargs(args: argparse.Namespace) -> dict:
                 solver=args.solver, gpus_per_node=args.gpus_per_node, intra_bandwidth=args.intra_bandwidth)
 
 
-def load_source(source: str) -> "CostGraph":
-    """A CostGraph from a profile file, or by capturing and profiling a model as ``fxpipe split`` does.
+def load_source(source: str, precision: Optional[str] = None) -> "CostGraph":
+    """A CostGraph from a profile file, or by capturing and profiling a model as ``fxpipe split`` does
+    (under ``precision``'s autocast; fp32 when None).
 
-    A profile file loads without torch: only a model source imports it.
+    A profile file loads without torch: only a model source imports it. It was
+    profiled in one precision; asking for another is an error naming both.
     """
     path = Path(source)
     if path.suffix != ".py" and (path.exists() or ":" not in source):
         from passes.costgraph import CostGraph
 
-        return CostGraph.load(path)
+        graph = CostGraph.load(path)
+        taken = graph.info.get("precision", "fp32")
+        if precision is not None and precision != taken:
+            raise FxpipeError(f"plan: {source} was profiled in {taken}, not {precision}; profile the model "
+                              f"with `fxpipe profile MODEL --precision {precision} -o PROFILE` (or plan the "
+                              "model file itself) to plan for it")
+        return graph
     try:
         from fxpipe.loader import load_model
     except ImportError as exc:
@@ -95,7 +112,7 @@ def load_source(source: str) -> "CostGraph":
     from fxpipe.profiling import profile_model
     from passes.profile import to_cost_graph
 
-    return to_cost_graph(profile_model(load_model(source)))  # timed as `fxpipe split` times it
+    return to_cost_graph(profile_model(load_model(source), precision=precision or "fp32"))  # as `fxpipe split` times it
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     from fxpipe.runtime.heap import keep_freed_memory
 
     keep_freed_memory()  # the DP passes allocate and free the same large arrays again (fxpipe.runtime.heap)
-    graph = load_source(args.source)
+    graph = load_source(args.source, args.precision)
     result = partition(graph, args.devices, progress=stderr_progress, **partition_kwargs(args))
     plan = plan_from_result(result, graph, batch_size=args.batch_size)
     if args.output:

@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, List, Optional
 
+from fxpipe.cli.plan_cmd import add_precision_option
 from fxpipe.runtime.devices import DEVICES
 from fxpipe.units import at_least
 
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
                    help="torch intra-op threads while timing on CPU (default 1: then each node is timed in "
                         "CPU time of its thread, which other jobs on the machine do not inflate; 0 = torch's default, "
                         "timed in wall time)")
+    add_precision_option(p)
     p.add_argument("--top", type=at_least(1), default=None, help="show only the N nodes with the largest forward+backward")
     p.add_argument("-o", "--output", help="write the profile JSON here (input of `fxpipe plan`)")
     p.set_defaults(func=run)
@@ -48,7 +50,7 @@ def run(args) -> int:
 
     spec = load_model(args.model)
     gm = profile_model(spec, device=resolve_device(args.device, None), repeats=args.repeats, warmup=args.warmup,
-                       method=args.method, threads=args.threads or None)
+                       method=args.method, threads=args.threads or None, precision=args.precision)
     graph = to_cost_graph(gm)  # what plans read: node times calibrated to the whole model's
     print(render_table(to_cost_graph(gm, calibrate=False), args.top))  # the node timings as measured
     cal = graph.info.get("calibration")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-from fxpipe.cli.plan_cmd import add_plan_options, partition_kwargs
+from fxpipe.cli.plan_cmd import add_plan_options, add_precision_option, partition_kwargs
 from fxpipe.runtime.devices import DEVICES
 from fxpipe.units import at_least
 
@@ -37,6 +37,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="device to profile on: cpu (default), cuda, or auto (cuda where this machine has a GPU)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="timed repetitions per node (default 3)")
+    add_precision_option(p)
     p.add_argument("-o", "--output", metavar="OUTDIR", default=None,
                    help="folder to write (default fxpipe-out/<model name>)")
     p.set_defaults(func=run)
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     result = split(spec.model, spec.example_inputs, args.devices, capture_method=args.method,
                    leaf_modules=spec.leaf_modules, concrete_args=spec.concrete_args,
                    device=resolve_device(args.device, None),
-                   repeats=args.repeats, batch_size=args.batch_size, **kwargs)
+                   repeats=args.repeats, batch_size=args.batch_size, precision=args.precision, **kwargs)
     result.save(outdir)
     result.plan.save(outdir / "plan.json")
     result.profile.save(outdir / "profile.json")

@@ -160,12 +160,27 @@ def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optio
     if split_dir:
         split = SplitModel.load(split_dir)
         check_split_matches(split, spec.model, split_dir, spec.source)
+        _say_precision(split_dir, cfg.precision)
         return split
     if not devices:
         raise FxpipeError("give --devices N (or --split DIR from `fxpipe split`)")
     # profiled under the autocast training will run in, so the plan sees those times and bytes
     return plan_and_split(spec, devices, cfg.schedule, cfg.microbatches,
                           dict(plan_options or {}, precision=cfg.precision, device=profile_on))
+
+
+def _say_precision(split_dir: str, precision: str) -> None:
+    """A line where the split was planned on times of another precision than training runs in (its
+    profile.json says which; the plan still runs, its balance is that precision's)."""
+    path = os.path.join(split_dir, "profile.json")
+    try:
+        with open(path) as f:
+            taken = json.load(f).get("info", {}).get("precision", "fp32")
+    except (OSError, ValueError):
+        return
+    if taken != precision:
+        _log(f"{split_dir} was planned on {taken} times; training runs in {precision} (split again with "
+             f"`fxpipe split ... --precision {precision}` for a plan balanced on those)")
 
 
 def _say_device(device: str, requested: str, world: int) -> None:

@@ -86,3 +86,34 @@ def test_device_auto_and_cuda_without_a_gpu(capsys):
     assert "sees no CUDA device; use --device cpu" in err and "Traceback" not in err
     assert main(["split", str(EXAMPLES / "cnn.py"), "--devices", "2", "--device", "cuda"]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_profile_and_plan_under_a_precision(tmp_path, capsys):
+    """`--precision bf16` profiles under bf16 autocast (values crossing a cut are bf16, half the bytes) and
+    the profile says so; `fxpipe plan` refuses to plan that profile for another precision."""
+    fp32, bf16 = tmp_path / "fp32.json", tmp_path / "bf16.json"
+    for precision, out in (("fp32", fp32), ("bf16", bf16)):
+        assert main(["profile", str(EXAMPLES / "gpt.py"), "--repeats", "1", "--warmup", "0",
+                     "--precision", precision, "-o", str(out)]) == 0
+    a, b = CostGraph.load(fp32), CostGraph.load(bf16)
+    assert a.info["precision"] == "fp32" and b.info["precision"] == "bf16"
+    assert b.nodes["blocks_0_attn_qkv"].out_bytes * 2 == a.nodes["blocks_0_attn_qkv"].out_bytes
+    capsys.readouterr()
+    assert main(["plan", str(bf16), "--devices", "2", "--precision", "bf16", "--time-limit", "2"]) == 0
+    assert main(["plan", str(bf16), "--devices", "2", "--time-limit", "2"]) == 0
+    assert main(["plan", str(bf16), "--devices", "2", "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "profiled in bf16, not fp32" in err and "--precision fp32" in err
+
+
+def test_train_names_a_split_planned_in_another_precision(tmp_path, capsys):
+    from fxpipe.runtime.launch import _say_precision
+
+    (tmp_path / "profile.json").write_text('{"info": {"precision": "bf16"}}')
+    _say_precision(str(tmp_path), "bf16")
+    assert capsys.readouterr().err == ""
+    _say_precision(str(tmp_path), "fp32")
+    assert "planned on bf16 times; training runs in fp32" in capsys.readouterr().err
+    (tmp_path / "profile.json").write_text('{"info": {}}')  # profiles before precisions were recorded: fp32
+    _say_precision(str(tmp_path), "fp32")
+    assert capsys.readouterr().err == ""
