@@ -71,8 +71,8 @@ class LeafTracer(ShapeAnsweringTracer):
 
     # A buffer read by attribute is a graph value (``get_attr``): without this, a value computed from
     # it (``self.index.view(-1)``, torchvision's MaxViT) became a traced constant, and the buffer
-    # was in no stage (a saved state_dict lacked it); an in-place update of it in ``forward`` ran
-    # once while tracing and was left out of the graph (now tracing fails and export takes over).
+    # was in no stage (a saved state_dict lacked it). An update of a buffer in ``forward`` by Python
+    # code is still left out of the graph: the capture check compares buffers, and export takes over.
     proxy_buffer_attributes = True
 
     def __init__(self, leaf_modules: Iterable[LeafSpec] = (),
