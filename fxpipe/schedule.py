@@ -250,6 +250,12 @@ def _check_stash_groups(layout: Layout, microbatches: int, tied_stages: Sequence
                 counts[rank] = len(range(layout.replica_of(rank), microbatches, layout.replicas[j]))
     groups = [[r for j in tied for r in layout.ranks(j)]] if tied else []
     groups += [layout.ranks(j) for j in range(layout.num_stages) if layout.replicas[j] > 1 and j not in tied]
+    if tied and len({layout.replicas[j] for j in tied}) > 1:  # no count of minibatches evens these out
+        raise ScheduleError(
+            f"1f1b-stash: the stages sharing a tied weight ({', '.join(map(str, tied))}) have "
+            f"{[layout.replicas[j] for j in tied]} replicas; their ranks all-reduce the weight after every "
+            "backward, so they need equal counts: use --schedule 1f1b-flush (or zb-h1, 2bw), or plan with "
+            "--replication none")
     for group in groups:
         if len({counts[r] for r in group}) > 1:
             raise ScheduleError(

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint, failure, payload
 from fxpipe.runtime.devices import gpu_count, resolve_device
-from fxpipe.runtime.loop import TrainConfig, checkpoint_info
+from fxpipe.runtime.loop import TrainConfig, checkpoint_info, segment_schedule, step_segments
 from fxpipe.runtime.preflight import check_config, check_count, check_first_batch, check_split_matches
 from fxpipe.runtime.trace import merge, rank_path
 from fxpipe.runtime.worker import RUN_FILE, SPLIT_DIR
@@ -136,6 +136,8 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     if not multi_node:
         cfg.device = resolve_device(requested, layout.world_size)
         _say_device(cfg.device, requested, layout.world_size)
+    for n in sorted({n for _, n in step_segments(cfg, 0)}):  # a schedule this layout cannot run: one line here
+        segment_schedule(cfg, layout, split, n, "cpu" if cfg.device == "auto" else cfg.device)
     if cfg.resume:
         step = checkpoint.check(cfg.checkpoint, layout, checkpoint_info(cfg), split.stages)
         _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")

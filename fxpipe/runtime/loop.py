@@ -159,7 +159,7 @@ class TrainResult:
     # (stash: the largest of the step's updates on this rank)
 
 
-def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
+def step_segments(cfg: TrainConfig, start: int) -> List[tuple]:
     """(first step, steps) runs of one action list each."""
     if cfg.schedule not in CONTINUOUS:
         return [(s, 1) for s in range(start, cfg.steps)]
@@ -170,6 +170,21 @@ def _segments(cfg: TrainConfig, start: int) -> List[tuple]:
         out.append((s, end - s))
         s = end
     return out
+
+
+def segment_schedule(cfg: TrainConfig, layout: Layout, split: Any, n: int, device_type: str = "cpu",
+                     build: Optional[Callable[..., Dict[int, list]]] = None) -> Dict[int, list]:
+    """Every rank's action list for a run of ``n`` steps (``step_segments``): what the workers run, and what
+    the parent builds first to refuse a schedule the layout cannot run (``launch.prepare``)."""
+    if build is None:
+        from fxpipe.schedule import build_schedule as build
+    tied_stages = sorted({s for st in split.tied.values() for s in st})
+    # non-tensor values: one bundle per link, posted early on gloo; NCCL completes it in the receive action
+    blocking = [] if device_type == "cpu" else \
+        sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
+    more = {"steps": n} if cfg.schedule == "2bw" else {}
+    count = n * cfg.microbatches if cfg.schedule == "1f1b-stash" else cfg.microbatches
+    return build(cfg.schedule, layout, count, sorted(split.links), tied_stages, blocking, **more)
 
 
 def _on_device(data: Callable[[int], Any], device: torch.device) -> Callable[[int], Any]:
@@ -254,7 +269,7 @@ def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, da
     """``train``'s steps on the rank ``_setup`` made: schedules built, run, reported, checkpointed."""
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
-    M, update_per_mb, continuous = cfg.microbatches, cfg.schedule == "1f1b-stash", cfg.schedule in CONTINUOUS
+    M, continuous = cfg.microbatches, cfg.schedule in CONTINUOUS
     info = checkpoint_info(cfg)
     two_bw = cfg.schedule == "2bw"
     start = checkpoint.restore(cfg.checkpoint, rank, layout, r.module, r.optimizer, info, device,
@@ -269,17 +284,11 @@ def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, da
                             device=device)
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
-    tied_stages = sorted({s for st in split.tied.values() for s in st})
-    # non-tensor values: one bundle per link, posted early on gloo; NCCL completes it in the receive action
-    blocking = [] if device.type == "cpu" else \
-        sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     cache: Dict[int, list] = {}
-    for first, n in _segments(cfg, start):
+    for first, n in step_segments(cfg, start):
         current[0] = first
         if n not in cache:
-            more = {"steps": n} if cfg.schedule == "2bw" else {}
-            cache[n] = build(cfg.schedule, layout, n * M if update_per_mb else M, sorted(split.links), tied_stages,
-                             blocking, **more)[rank]
+            cache[n] = segment_schedule(cfg, layout, split, n, device.type, build)[rank]
         if reporter is not None and continuous:
             reporter.expect(cache[n], first * M)
         r.ex.run(cache[n], base=first * M)

@@ -259,3 +259,22 @@ def test_silent_rank_found_in_torchrun_failure_table(tmp_path: Path) -> None:
     assert _silent_exit(str(log), {0}).startswith("rank 1 exited with code 9 without an error line")
     assert _silent_exit(str(log), {0, 1}).startswith("rank 2 exited with code -15")
     assert _silent_exit(str(log), {0, 1, 2}) == ""
+
+
+def test_a_schedule_the_layout_cannot_run_is_refused_before_the_workers_start(work: Path, monkeypatch) -> None:
+    """The parent builds the workers' action lists first: a ScheduleError is one line, no torchrun."""
+    from fxpipe.runtime import launch
+    from fxpipe.schedule import ScheduleError
+
+    seen = []
+
+    def refuse(cfg, layout, split, n, *a, **kw):
+        seen.append((cfg.schedule, n))
+        raise ScheduleError("1f1b-stash: this layout cannot run it")
+
+    monkeypatch.setattr(launch, "segment_schedule", refuse)
+    code, out, err = cli(["train", str(work / "good.py"), "--split", str(work / "split_good"), "--steps", "5",
+                          "--schedule", "1f1b-stash", "--checkpoint", str(work / "ck_refused"),
+                          "--checkpoint-every", "2"])
+    assert_one_line(code, out, err, r"this layout cannot run it")
+    assert seen == [("1f1b-stash", 1)]  # the first of the runs of steps (1, 2): sorted, it stops there
