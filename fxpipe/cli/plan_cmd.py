@@ -20,13 +20,16 @@ from fxpipe.units import at_least, parse_bandwidth, parse_memory, positive_float
 if TYPE_CHECKING:
     from passes.costgraph import CostGraph
 
-PRECISIONS = ("fp32", "bf16", "fp16")  # autocast a model is profiled under (``fxpipe.runtime.precision``)
+# ``fxpipe.runtime.precision``'s names (a test holds them equal), here without importing torch for --help
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def add_precision_option(p: argparse.ArgumentParser, default: Optional[str] = "fp32") -> None:
+    said = ("default fp32" if default == "fp32" else
+            "default: a profile file's own, fp32 for a model")
     p.add_argument("--precision", choices=PRECISIONS, default=default,
-                   help="profile the model under this autocast, as training with --precision runs it "
-                        "(fp32: none; default fp32)")
+                   help=f"profile the model under this autocast, as training with --precision runs it "
+                        f"(fp32: none; {said})")
 
 
 def register(subparsers) -> None:

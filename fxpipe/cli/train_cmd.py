@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 
+from fxpipe.cli.plan_cmd import PRECISIONS
 from fxpipe.runtime.devices import DEVICES
 from fxpipe.runtime.lr_schedule import LR_SCHEDULES
 from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
@@ -79,7 +80,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the workers run: cuda (NCCL, one GPU per worker), cpu (gloo), or auto (default: "
                         "cuda when this machine has a GPU for every worker); profiling runs there too")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="stage forwards under autocast to this dtype; weights and optimizer stay fp32; "
                         "fp16 adds dynamic loss scaling (1f1b-flush and gpipe only)")
     p.add_argument("--recompute", choices=("none", "all", "auto"), default="none",

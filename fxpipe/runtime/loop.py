@@ -250,8 +250,6 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     ``observe`` is called with the executor after every optimizer step (tests
     watch its ``live_counts`` over a long run).
     """
-    if build is None:
-        from fxpipe.schedule import build_schedule as build
     keep_freed_memory()  # every step allocates the same again (fxpipe.runtime.heap)
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
     try:
@@ -264,7 +262,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
 
 
 def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
-           build: Callable[..., Dict[int, list]], device: torch.device,
+           build: Optional[Callable[..., Dict[int, list]]], device: torch.device,
            observe: Optional[Callable[[Executor], None]]) -> TrainResult:
     """``train``'s steps on the rank ``_setup`` made: schedules built, run, reported, checkpointed."""
     if observe is not None:

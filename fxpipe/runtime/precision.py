@@ -40,8 +40,8 @@ import torch.distributed as dist
 from fxpipe.runtime.transport import peer_guard
 from passes.errors import FxpipeError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(DTYPES)
 
 
 class PrecisionError(FxpipeError):

@@ -107,3 +107,11 @@ def test_fp16_with_stash_is_refused() -> None:
         check_precision("fp16", "1f1b-stash")
     with pytest.raises(PrecisionError, match="--precision"):
         check_precision("fp8", "gpipe")
+
+
+def test_the_command_offers_the_precisions_the_runtime_runs() -> None:
+    # the CLI keeps its own list so that --help imports no torch; it must not drift from the runtime's
+    from fxpipe.cli.plan_cmd import PRECISIONS as offered
+    from fxpipe.runtime.precision import PRECISIONS as run
+
+    assert offered == run
