@@ -254,8 +254,8 @@ def _check_stash_groups(layout: Layout, microbatches: int, tied_stages: Sequence
         raise ScheduleError(
             f"1f1b-stash: the stages sharing a tied weight ({', '.join(map(str, tied))}) have "
             f"{[layout.replicas[j] for j in tied]} replicas; their ranks all-reduce the weight after every "
-            "backward, so they need equal counts: use --schedule 1f1b-flush (or zb-h1, 2bw), or plan with "
-            "--replication none")
+            "backward, so they need equal counts: plan the split for this schedule (`fxpipe split ... "
+            "--schedule 1f1b-stash` gives them equal replicas), or use --schedule 1f1b-flush (or zb-h1, 2bw)")
     for group in groups:
         if len({counts[r] for r in group}) > 1:
             raise ScheduleError(

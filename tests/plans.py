@@ -2,7 +2,7 @@
 plan of a small chain by enumeration."""
 import itertools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from fxpipe.plan import Plan, plan_from_result
 from passes.costgraph import CostGraph
@@ -24,9 +24,11 @@ def synthetic_plan(graph: CostGraph, assignment: Mapping[str, int], replicas: Se
     return plan_from_result(result, graph, batch_size)
 
 
-def every_chain_plan(g: CostGraph, opts: CostOptions) -> float:
+def every_chain_plan(g: CostGraph, opts: CostOptions,
+                     keep: Optional[Callable[[Mapping[str, int], Sequence[int]], bool]] = None) -> float:
     """The best bottleneck ``evaluate`` gives any split of a chain (input, work nodes, output, in
-    ``g.nodes``' order) on exactly K devices, or on up to K with ``opts.fewer_devices``."""
+    ``g.nodes``' order) on exactly K devices, or on up to K with ``opts.fewer_devices``; only the
+    (assignment, replicas) that ``keep`` accepts, where given."""
     names = list(g.nodes)
     work = names[1:-1]
     allowed = opts.allowed_replicas()
@@ -39,5 +41,7 @@ def every_chain_plan(g: CostGraph, opts: CostOptions) -> float:
             stage = {x: j for j in range(stages) for x in work[bounds[j]:bounds[j + 1]]}
             stage[names[0]], stage[names[-1]] = 0, stages - 1
             for reps in vectors:
+                if keep is not None and not keep(stage, reps):
+                    continue
                 best = min(best, evaluate(g, stage, reps, opts).bottleneck_s)
     return best

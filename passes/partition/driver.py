@@ -32,7 +32,7 @@ from passes.partition.memory_guard import MemoryGuard, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition.work_floor import work_floor
-from passes.partition import anchors, branchy, node_floor, placed, segment_plan, uniform
+from passes.partition import anchors, branchy, node_floor, placed, segment_plan, stash_ties, uniform
 from passes.partition.model_nodes import slots_of, walls_modelled
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -90,7 +90,8 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     always uses CP-SAT. ``time_limit`` caps the whole call (every phase checks
     the deadline; the answer is the best plan and bound found by then).
     ``progress``: called with one line per improving CP-SAT solution (the CLI
-    passes a stderr printer); ``coarsen_above``: unit count above which nodes merge.
+    passes a stderr printer); ``coarsen_above``: unit count above which nodes merge. A plan for
+    ``schedule="1f1b-stash"`` gives stages sharing a tied weight equal replicas (``stash_ties.py``).
     """
     opts = CostOptions(devices=devices, **options)
     if solver not in ("auto", "cpsat"):
@@ -108,7 +109,8 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             if found is None:
                 raise
             return _floored(graph, opts, _budget_noted(found, budget, progress))
-        return _floored(graph, opts, _budget_noted(_uniform_kept(graph, opts, found, start), budget, progress))
+        found = stash_ties.evened(graph, opts, _uniform_kept(graph, opts, found, start), start + time_limit)
+        return _floored(graph, opts, _budget_noted(found, budget, progress))
 
 
 def _budget_noted(found: PartitionResult, budget: MemoryGuard, progress) -> PartitionResult:

@@ -1,0 +1,55 @@
+"""Plans for ``1f1b-stash`` give the stages that share a tied weight equal replicas (the runtime's rule:
+their ranks all-reduce the weight after every backward, so each must run as many backwards).
+
+On the tied chains of ``test_partition_tied`` the unconstrained optimum puts the embedding's stage
+and the heavy head's stage at different counts; the stash plan must be the best runnable plan that
+enumeration finds, on exactly K devices, with the search's bound kept (a bound of the looser
+problem) and its gap reported as it is.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from passes.partition import CostOptions, evaluate, is_convex, partition
+from passes.partition.stash_ties import runnable, tied_stages
+from tests.passes.test_partition_tied import tied_chain
+from tests.plans import every_chain_plan
+
+CASES = [(seed, rep, K) for seed in range(4) for rep, K in (("any", 6), ("any", 8), ("pow2", 8))]
+
+
+@pytest.mark.parametrize("seed,replication,K", CASES)
+def test_stash_plan_is_the_best_runnable_plan(seed, replication, K):
+    g = tied_chain(seed)
+    opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication)
+    flush = partition(g, K, time_limit=5, schedule="1f1b-flush", replication=replication)
+    assert not runnable(g, flush.assignment, flush.replicas)  # the case: the unconstrained plan is not runnable
+
+    res = partition(g, K, time_limit=5, schedule="1f1b-stash", replication=replication)
+    best = every_chain_plan(g, opts, keep=lambda a, reps: runnable(g, a, reps))
+    assert len(tied_stages(g, res.assignment)) == 2 and runnable(g, res.assignment, res.replicas)
+    assert sum(res.replicas) == K and is_convex(g, res.assignment)
+    assert set(res.replicas) <= set(opts.allowed_replicas())
+    assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
+    assert res.bottleneck_s == pytest.approx(best, rel=1e-9)
+    assert res.bound_s <= best * (1 + 1e-9)
+    assert res.status == ("OPTIMAL" if res.gap <= 1e-3 else "FEASIBLE") and "evened" in res.method
+
+
+def test_other_schedules_and_untied_plans_are_left_alone():
+    g = tied_chain(0)
+    for schedule in ("1f1b-flush", "gpipe", "zb-h1", "2bw"):
+        res = partition(g, 8, time_limit=5, schedule=schedule)
+        assert "evened" not in res.method
+    res = partition(g, 6, time_limit=5, schedule="1f1b-stash", replication="none")  # one replica each: runnable
+    assert "evened" not in res.method and runnable(g, res.assignment, res.replicas)
+
+
+def test_evening_keeps_to_the_time_limit():
+    g = tied_chain(0, blocks=40)
+    start = time.monotonic()
+    res = partition(g, 256, time_limit=2, schedule="1f1b-stash")
+    assert time.monotonic() - start < 3.0
+    assert runnable(g, res.assignment, res.replicas) and sum(res.replicas) == 256
