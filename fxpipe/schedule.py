@@ -68,7 +68,8 @@ def in_flight(layout: Layout, stage: int, schedule: str = DEFAULT_SCHEDULE, micr
 
 def build_schedule(schedule: str, layout: Layout, microbatches: int,
                    links: Sequence[Tuple[int, int]], tied_stages: Sequence[int] = (),
-                   blocking_links: Sequence[Tuple[int, int]] = (), steps: int = 1) -> Dict[int, List[Action]]:
+                   blocking_links: Sequence[Tuple[int, int]] = (), steps: int = 1,
+                   ranks: Optional[Sequence[int]] = None) -> Dict[int, List[Action]]:
     """The action list of every rank for one step of ``microbatches``.
 
     For ``1f1b-stash`` a "step" is a window of ``microbatches`` minibatches,
@@ -77,7 +78,9 @@ def build_schedule(schedule: str, layout: Layout, microbatches: int,
     draining between them; the other schedules take ``steps=1`` only.
     ``blocking_links``: links that carry a non-tensor value, whose receives
     are not moved early. The result is a ``Schedule`` (a dict that remembers
-    its layout, so ``validate`` knows the all-reduce groups).
+    its layout, so ``validate`` knows the all-reduce groups). ``ranks``: build only
+    these ranks' lists (a worker needs its own; ``()`` only checks the request),
+    since a continuous run's lists grow with its length.
     """
     links = _check(schedule, layout, microbatches, links, tied_stages, steps)
     tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
@@ -85,6 +88,8 @@ def build_schedule(schedule: str, layout: Layout, microbatches: int,
     for stage in range(layout.num_stages):
         reduce = layout.replicas[stage] > 1 or stage in tied
         for replica, rank in enumerate(layout.ranks(stage)):
+            if ranks is not None and rank not in ranks:
+                continue
             mbs = list(range(replica, microbatches * steps, layout.replicas[stage]))
             order = _compute_order(schedule, layout, stage, mbs, reduce, microbatches)
             out[rank] = early_receives(_lower(order, stage, layout, links), stage, layout, set(blocking_links))

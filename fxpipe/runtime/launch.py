@@ -137,7 +137,7 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
         cfg.device = resolve_device(requested, layout.world_size)
         _say_device(cfg.device, requested, layout.world_size)
     for n in sorted({n for _, n in step_segments(cfg, 0)}):  # a schedule this layout cannot run: one line here
-        segment_schedule(cfg, layout, split, n, "cpu" if cfg.device == "auto" else cfg.device)
+        segment_schedule(cfg, layout, split, n, "cpu" if cfg.device == "auto" else cfg.device, ranks=())
     if cfg.resume:
         step = checkpoint.check(cfg.checkpoint, layout, checkpoint_info(cfg), split.stages)
         _log(f"resuming from the checkpoint of step {step} in {cfg.checkpoint}")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -173,9 +173,12 @@ def step_segments(cfg: TrainConfig, start: int) -> List[tuple]:
 
 
 def segment_schedule(cfg: TrainConfig, layout: Layout, split: Any, n: int, device_type: str = "cpu",
-                     build: Optional[Callable[..., Dict[int, list]]] = None) -> Dict[int, list]:
-    """Every rank's action list for a run of ``n`` steps (``step_segments``): what the workers run, and what
-    the parent builds first to refuse a schedule the layout cannot run (``launch.prepare``)."""
+                     build: Optional[Callable[..., Dict[int, list]]] = None,
+                     ranks: Optional[Sequence[int]] = None) -> Dict[int, list]:
+    """The action lists of ``ranks`` (default every rank) for a run of ``n`` steps (``step_segments``): a
+    worker builds its own; the parent builds none (``ranks=()``), only the checks that refuse a schedule
+    the layout cannot run (``launch.prepare``). A ``1f1b-stash`` or ``2bw`` run without checkpoints is one
+    list of ``steps`` x ``microbatches`` microbatches, so building every rank's everywhere would not do."""
     if build is None:
         from fxpipe.schedule import build_schedule as build
     tied_stages = sorted({s for st in split.tied.values() for s in st})
@@ -184,7 +187,7 @@ def segment_schedule(cfg: TrainConfig, layout: Layout, split: Any, n: int, devic
         sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     more = {"steps": n} if cfg.schedule == "2bw" else {}
     count = n * cfg.microbatches if cfg.schedule == "1f1b-stash" else cfg.microbatches
-    return build(cfg.schedule, layout, count, sorted(split.links), tied_stages, blocking, **more)
+    return build(cfg.schedule, layout, count, sorted(split.links), tied_stages, blocking, ranks=ranks, **more)
 
 
 def _on_device(data: Callable[[int], Any], device: torch.device) -> Callable[[int], Any]:
@@ -286,7 +289,7 @@ def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, da
     for first, n in step_segments(cfg, start):
         current[0] = first
         if n not in cache:
-            cache[n] = segment_schedule(cfg, layout, split, n, device.type, build)[rank]
+            cache[n] = segment_schedule(cfg, layout, split, n, device.type, build, ranks=(rank,))[rank]
         if reporter is not None and continuous:
             reporter.expect(cache[n], first * M)
         r.ex.run(cache[n], base=first * M)

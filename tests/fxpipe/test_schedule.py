@@ -235,3 +235,27 @@ def test_validator_tied_stages_share_one_barrier():
     broken[2] = [a for a in broken[2] if a.kind is not Kind.ALLREDUCE]
     with pytest.raises(ScheduleError, match=r"rank 0: blocked at action #\d+ ALLREDUCE \(barrier waits for ranks \[2\]\)"):
         validate(broken)
+
+
+@pytest.mark.parametrize("schedule,extra", [("1f1b-stash", {}), ("2bw", {"steps": 5}), ("zb-h1", {}),
+                                            ("1f1b-flush", {})])
+def test_one_rank_built_alone_equals_its_list_in_the_whole(schedule, extra):
+    """A worker builds only its own list (a stash or 2bw run without checkpoints is one list of every
+    step's microbatches: 400,000 actions a rank for 10,000 steps of 8 on 4 stages)."""
+    layout, links = Layout.of((2, 1, 1)), [(0, 1), (1, 2)]
+    whole = build_schedule(schedule, layout, 24, links, tied_stages=[0, 2] if schedule != "1f1b-stash" else (),
+                           **extra)
+    for rank in range(layout.world_size):
+        alone = build_schedule(schedule, layout, 24, links, tied_stages=[0, 2] if schedule != "1f1b-stash" else (),
+                               ranks=(rank,), **extra)
+        assert list(alone) == [rank] and alone[rank] == whole[rank]
+
+
+def test_building_no_rank_still_refuses_what_the_layout_cannot_run():
+    """The parent asks for no list, only the refusal (``launch.prepare``)."""
+    links = [(0, 1), (1, 2)]
+    with pytest.raises(ScheduleError, match="tied weight"):
+        build_schedule("1f1b-stash", Layout.of((2, 1, 1)), 48, links, tied_stages=[0, 2], ranks=())
+    with pytest.raises(ScheduleError, match="multiple of 2"):
+        build_schedule("1f1b-stash", Layout.of([2, 1]), 3, [(0, 1)], ranks=())
+    assert dict(build_schedule("1f1b-stash", Layout.of((2, 1, 2)), 48, links, tied_stages=[0, 2], ranks=())) == {}
