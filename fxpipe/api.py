@@ -34,9 +34,11 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_me
     ``.profile`` the profiled cost graph. Stages share parameter objects with
     ``model`` (this process only). ``precision`` (fp32, bf16, fp16): profile
     under that autocast, so times, cut bytes and the dtypes sent between
-    stages are the mixed-precision ones.
+    stages are the mixed-precision ones. An HF transformers model is captured
+    with ``config.use_cache = False`` (set back afterwards): the generation
+    cache is an object no stage can send.
     """
-    from fxpipe.loader import ModelSpec
+    from fxpipe.loader import ModelSpec, no_generation_cache
     from fxpipe.plan import plan_from_result
     from fxpipe.profiling import profile_model
     from passes.partition import apply_assignment, partition, stderr_progress
@@ -47,8 +49,13 @@ def split(model: nn.Module, example_inputs: Any, devices: int = 2, *, capture_me
     untouched = [p for p in model.parameters() if p.grad is None]
     spec = ModelSpec(model=model, example_inputs=inputs, leaf_modules=tuple(leaf_modules),
                      concrete_args=concrete_args)
-    gm = profile_model(spec, device=device, repeats=repeats, method=capture_method, threads=threads,
-                       show_progress=progress, precision=precision)
+    cached = no_generation_cache(model, "fxpipe.split", " while capturing")
+    try:
+        gm = profile_model(spec, device=device, repeats=repeats, method=capture_method, threads=threads,
+                           show_progress=progress, precision=precision)
+    finally:
+        for config in cached:
+            config.use_cache = True
     graph = to_cost_graph(gm)
     result = partition(graph, devices, time_limit=time_limit, progress=stderr_progress if progress else None,
                        **plan_options)

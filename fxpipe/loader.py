@@ -77,7 +77,7 @@ def load_model(spec: str, check: bool = True) -> ModelSpec:
     """Load ``spec`` (a file path or ``package.module:factory``) and check it runs."""
     namespace, source = _namespace(spec)
     model = _model(namespace, source)
-    _no_generation_cache(model, source)
+    no_generation_cache(model, source)
     inputs = _inputs(namespace, source)
     loss_fn = getattr(namespace, "loss_fn", None)
     if loss_fn is not None and not callable(loss_fn):
@@ -198,20 +198,24 @@ def _model(namespace: Any, source: str) -> nn.Module:
     return model
 
 
-def _no_generation_cache(model: nn.Module, source: str) -> None:
+def no_generation_cache(model: nn.Module, source: str, until: str = "") -> List[Any]:
     """Turn off HF transformers' key/value cache: generation state, useless in training.
 
     With it on, causal LMs return a ``DynamicCache`` object that no captured
     graph can return (``torch.export`` rejects it), and every stage would carry it.
+    Returns the configs changed (``fxpipe.split`` sets them back after capture,
+    the model being the caller's; ``until`` says so in the note).
     """
-    changed = False
+    changed = []
     for module in model.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
+        if getattr(config, "use_cache", False) is True and all(config is not c for c in changed):
             config.use_cache = False
-            changed = True
+            changed.append(config)
     if changed:
-        print(f"note: {source}: set config.use_cache = False (the generation cache is not used in training)", file=sys.stderr)
+        print(f"note: {source}: set config.use_cache = False{until} (the generation cache is not used in training)",
+              file=sys.stderr)
+    return changed
 
 
 def _inputs(namespace: Any, source: str) -> Tuple[Any, ...]:

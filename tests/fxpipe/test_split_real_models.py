@@ -49,6 +49,24 @@ def test_hf_transformers_split_equals_original(name):
                      lambda: {"m." + k: v for k, v in stage_grads(sm).items()}, (ids,))
 
 
+def test_hf_model_with_its_generation_cache_on_splits_from_python(capsys):
+    """HF models come with ``use_cache=True``; ``fxpipe.split`` turns it off for capture (a cache object
+    cannot cross stages) and sets it back on the caller's model."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=100,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    assert model.config.use_cache is True
+    model.train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    sm = fxpipe.split(model, (ids,), devices=2, replication="none", time_limit=5, progress=False)
+    assert "use_cache = False while capturing" in capsys.readouterr().err
+    assert model.config.use_cache is True
+    check_equivalent(_Logits(ref), lambda x: fxpipe.run_local(sm, x).logits,
+                     lambda: {"m." + k: v for k, v in stage_grads(sm).items()}, (ids,))
+
+
 class _Logits(nn.Module):
     """The HF model's logits, so the shared checker sees one tensor."""
 
