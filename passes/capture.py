@@ -286,7 +286,7 @@ def _remedy(path: str, export_exc: Optional[BaseException]) -> str:
         kind = text.split("Found ", 1)[-1].split(" in output", 1)[0]
         return (
             f"the model returns {kind}, which a graph cannot carry: make forward return tensors "
-            "(HF transformers: set config.use_cache = False; `fxpipe` does this when it loads a model file)"
+            "(HF transformers: set config.use_cache = False; `fxpipe split` and `fxpipe.split` do this)"
         )
     if path:
         return (
