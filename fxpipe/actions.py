@@ -43,7 +43,7 @@ _SENDS = (Kind.SEND_F, Kind.SEND_B)
 _RECVS = (Kind.RECV_F, Kind.RECV_B)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: a long stash or 2bw run holds millions of them
 class Action:
     kind: Kind
     mb: int = -1

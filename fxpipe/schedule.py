@@ -161,7 +161,7 @@ def early_receives(actions: List[Action], stage: int, layout: Layout,
     out: List[Action] = []
     last = -1  # index in ``out`` of the latest compute action
     for a in actions:
-        if a.is_recv and last >= 0 and _link(a, stage, layout) not in blocking:
+        if a.is_recv and last >= 0 and (not blocking or _link(a, stage, layout) not in blocking):
             out.insert(last, a)
             last += 1
         else:
@@ -179,19 +179,20 @@ def _link(a: Action, stage: int, layout: Layout) -> Tuple[int, int]:
 
 def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[int, int]]) -> List[Action]:
     """Receives right before, sends right after each F/B (sorted by peer stage)."""
-    ins = sorted(a for a, b in links if b == stage)
-    outs = sorted(b for a, b in links if a == stage)
+    # each peer stage's ranks, looked up once: ``layout.rank_for`` per action was most of a long list's build
+    ins = [layout.ranks(a) for a in sorted(a for a, b in links if b == stage)]
+    outs = [layout.ranks(b) for b in sorted(b for a, b in links if a == stage)]
     actions: List[Action] = []
     for act in order:
         m = act.mb
         if act.kind is Kind.F:
-            actions += [Action(Kind.RECV_F, m, layout.rank_for(a, m)) for a in ins]
+            actions += [Action(Kind.RECV_F, m, rs[m % len(rs)]) for rs in ins]
             actions.append(act)
-            actions += [Action(Kind.SEND_F, m, layout.rank_for(b, m)) for b in outs]
+            actions += [Action(Kind.SEND_F, m, rs[m % len(rs)]) for rs in outs]
         elif act.kind is Kind.B:
-            actions += [Action(Kind.RECV_B, m, layout.rank_for(b, m)) for b in outs]
+            actions += [Action(Kind.RECV_B, m, rs[m % len(rs)]) for rs in outs]
             actions.append(act)
-            actions += [Action(Kind.SEND_B, m, layout.rank_for(a, m)) for a in ins]
+            actions += [Action(Kind.SEND_B, m, rs[m % len(rs)]) for rs in ins]
         else:
             actions.append(act)
     return actions
