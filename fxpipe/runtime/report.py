@@ -80,7 +80,7 @@ class Reporter:
             with peer_guard("all-reduce of the step's loss"):
                 dist.all_reduce(total, group=self.loss_group)
         self.totals.append((float(total[0]), float(total[1])))  # floats: no tensor kept per step
-        loss = self.step_losses[-1]
+        loss = self.totals[-1][0] / max(self.totals[-1][1], 1.0)  # this step's alone: step_losses is every step
         self.samples_per_s.append(sps)
         if self.printing:
             if self.final_group is not None and len(self.totals) == 1:
