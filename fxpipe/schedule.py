@@ -48,8 +48,9 @@ forward after the update of batch ``b - 2``).
 """
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
@@ -58,7 +59,7 @@ from fxpipe.validate import Schedule, ScheduleError, validate
 from passes.partition import costmodel
 from passes.partition.costmodel import DEFAULT_SCHEDULE, SCHEDULES
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "in_flight", "validate"]
+__all__ = ["SCHEDULES", "Schedule", "ScheduleError", "build_schedule", "in_flight", "rank_actions", "validate"]
 
 
 def in_flight(layout: Layout, stage: int, schedule: str = DEFAULT_SCHEDULE, microbatches: Optional[int] = None) -> int:
@@ -85,54 +86,63 @@ def build_schedule(schedule: str, layout: Layout, microbatches: int,
     links = _check(schedule, layout, microbatches, links, tied_stages, steps)
     tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
     out = Schedule(name=schedule, layout=layout, microbatches=microbatches, links=links, tied_stages=tuple(sorted(tied)))
-    for stage in range(layout.num_stages):
-        reduce = layout.replicas[stage] > 1 or stage in tied
-        for replica, rank in enumerate(layout.ranks(stage)):
-            if ranks is not None and rank not in ranks:
-                continue
-            mbs = list(range(replica, microbatches * steps, layout.replicas[stage]))
-            order = _compute_order(schedule, layout, stage, mbs, reduce, microbatches)
-            out[rank] = early_receives(_lower(order, stage, layout, links), stage, layout, set(blocking_links))
+    for rank in range(layout.world_size):
+        if ranks is None or rank in ranks:
+            out[rank] = list(rank_actions(schedule, layout, microbatches, links, rank, tied_stages, blocking_links,
+                                          steps))
     return out
 
 
-def _compute_order(schedule: str, layout: Layout, stage: int, mbs: List[int], reduce: bool,
-                   batch: int) -> List[Action]:
+def rank_actions(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]], rank: int,
+                 tied_stages: Sequence[int] = (), blocking_links: Sequence[Tuple[int, int]] = (),
+                 steps: int = 1) -> Iterator[Action]:
+    """``build_schedule``'s list for ``rank``, one action at a time, without its checks (run them with
+    ``build_schedule(..., ranks=())``). A ``1f1b-stash`` or ``2bw`` run streams it (``loop.py``): its
+    list covers every step of the run, and only a window of it need exist at once."""
+    stage, replica = layout.stage_of(rank), layout.replica_of(rank)
+    reduce = layout.replicas[stage] > 1 or (stage in tied_stages and len(set(tied_stages)) > 1)
+    mbs = range(replica, microbatches * steps, layout.replicas[stage])
+    order = _compute_order(schedule, layout, stage, mbs, reduce, microbatches)
+    clean = sorted({(int(a), int(b)) for a, b in links})  # as ``_check`` gives them
+    return early_receives(_lower(order, stage, layout, clean), stage, layout, set(blocking_links))
+
+
+def _compute_order(schedule: str, layout: Layout, stage: int, mbs: range, reduce: bool,
+                   batch: int) -> Iterator[Action]:
     if schedule == "2bw":
         return _batch_updates(_one_f_one_b(mbs, in_flight(layout, stage, schedule)), mbs, batch, reduce)
     if schedule == "gpipe":
-        order = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
+        order: Iterable[Action] = [Action(Kind.F, m) for m in mbs] + [Action(Kind.B, m) for m in mbs]
     elif schedule == "zb-h1":
         window = in_flight(layout, stage, "1f1b-flush")
         first = in_flight(layout, stage, "zb-h1")  # the deepest stage's window
-        order = _deferred_weights(_one_f_one_b(mbs, window), first - window)
+        order = _deferred_weights(list(_one_f_one_b(mbs, window)), first - window)
     else:
         order = _one_f_one_b(mbs, in_flight(layout, stage, schedule))  # capped by the replica's microbatches
     if schedule == "1f1b-stash":  # an update after every backward: batches of one
         return _batch_updates(order, mbs, 1, reduce)
-    return order + ([Action(Kind.ALLREDUCE)] if reduce else []) + [Action(Kind.STEP)]
+    return itertools.chain(order, [Action(Kind.ALLREDUCE)] if reduce else [], [Action(Kind.STEP)])
 
 
-def _batch_updates(order: List[Action], mbs: List[int], batch: int, reduce: bool) -> List[Action]:
+def _batch_updates(order: Iterable[Action], mbs: range, batch: int, reduce: bool) -> Iterator[Action]:
     """An update (``STEP`` of the batch's last microbatch here) after each batch's last backward on the rank."""
-    last = {m // batch: m for m in mbs}
-    out: List[Action] = []
     for a in order:
-        out.append(a)
-        if a.kind is Kind.B and last[a.mb // batch] == a.mb:
-            out += ([Action(Kind.ALLREDUCE)] if reduce else []) + [Action(Kind.STEP, a.mb)]
-    return out
+        yield a
+        if a.kind is Kind.B and ((a.mb + mbs.step) // batch != a.mb // batch or a.mb + mbs.step >= mbs.stop):
+            if reduce:
+                yield Action(Kind.ALLREDUCE)
+            yield Action(Kind.STEP, a.mb)
 
 
-def _one_f_one_b(mbs: List[int], window: int) -> List[Action]:
+def _one_f_one_b(mbs: range, window: int) -> Iterator[Action]:
     """Warm-up forwards, then backward-forward pairs, then the remaining backwards."""
     warm = min(window, len(mbs))
-    order = [Action(Kind.F, m) for m in mbs[:warm]]
+    for m in mbs[:warm]:
+        yield Action(Kind.F, m)
     for i, m in enumerate(mbs):
-        order.append(Action(Kind.B, m))
+        yield Action(Kind.B, m)
         if i + warm < len(mbs):
-            order.append(Action(Kind.F, mbs[i + warm]))
-    return order
+            yield Action(Kind.F, mbs[i + warm])
 
 
 def _deferred_weights(order: List[Action], lag: int) -> List[Action]:
@@ -149,8 +159,8 @@ def _deferred_weights(order: List[Action], lag: int) -> List[Action]:
     return out + [Action(Kind.W, m) for m in backs[max(0, len(backs) - lag):]]
 
 
-def early_receives(actions: List[Action], stage: int, layout: Layout,
-                   blocking: Set[Tuple[int, int]] = frozenset()) -> List[Action]:
+def early_receives(actions: Iterable[Action], stage: int, layout: Layout,
+                   blocking: Set[Tuple[int, int]] = frozenset()) -> Iterator[Action]:
     """Each receive moved in front of the compute action (F, B, W) before it, unless its link blocks.
 
     Posting an ``irecv`` earlier changes no order the schedule fixes (the
@@ -158,17 +168,20 @@ def early_receives(actions: List[Action], stage: int, layout: Layout,
     arrive while the previous compute runs. Only one compute action early:
     a receive posted further ahead holds its buffer longer for nothing.
     """
-    out: List[Action] = []
-    last = -1  # index in ``out`` of the latest compute action
+    held: List[Action] = []  # from the latest compute action on, with the receives moved in front of it
+    moved = 0
     for a in actions:
-        if a.is_recv and last >= 0 and (not blocking or _link(a, stage, layout) not in blocking):
-            out.insert(last, a)
-            last += 1
+        if a.is_recv and held and (not blocking or _link(a, stage, layout) not in blocking):
+            held.insert(moved, a)
+            moved += 1
+        elif a.kind in (Kind.F, Kind.B, Kind.W):
+            yield from held
+            held, moved = [a], 0
+        elif held:
+            held.append(a)
         else:
-            out.append(a)
-            if a.kind in (Kind.F, Kind.B, Kind.W):
-                last = len(out) - 1
-    return out
+            yield a
+    yield from held
 
 
 def _link(a: Action, stage: int, layout: Layout) -> Tuple[int, int]:
@@ -177,25 +190,23 @@ def _link(a: Action, stage: int, layout: Layout) -> Tuple[int, int]:
     return (peer, stage) if a.kind is Kind.RECV_F else (stage, peer)
 
 
-def _lower(order: List[Action], stage: int, layout: Layout, links: List[Tuple[int, int]]) -> List[Action]:
+def _lower(order: Iterable[Action], stage: int, layout: Layout, links: List[Tuple[int, int]]) -> Iterator[Action]:
     """Receives right before, sends right after each F/B (sorted by peer stage)."""
     # each peer stage's ranks, looked up once: ``layout.rank_for`` per action was most of a long list's build
     ins = [layout.ranks(a) for a in sorted(a for a, b in links if b == stage)]
     outs = [layout.ranks(b) for b in sorted(b for a, b in links if a == stage)]
-    actions: List[Action] = []
     for act in order:
         m = act.mb
         if act.kind is Kind.F:
-            actions += [Action(Kind.RECV_F, m, rs[m % len(rs)]) for rs in ins]
-            actions.append(act)
-            actions += [Action(Kind.SEND_F, m, rs[m % len(rs)]) for rs in outs]
+            yield from (Action(Kind.RECV_F, m, rs[m % len(rs)]) for rs in ins)
+            yield act
+            yield from (Action(Kind.SEND_F, m, rs[m % len(rs)]) for rs in outs)
         elif act.kind is Kind.B:
-            actions += [Action(Kind.RECV_B, m, rs[m % len(rs)]) for rs in outs]
-            actions.append(act)
-            actions += [Action(Kind.SEND_B, m, rs[m % len(rs)]) for rs in ins]
+            yield from (Action(Kind.RECV_B, m, rs[m % len(rs)]) for rs in outs)
+            yield act
+            yield from (Action(Kind.SEND_B, m, rs[m % len(rs)]) for rs in ins)
         else:
-            actions.append(act)
-    return actions
+            yield act
 
 
 def _check(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tuple[int, int]],

@@ -132,8 +132,13 @@ class Executor:
         self._wire_dtypes = {w.tag: p2p.dtype_of(w) for w in p2p.wires if w.tensor is not None
                              and w.src_stage == stage} if precision != "fp32" else {}
 
-    def run(self, actions: Sequence[Action], base: int = 0) -> None:
-        """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``."""
+    def run(self, actions: Sequence[Action], base: int = 0, final: bool = True) -> None:
+        """Execute ``actions`` in order; microbatch ``m`` of the list is global microbatch ``base + m``.
+
+        ``final=False``: more of the same list follows (``loop.windows``), so
+        microbatches may stay in flight and sends posted; the last piece checks
+        that none is left.
+        """
         compiled = self._program(actions)
         self._versioned = {base + m for m in compiled.updated}
         self._split = compiled.split  # zb-h1
@@ -157,6 +162,8 @@ class Executor:
             except BaseException as exc:  # the worker's one-line error names this action
                 mark_action(exc, a, g)
                 raise
+        if not final:
+            return
         self.p2p.wait_sends()
         if any(f.holds_graph for f in self.inflight.values()):
             left = sorted(m for m, f in self.inflight.items() if f.holds_graph)

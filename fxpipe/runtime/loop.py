@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
+from fxpipe.actions import Action, Kind
 from fxpipe.layout import Layout
 from fxpipe.runtime import checkpoint
 from fxpipe.runtime.clipping import GradClipper, make_clipper
@@ -85,6 +86,7 @@ class TrainConfig:
     min_lr: float = 0.0  # where cosine and linear decay to
     weight_stash: str = "copy-free"  # copy-free | copy: how stashing schedules keep weight versions
     device: str = "auto"  # auto | cpu | cuda (fxpipe.runtime.devices); the parent resolves auto
+    window_steps: int = 32  # stash, 2bw: the run's one action list is made this many steps at a time (windows)
 
     def __post_init__(self) -> None:
         """Settings with no meaning fail here, in the caller's process, before any worker starts."""
@@ -94,6 +96,8 @@ class TrainConfig:
         check_device(self.device)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
+        if self.window_steps < 1:
+            raise FxpipeError(f"window_steps must be at least 1, got {self.window_steps}")
         if self.weight_stash not in WEIGHT_STASH:
             raise FxpipeError(f"weight_stash {self.weight_stash!r} is not one of {', '.join(WEIGHT_STASH)}")
         if self.schedule == "2bw":
@@ -173,21 +177,59 @@ def step_segments(cfg: TrainConfig, start: int) -> List[tuple]:
 
 
 def segment_schedule(cfg: TrainConfig, layout: Layout, split: Any, n: int, device_type: str = "cpu",
-                     build: Optional[Callable[..., Dict[int, list]]] = None,
                      ranks: Optional[Sequence[int]] = None) -> Dict[int, list]:
-    """The action lists of ``ranks`` (default every rank) for a run of ``n`` steps (``step_segments``): a
-    worker builds its own; the parent builds none (``ranks=()``), only the checks that refuse a schedule
-    the layout cannot run (``launch.prepare``). A ``1f1b-stash`` or ``2bw`` run without checkpoints is one
-    list of ``steps`` x ``microbatches`` microbatches, so building every rank's everywhere would not do."""
-    if build is None:
-        from fxpipe.schedule import build_schedule as build
+    """The action lists of ``ranks`` (default every rank) for a run of ``n`` steps (``step_segments``). The
+    parent asks for none (``ranks=()``): only the checks that refuse a schedule the layout cannot run
+    (``launch.prepare``); a worker builds its own list (flush, gpipe, zb-h1: one step) or streams it
+    (``segment_actions``)."""
+    from fxpipe.schedule import build_schedule
+
+    args, more = _schedule_args(cfg, layout, split, n, device_type)
+    return build_schedule(*args, ranks=ranks, **more)
+
+
+def segment_actions(cfg: TrainConfig, layout: Layout, split: Any, n: int, device_type: str,
+                    rank: int) -> Iterator[Action]:
+    """``segment_schedule``'s list for ``rank``, one action at a time: a ``1f1b-stash`` or ``2bw`` run without
+    checkpoints is one list of every step's microbatches, so it is made as it runs (``windows``)."""
+    from fxpipe.schedule import rank_actions
+
+    (schedule, layout, count, links, tied, blocking), more = _schedule_args(cfg, layout, split, n, device_type)
+    return rank_actions(schedule, layout, count, links, rank, tied, blocking, **more)
+
+
+def _schedule_args(cfg: TrainConfig, layout: Layout, split: Any, n: int, device_type: str) -> tuple:
     tied_stages = sorted({s for st in split.tied.values() for s in st})
     # non-tensor values: one bundle per link, posted early on gloo; NCCL completes it in the receive action
     blocking = [] if device_type == "cpu" else \
         sorted({(e.src_stage, e.dst_stage) for e in split.comm if not e.value.is_tensor})
     more = {"steps": n} if cfg.schedule == "2bw" else {}
     count = n * cfg.microbatches if cfg.schedule == "1f1b-stash" else cfg.microbatches
-    return build(cfg.schedule, layout, count, sorted(split.links), tied_stages, blocking, ranks=ranks, **more)
+    return (cfg.schedule, layout, count, sorted(split.links), tied_stages, blocking), more
+
+
+def windows(actions: Iterable[Action], microbatches: int, steps: int) -> Iterator[Tuple[List[Action], bool]]:
+    """A continuous run's actions in pieces of about ``steps`` steps: (piece, whether it is the last).
+
+    A piece ends right after the update (``STEP g``) that closes a step on
+    this rank, so it holds every update of the steps it closes (the last stage
+    counts them per step, ``Reporter.expect``) and every forward before such
+    an update sees it in the same piece (``executor._updated_in_flight``).
+    """
+    piece: List[Action] = []
+    since: List[Action] = []  # after the piece's last update
+    limit = steps
+    for a in actions:
+        if a.kind is Kind.STEP and a.mb >= 0:
+            if a.mb // microbatches >= limit and piece:
+                yield piece, False
+                piece, limit = [], (a.mb // microbatches // steps + 1) * steps
+            piece += since
+            piece.append(a)
+            since = []
+        else:
+            since.append(a)
+    yield piece + since, True
 
 
 def _on_device(data: Callable[[int], Any], device: torch.device) -> Callable[[int], Any]:
@@ -245,8 +287,7 @@ def _setup(rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callab
 
 
 def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
-          loss_fn: Optional[LossFn], build: Optional[Callable[..., Dict[int, list]]] = None,
-          device: torch.device = torch.device("cpu"),
+          loss_fn: Optional[LossFn], device: torch.device = torch.device("cpu"),
           observe: Optional[Callable[[Executor], None]] = None) -> TrainResult:
     """Run ``cfg.steps`` steps on this rank; collective over all ranks of ``layout``.
 
@@ -256,7 +297,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
     keep_freed_memory()  # every step allocates the same again (fxpipe.runtime.heap)
     r = _setup(rank, layout, split, cfg, data, loss_fn, device)
     try:
-        return _steps(r, rank, layout, split, cfg, data, build, device, observe)
+        return _steps(r, rank, layout, split, cfg, data, device, observe)
     except BaseException:
         if cfg.trace:  # what this rank did up to the failure: the parent merges it and names the file
             with contextlib.suppress(Exception):
@@ -265,8 +306,7 @@ def train(*, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Call
 
 
 def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, data: Callable[[int], Any],
-           build: Optional[Callable[..., Dict[int, list]]], device: torch.device,
-           observe: Optional[Callable[[Executor], None]]) -> TrainResult:
+           device: torch.device, observe: Optional[Callable[[Executor], None]]) -> TrainResult:
     """``train``'s steps on the rank ``_setup`` made: schedules built, run, reported, checkpointed."""
     if observe is not None:
         r.ex.on_step = lambda: observe(r.ex)
@@ -288,13 +328,18 @@ def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, da
     cache: Dict[int, list] = {}
     for first, n in step_segments(cfg, start):
         current[0] = first
-        if n not in cache:
-            cache[n] = segment_schedule(cfg, layout, split, n, device.type, build, ranks=(rank,))[rank]
-        if reporter is not None and continuous:
-            reporter.expect(cache[n], first * M)
-        r.ex.run(cache[n], base=first * M)
-        if reporter is not None and not continuous:
-            reporter.step_done(first)
+        if continuous:  # the n steps are one list, made and run a window at a time
+            pieces = windows(segment_actions(cfg, layout, split, n, device.type, rank), M, cfg.window_steps)
+            for piece, last in pieces:
+                if reporter is not None:
+                    reporter.expect(piece, first * M)
+                r.ex.run(piece, base=first * M, final=last)
+        else:
+            if n not in cache:
+                cache[n] = segment_schedule(cfg, layout, split, n, device.type, ranks=(rank,))[rank]
+            r.ex.run(cache[n], base=first * M)
+            if reporter is not None:
+                reporter.step_done(first)
         done = first + n
         if cfg.checkpoint and (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0 or done == cfg.steps):
             checkpoint.save(cfg.checkpoint, done, rank, layout, r.module, r.optimizer, info, device,
