@@ -66,6 +66,8 @@ def register(subparsers) -> None:
     p.add_argument("--trace", default=None, metavar="OUT.json", help="write a Chrome trace of every rank")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint folder (written at the end too)")
     p.add_argument("--checkpoint-every", type=at_least(0), default=0, metavar="N", help="checkpoint every N steps")
+    p.add_argument("--log-every", type=at_least(1), default=1, metavar="N",
+                   help="print a step line every N steps and after the last (samples/s over those N; default 1)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint")
     p.add_argument("--save", default=None, metavar="FILE.pt",
                    help="write the trained weights as the original model's state_dict")
@@ -110,5 +112,6 @@ def run(args: argparse.Namespace) -> int:
           run_dir=args.run_dir, launcher=args.launcher, threads=args.threads, timeout=args.timeout,
           time_limit=args.time_limit, return_state=False, debug=bool(getattr(args, "debug", False)),
           device=args.device, precision=args.precision, recompute=args.recompute, clip_grad_norm=args.clip_grad_norm,
-          lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr, **plan_options)
+          lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+          log_every=args.log_every, **plan_options)
     return 0

@@ -56,6 +56,7 @@ class Prepared:
     split: Any
     spec: Any
     predicted_samples_per_s: Optional[float] = None
+    log_every: int = 1  # steps between the workers' step lines (their rates are over those)
 
 
 def _log(msg: str) -> None:
@@ -151,7 +152,7 @@ def prepare(model: Union[str, Any], cfg: TrainConfig, devices: Optional[int], ru
     # multi-node: each node's workers share its own cores, unknown here; the prediction assumes one thread
     per_worker = 1 if multi_node else worker_threads(threads, layout.world_size)
     return Prepared(run_dir, layout, split, spec,
-                    _predict(split, cfg, layout.world_size, on_cpu, spec.example_inputs, per_worker))
+                    _predict(split, cfg, layout.world_size, on_cpu, spec.example_inputs, per_worker), cfg.log_every)
 
 
 def _split(spec: Any, cfg: TrainConfig, devices: Optional[int], split_dir: Optional[str],
@@ -272,13 +273,15 @@ def _predict(split: Any, cfg: TrainConfig, world: int, on_cpu: bool, inputs: Any
 _STEP_LINE = re.compile(r"^step (\d+)/\d+ .*samples/s ([\d.]+)")
 
 
-def _compare(predicted: Optional[float], rates: List[float]) -> None:
-    """Measured median (first step left out: warm-up) next to the prediction."""
+def _compare(predicted: Optional[float], rates: List[float], every: int = 1) -> None:
+    """Measured median (the first line left out: warm-up) next to the prediction; ``every``: the steps
+    between printed lines (``--log-every``), each line's rate is over those."""
     steady = rates[1:] or rates
     if not steady:
         return
     measured = statistics.median(steady)
-    line = f"measured {measured:.1f} samples/s (median of {len(steady)} steps)"
+    counted = f"{len(steady)} steps" if every == 1 else f"{len(steady)} lines of up to {every} steps"
+    line = f"measured {measured:.1f} samples/s (median of {counted})"
     if predicted:
         line += f"; predicted {predicted:.1f}; measured / predicted = {measured / predicted:.2f}"
     _log(line)
@@ -313,7 +316,7 @@ def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -
     if proc.returncode == 0:
         with open(log_path) as log:
             sys.stderr.write(log.read())  # warnings the workers printed
-        _compare(prep.predicted_samples_per_s, rates)
+        _compare(prep.predicted_samples_per_s, rates, prep.log_every)
     return proc.returncode
 
 

@@ -86,6 +86,7 @@ class TrainConfig:
     min_lr: float = 0.0  # where cosine and linear decay to
     weight_stash: str = "copy-free"  # copy-free | copy: how stashing schedules keep weight versions
     device: str = "auto"  # auto | cpu | cuda (fxpipe.runtime.devices); the parent resolves auto
+    log_every: int = 1  # the last stage prints a step line every that many steps (and the last)
     window_steps: int = 32  # stash, 2bw: the run's one action list is made this many steps at a time (windows)
 
     def __post_init__(self) -> None:
@@ -96,6 +97,8 @@ class TrainConfig:
         check_device(self.device)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise LRScheduleError(f"--clip-grad-norm must be above 0, got {self.clip_grad_norm}")
+        if self.log_every < 1:
+            raise FxpipeError(f"--log-every must be at least 1, got {self.log_every}")
         if self.window_steps < 1:
             raise FxpipeError(f"window_steps must be at least 1, got {self.window_steps}")
         if self.weight_stash not in WEIGHT_STASH:
@@ -322,7 +325,7 @@ def _steps(r: _Rank, rank: int, layout: Layout, split: Any, cfg: TrainConfig, da
         each, after = (None, r.replica_group) if continuous else (r.replica_group, None)
         reporter = Reporter(cfg.steps, M, M * batch_dim(data(0)[0]), cfg.log and layout.replica_of(rank) == 0,
                             r.ex.losses, each, notes=stats.note, settle=r.ex.settle_losses, final_group=after,
-                            device=device)
+                            device=device, every=cfg.log_every)
     current = [start]  # the flush/gpipe step running now
     r.ex.before_step = _before_step(cfg, r, stats, reporter if continuous else None, current)
     cache: Dict[int, list] = {}

@@ -33,11 +33,13 @@ class Reporter:
     def __init__(self, steps: int, microbatches: int, samples_per_step: int, printing: bool,
                  losses: List[Tuple[int, Any]], loss_group: Optional[Any] = None,
                  notes: Optional[Callable[[int], str]] = None, settle: Optional[Callable[[], None]] = None,
-                 final_group: Optional[Any] = None, device: Optional[torch.device] = None) -> None:
+                 final_group: Optional[Any] = None, device: Optional[torch.device] = None,
+                 every: int = 1) -> None:
         """``notes(step)``: more of the step line after the loss (the learning rate, the gradient norm);
         ``settle()``: reads into floats (and checks) losses the executor still holds as device tensors;
         ``loss_group``: the replicas summed at every step; ``final_group``: those summed by ``finish``;
-        ``device``: where the sums cross (NCCL groups take no CPU tensor)."""
+        ``device``: where the sums cross (NCCL groups take no CPU tensor); ``every``: print every that
+        many steps (and the last), with samples/s over the steps since the previous line."""
         self.steps, self.M, self.samples = steps, microbatches, samples_per_step
         self.notes, self.settle = notes, settle
         self.printing, self.losses, self.loss_group = printing, losses, loss_group
@@ -47,6 +49,9 @@ class Reporter:
         # summed so far: every step's with ``loss_group``, this replica's alone until ``finish`` with ``final_group``)
         self.samples_per_s: List[float] = []
         self.t_last = time.perf_counter()
+        self.every = every
+        self._since_line: List[float] = []  # seconds of each step since the last printed line
+        self._said = False  # the note on replica 0's share, before the first line (stash, 2bw)
 
     def expect(self, actions: Sequence[Any], base: int) -> None:
         """Count, per step, the updates this rank runs in ``actions`` (stash: one per minibatch; 2bw: one)."""
@@ -71,7 +76,8 @@ class Reporter:
         if self.settle is not None:
             self.settle()
         now = time.perf_counter()
-        sps = self.samples / max(now - self.t_last, 1e-9)
+        took = max(now - self.t_last, 1e-9)
+        sps = self.samples / took
         self.t_last = now
         mine = [l for g, l in self.losses if g // self.M == s]
         self.losses[:] = [(g, l) for g, l in self.losses if g // self.M != s]
@@ -82,12 +88,17 @@ class Reporter:
         self.totals.append((float(total[0]), float(total[1])))  # floats: no tensor kept per step
         loss = self.totals[-1][0] / max(self.totals[-1][1], 1.0)  # this step's alone: step_losses is every step
         self.samples_per_s.append(sps)
-        if self.printing:
-            if self.final_group is not None and len(self.totals) == 1:
+        self._since_line.append(took)
+        if self.printing and ((s + 1) % self.every == 0 or s + 1 == self.steps):
+            if self.final_group is not None and not self._said:
+                self._said = True
                 print("the step lines show the loss of the last stage's replica 0 (its share of the "
                       "microbatches); the run's losses cover every replica", flush=True)
+            rate = self.samples * len(self._since_line) / sum(self._since_line)
             notes = self.notes(s) if self.notes is not None else ""
-            print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {sps:.1f}", flush=True)
+            print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {rate:.1f}", flush=True)
+        if (s + 1) % self.every == 0 or s + 1 == self.steps:
+            self._since_line = []
 
     def finish(self) -> None:
         """Collective over ``final_group`` (every replica of the last stage): each step's loss over all of them."""

@@ -23,3 +23,17 @@ def test_a_step_line_reads_only_its_own_step(monkeypatch, capsys) -> None:
     monkeypatch.undo()
     assert rep.step_losses[:2] == [0.5, 1.5] and rep.step_losses[-1] == 2999.5 and len(rep.step_losses) == 3000
     assert "step 3000/3000  loss 2999.500000" in capsys.readouterr().out
+
+
+def test_log_every_prints_every_nth_step_and_the_last_with_the_rate_over_them(monkeypatch, capsys) -> None:
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr("fxpipe.runtime.report.time.perf_counter", lambda: next(clock))
+    losses: list = []
+    rep = Reporter(steps=7, microbatches=1, samples_per_step=10, printing=True, losses=losses, every=3)
+    for s in range(7):
+        losses.append((s, float(s)))
+        rep.step_done(s)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"]
+    assert all(line.endswith("samples/s 10.0") for line in lines)  # one second a step on this clock
+    assert rep.step_losses == [float(s) for s in range(7)]  # every step is still recorded

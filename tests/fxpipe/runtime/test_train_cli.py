@@ -28,13 +28,15 @@ def test_train_cli_saves_original_state_dict_and_trace(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     cmd = [sys.executable, "-m", "fxpipe", "train", str(path), "--devices", "2", "--steps", "3",
            "--microbatches", "2", "--lr", "0.05", "--trace", str(trace), "--save", str(saved),
-           "--checkpoint", str(ckpt), "--time-limit", "3", "--threads", "1", "--timeout", "60"]
+           "--checkpoint", str(ckpt), "--time-limit", "3", "--threads", "1", "--timeout", "60", "--log-every", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 3/3" in out.stdout and "samples/s" in out.stdout, out.stdout
+    assert "step 2/3" in out.stdout and "step 1/3" not in out.stdout  # --log-every 2, and the last
     assert "defines no batches()" in out.stderr
     predicted = re.search(r"predicted ([\d.]+) samples/s", out.stderr)
-    compared = re.search(r"measured ([\d.]+) samples/s \(median of 2 steps\); predicted ([\d.]+)", out.stderr)
+    compared = re.search(r"measured ([\d.]+) samples/s \(median of 1 lines of up to 2 steps\); predicted ([\d.]+)",
+                         out.stderr)
     assert predicted and compared, out.stderr[-2000:]
     assert float(predicted.group(1)) > 0 and compared.group(2) == predicted.group(1)
     ns: dict = {}
