@@ -84,8 +84,8 @@ def build_schedule(schedule: str, layout: Layout, microbatches: int,
     since a continuous run's lists grow with its length.
     """
     links = _check(schedule, layout, microbatches, links, tied_stages, steps)
-    tied = set(tied_stages) if len(set(tied_stages)) > 1 else set()
-    out = Schedule(name=schedule, layout=layout, microbatches=microbatches, links=links, tied_stages=tuple(sorted(tied)))
+    out = Schedule(name=schedule, layout=layout, microbatches=microbatches, links=links,
+                   tied_stages=tuple(sorted(_synced(tied_stages))))
     for rank in range(layout.world_size):
         if ranks is None or rank in ranks:
             out[rank] = list(rank_actions(schedule, layout, microbatches, links, rank, tied_stages, blocking_links,
@@ -100,11 +100,20 @@ def rank_actions(schedule: str, layout: Layout, microbatches: int, links: Sequen
     ``build_schedule(..., ranks=())``). A ``1f1b-stash`` or ``2bw`` run streams it (``loop.py``): its
     list covers every step of the run, and only a window of it need exist at once."""
     stage, replica = layout.stage_of(rank), layout.replica_of(rank)
-    reduce = layout.replicas[stage] > 1 or (stage in tied_stages and len(set(tied_stages)) > 1)
+    reduce = layout.replicas[stage] > 1 or stage in _synced(tied_stages)
     mbs = range(replica, microbatches * steps, layout.replicas[stage])
     order = _compute_order(schedule, layout, stage, mbs, reduce, microbatches)
-    clean = sorted({(int(a), int(b)) for a, b in links})  # as ``_check`` gives them
-    return early_receives(_lower(order, stage, layout, clean), stage, layout, set(blocking_links))
+    return early_receives(_lower(order, stage, layout, _clean(links)), stage, layout, set(blocking_links))
+
+
+def _synced(tied_stages: Sequence[int]) -> Set[int]:
+    """The stages whose ranks all-reduce a tied weight together: none unless two or more hold it."""
+    return set(tied_stages) if len(set(tied_stages)) > 1 else set()
+
+
+def _clean(links: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Links as integer pairs, each once, sorted."""
+    return sorted({(int(a), int(b)) for a, b in links})
 
 
 def _compute_order(schedule: str, layout: Layout, stage: int, mbs: range, reduce: bool,
@@ -221,7 +230,7 @@ def _check(schedule: str, layout: Layout, microbatches: int, links: Sequence[Tup
     if schedule == "2bw":
         _check_two_versions(layout, microbatches)
     S = layout.num_stages
-    clean = sorted({(int(a), int(b)) for a, b in links})
+    clean = _clean(links)
     for a, b in clean:
         if not (0 <= a < b < S):
             raise ScheduleError(f"link ({a}, {b}) is not a forward link between stages 0..{S - 1}; "
@@ -256,7 +265,7 @@ def _check_two_versions(layout: Layout, microbatches: int) -> None:
 
 def _check_stash_groups(layout: Layout, microbatches: int, tied_stages: Sequence[int]) -> None:
     """Under stash every backward all-reduces, so group members need equal counts."""
-    tied = sorted(set(tied_stages)) if len(set(tied_stages)) > 1 else []
+    tied = sorted(_synced(tied_stages))
     need = 1
     for r in layout.replicas:
         need = need * r // math.gcd(need, r)

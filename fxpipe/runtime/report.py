@@ -4,7 +4,8 @@ A step ends, for flush and gpipe, when its action list has run (optimizer
 step included); with ``1f1b-stash`` and ``2bw`` the pipeline never stops
 between steps, so a step ends when the last stage is about to apply the
 step's last update (``backward_done`` is called then). samples/s is the step's samples over the wall
-time since the previous step ended (checkpoint writing excluded). The
+time since the previous step ended (checkpoint writing excluded); with ``every`` > 1 (``--log-every``)
+a line shows the rate over the steps since the previous line. The
 learning rate and, when clipping, the gradient norm follow the loss: the
 global norm (flush, gpipe) or, with stash, the largest norm of the last
 stage's updates in the step (``fxpipe.runtime.clipping``).
@@ -50,7 +51,7 @@ class Reporter:
         self.samples_per_s: List[float] = []
         self.t_last = time.perf_counter()
         self.every = every
-        self._since_line: List[float] = []  # seconds of each step since the last printed line
+        self._line_s, self._line_steps = 0.0, 0  # the steps since the last printed line, and their seconds
         self._said = False  # the note on replica 0's share, before the first line (stash, 2bw)
 
     def expect(self, actions: Sequence[Any], base: int) -> None:
@@ -88,17 +89,18 @@ class Reporter:
         self.totals.append((float(total[0]), float(total[1])))  # floats: no tensor kept per step
         loss = self.totals[-1][0] / max(self.totals[-1][1], 1.0)  # this step's alone: step_losses is every step
         self.samples_per_s.append(sps)
-        self._since_line.append(took)
-        if self.printing and ((s + 1) % self.every == 0 or s + 1 == self.steps):
+        self._line_s, self._line_steps = self._line_s + took, self._line_steps + 1
+        due = (s + 1) % self.every == 0 or s + 1 == self.steps
+        if self.printing and due:
             if self.final_group is not None and not self._said:
                 self._said = True
                 print("the step lines show the loss of the last stage's replica 0 (its share of the "
                       "microbatches); the run's losses cover every replica", flush=True)
-            rate = self.samples * len(self._since_line) / sum(self._since_line)
+            rate = self.samples * self._line_steps / self._line_s
             notes = self.notes(s) if self.notes is not None else ""
             print(f"step {s + 1}/{self.steps}  loss {loss:.6f}{notes}  samples/s {rate:.1f}", flush=True)
-        if (s + 1) % self.every == 0 or s + 1 == self.steps:
-            self._since_line = []
+        if due:
+            self._line_s, self._line_steps = 0.0, 0
 
     def finish(self) -> None:
         """Collective over ``final_group`` (every replica of the last stage): each step's loss over all of them."""

@@ -48,9 +48,9 @@ def evened(graph: CostGraph, opts: CostOptions, found: PartitionResult, until: f
     search for it stops at ``until`` (``time.monotonic``), the uniform layout still answering."""
     if opts.schedule != SCHEDULE:
         return found
-    tied = tied_stages(graph, found.assignment)
-    if len({found.replicas[j] for j in tied}) <= 1:
+    if runnable(graph, found.assignment, found.replicas):
         return found
+    tied = tied_stages(graph, found.assignment)
     start = time.monotonic()
     best: Optional[tuple] = None
     counts = sorted({found.replicas[j] for j in tied})
@@ -105,12 +105,12 @@ def _fitted(graph: CostGraph, opts: CostOptions, assignment: Dict[str, int], rep
             return None
         _, j, r = min(options)
         out[j] = r
-    best = (evaluate(graph, assignment, out, opts).bottleneck_s, list(out)) if opts.fewer_devices else None
+    best: Optional[tuple] = None  # (bottleneck, replicas): with fewer_devices, the fastest on the way
     while sum(out) < opts.devices:
         if time.monotonic() > until:
             return None
         ev = evaluate(graph, assignment, out, opts)
-        if best is not None and ev.bottleneck_s < best[0]:
+        if opts.fewer_devices and (best is None or ev.bottleneck_s < best[0]):
             best = (ev.bottleneck_s, list(out))
         options = [(-ev.stages[j].time_s, j, larger[0]) for j in free
                    for larger in [[r for r in allowed if out[j] < r <= opts.devices - sum(out) + out[j]]] if larger]
