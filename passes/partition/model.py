@@ -14,10 +14,12 @@ choice: ``y[b][r] -> r·T >= C_b + a_r·P_b`` and, for both boundaries of b,
 ``K·T >= sum C`` gives the LP a real bound from the start. A weight that
 stage b shares with another stage (``tied[p][b]``: b holds p but not all of
 its users) adds ``tied_floor_s`` with one partner replica, a lower bound of
-its sync (``costmodel.tied_sync_s``, which needs the other stages' replicas;
-the segment DP charges the partners that the bottleneck forces, which would
-make each coefficient depend on T here): the driver scores the answer with
-``evaluate``.
+its sync (``costmodel.tied_sync_s``, which needs the other stages' replicas),
+and, where the encoding is small (``EXACT_TIED_TERMS``), what the group's
+real size adds to that: ``ge[p][n]`` says the ranks of every stage holding p
+number at least n, and each stage pays the steps of its sync from r + 1 ranks
+up to the group's size (``_tied_groups``). Past that size the objective is a
+floor, and the driver scores every improving solution with ``evaluate``.
 
 Integer scaling: times become multiples of a unit ``q``. Every coefficient is
 rounded to the nearest unit, so a constraint with N terms is off by at most
@@ -45,25 +47,31 @@ from typing import Callable, Dict, Optional, Sequence
 from ortools.sat.python import cp_model
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff
+from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff, tied_floor_s
 from passes.partition.memory_guard import MemoryGuard
 from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs, slots_of
 from passes.partition.result import SolveResult
 
+EXACT_TIED_TERMS = 100_000  # shared weights x slots x replica counts x K, up to which tied groups are exact
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
           cp_model.MODEL_INVALID: "MODEL_INVALID", cp_model.UNKNOWN: "UNKNOWN"}
 
 
 class _Callback(cp_model.CpSolverSolutionCallback):
-    def __init__(self, scale: float, report: Optional[Callable[[str], None]], stop_at: float = -math.inf) -> None:
+    """Reports each improving solution; with ``plan_of``, also keeps its plan (``PartitionModel.solve``)."""
+
+    def __init__(self, scale: float, report: Optional[Callable[[str], None]], stop_at: float = -math.inf,
+                 plan_of: Optional[Callable[[Callable], tuple]] = None) -> None:
         super().__init__()
         self.scale, self.report, self.start, self.trace = scale, report, time.monotonic(), []
-        self.stop_at = stop_at
+        self.stop_at, self.plan_of, self.plans = stop_at, plan_of, []
 
     def on_solution_callback(self) -> None:
         wall, obj, bound = time.monotonic() - self.start, self.ObjectiveValue() * self.scale, self.BestObjectiveBound() * self.scale
         self.trace.append((wall, obj))
+        if self.plan_of is not None:
+            self.plans.append((obj, *self.plan_of(self.Value)))
         if self.report:
             self.report(f"partition: {wall:6.1f}s  solution {obj:.6g}  bound {bound:.6g}")
         if obj <= self.stop_at:
@@ -83,6 +91,7 @@ class PartitionModel:
         self.wall_bw = machine.bandwidth if machine is not None else opts.bandwidth
         self.S = slots_of(units, opts)
         self.R = opts.allowed_replicas()
+        self.groups: Dict[str, list] = {}  # per shared weight, its group-size literals (``_tied_groups``)
         lb = max(sum(units.compute) / opts.devices, 1e-12)
         n_terms = max(2 * len(units) + 2 * len(units.shared), len(units.producers), 1)
         self.q = 5e-4 * lb / n_terms
@@ -172,6 +181,8 @@ class PartitionModel:
         extra = {r: tied_floor_coeff(r, opts) - allreduce_coeff(r, opts) for r in self.R}  # >= 0
         emax = max(extra.values()) if u_.shared else 0.0
         hi += sum(self._round(emax * nb / q) for nb, _ in u_.shared.values())
+        groups = self._tied_groups() if emax > 0 and not self.crossing else None
+        hi += sum(max(cum[-1] for cum in self.steps[p].values()) for p in groups) if groups else 0
         self.T = m.NewIntVar(0, hi + 1, "T")
         self.t_hi = hi + 1
         m.Add(opts.devices * self.T >= total)
@@ -199,14 +210,70 @@ class PartitionModel:
             self.compute.append(compute)
             self.params.append(params if amax > 0 else None)
             self.tied_b.append(tied if emax > 0 else None)
+            grown = self._group_charge(b) if groups else 0
             for r, y in self.y[b].items():
                 k = self._round(F * allreduce_coeff(r, opts) / amax) if amax > 0 else 0
                 kt = self._round(F * extra[r] / emax) if emax > 0 else 0
-                m.Add(F * r * self.T >= F * compute + (k * params if k else 0) + (kt * tied if kt else 0)).OnlyEnforceIf(y)
+                m.Add(F * r * self.T >= F * compute + (k * params if k else 0) + (kt * tied if kt else 0)
+                      + F * r * grown).OnlyEnforceIf(y)
                 for cut in self.cuts[max(b - 1, 0): b + 1]:
                     m.Add(r * self.T >= cut).OnlyEnforceIf(y)
         if not self.minimise_memory:
             m.Minimize(self.T)
+
+    def _tied_groups(self) -> Optional[Dict[str, list]]:
+        """Per shared weight, ``ge[n - 1]`` for n = 1..K: its group (every rank of every stage holding
+        it) has at least n ranks; None where that encoding would be too large (``EXACT_TIED_TERMS``).
+
+        Without it the model charges a stage's tied sync for a group of its own replicas plus one
+        (``tied_floor_s``), a floor: two solutions of one objective then differ in real time, and the
+        solver stops at whichever it found (a tied chain on 8 devices: 0.0581 s or 0.0634 s, run to
+        run). With it the sync is charged for the group's real size (``_group_charge``)."""
+        m, u_, S, K = self.m, self.units, self.S, self.opts.devices
+        if len(u_.shared) * S * len(self.R) * K > EXACT_TIED_TERMS:
+            return None
+        self.groups, self.steps = {}, {}
+        for p, (nb, _) in u_.shared.items():
+            held = []  # r * (stage b has r replicas and holds p)
+            for b in range(S):
+                for r, y in self.y[b].items():
+                    x = m.NewBoolVar(f"gx{p}_{b}_{r}")
+                    m.Add(x >= y + self.shared[p][b] - 1)
+                    held.append(r * x)
+            ge = [m.NewBoolVar(f"ge{p}_{n}") for n in range(1, K + 1)]
+            for lower, upper in zip(ge, ge[1:]):
+                m.AddImplication(upper, lower)
+            m.Add(sum(ge) >= sum(held))
+            self.groups[p], self.steps[p] = ge, {r: self._extra_steps(nb, r, K) for r in self.R}
+        return self.groups
+
+    def _extra_steps(self, nbytes: float, r: int, K: int) -> list:
+        """``cum[n]``, n = 0..K: the sync a stage of r replicas pays for ``nbytes`` tied over n ranks beyond
+        ``tied_floor_s``'s charge (n - r partners against one), in units of q, rounded down (never above
+        the real charge, so the bound stays a bound); 0 up to r + 1 ranks. The sync grows with the
+        group, so cum never falls."""
+        floor = float(tied_floor_s(nbytes, r, self.opts))
+        cum = [0] * (K + 1)
+        for n in range(r + 2, K + 1):
+            cum[n] = max(cum[n - 1], int(math.floor((float(tied_floor_s(nbytes, r, self.opts, n - r)) - floor) / self.q)))
+        return cum
+
+    def _group_charge(self, b: int):
+        """What stage b's tied weights cost beyond ``tied_floor_s`` for their groups' real sizes (in q):
+        one variable per weight, at least its step sum over ``ge`` for the replica count b has."""
+        terms = []
+        for p, ge in self.groups.items():
+            top = max(cum[-1] for cum in self.steps[p].values())
+            if top == 0:
+                continue
+            e = self.m.NewIntVar(0, top, f"gE{p}_{b}")
+            for r, y in self.y[b].items():
+                cum = self.steps[p][r]
+                steps = [(cum[n] - cum[n - 1]) * ge[n - 1] for n in range(1, len(cum)) if cum[n] > cum[n - 1]]
+                if steps:
+                    self.m.Add(e >= sum(steps)).OnlyEnforceIf([y, self.tied[p][b]])
+            terms.append(e)
+        return sum(terms) if terms else 0
 
     def _tied_var(self, b: int, emax: float):
         """Bytes stage b shares with other stages, in units of ``q / emax`` seconds of sync."""
@@ -305,7 +372,11 @@ class PartitionModel:
         solver.parameters.relative_gap_limit = 1e-4
         solver.parameters.cp_model_probing_level = 0  # probing cost seconds of presolve and bought no bound here
         scale = self.mem_unit if self.minimise_memory else self.q
-        callback = _Callback(scale, report, stop_at)
+        # with tied weights whose groups are not encoded (``_tied_groups``) the objective only floors their
+        # sync, so an earlier solution can be faster in real time than the last: every improving
+        # solution's plan is kept for the driver to score (``SolveResult.plans``)
+        keep = self.units.shared and not self.groups and not self.minimise_memory
+        callback = _Callback(scale, report, stop_at, self._plan if keep else None)
         start = time.monotonic()
         timer = threading.Timer(max(0.0, float(time_limit)), solver.stop_search)
         timer.daemon = True
@@ -324,10 +395,15 @@ class PartitionModel:
         status = STATUS.get(code, str(code))
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return SolveResult(status, None, None, math.inf, 0.0, wall, callback.trace)
-        stage_of = [next(b for b in range(self.S) if solver.Value(self.le[u][b])) for u in range(len(self.units))]
-        replicas = [r for b in range(self.S) for r, y in self.y[b].items() if solver.Value(y)]
+        stage_of, replicas = self._plan(solver.Value)
         margin = 0.0 if self.minimise_memory else self.margin
         bound = max(0.0, solver.BestObjectiveBound() * scale - margin)
-        return SolveResult(status, stage_of, replicas, solver.ObjectiveValue() * scale, bound, wall, callback.trace)
+        return SolveResult(status, stage_of, replicas, solver.ObjectiveValue() * scale, bound, wall, callback.trace,
+                           plans=callback.plans)
+
+    def _plan(self, value: Callable) -> tuple:
+        """(stage per unit, replicas per used stage) of a solution, ``value`` reading its variables."""
+        stage_of = [next(b for b in range(self.S) if value(self.le[u][b])) for u in range(len(self.units))]
+        return stage_of, [r for b in range(self.S) for r, y in self.y[b].items() if value(y)]
 
 

@@ -21,6 +21,7 @@ class SolveResult:
     bound: float  # proven lower bound, same unit, rounding margin removed
     wall_s: float
     progress: List[tuple] = field(default_factory=list)  # (wall_s, objective) per improving solution
+    plans: List[tuple] = field(default_factory=list)  # (objective, stage_of, replicas) per improving solution, where kept
 
 
 class InfeasibleError(FxpipeError):
