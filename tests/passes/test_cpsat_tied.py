@@ -11,6 +11,7 @@ that enumeration finds, run after run.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -93,3 +94,25 @@ def test_partition_proves_the_enumerated_optimum_every_run():
     for _ in range(8):
         res = partition(g, 8, time_limit=5, replication="pow2", solver="cpsat")
         assert res.status == "OPTIMAL" and res.bottleneck_s == pytest.approx(best, rel=1e-3)
+
+
+def test_past_the_encodings_cap_the_earlier_faster_solution_is_answered(monkeypatch):
+    """Without the group literals the objective floors the sync: the solver's last solution can be the
+    slower one in real time, and the driver answers with the faster one it kept."""
+    import passes.partition.model as model
+    from passes.partition.driver import _result
+    from passes.partition.result import SolveResult
+
+    monkeypatch.setattr(model, "EXACT_TIED_TERMS", 0)
+    g = tied_chain(3)
+    opts = CostOptions(devices=8, replication="pow2")
+    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+    pm = PartitionModel(units, opts)
+    assert not pm.groups  # the floor only
+    slow = ([0, 0, 1, 2, 2, 3, 3], [2, 2, 2, 2])  # per unit (emb, l0..l3, head, output): a group of 4 ranks
+    fast = ([0, 1, 2, 3, 3, 4, 4], [1, 2, 2, 1, 2])  # 3 ranks
+    solved = SolveResult("OPTIMAL", *slow, 0.0581, 0.0581, 0.1, plans=[(0.0617, *fast), (0.0581, *slow)])
+    res = _result(g, units, opts, solved, 0.0, None, "CP-SAT")
+    last = _result(g, units, opts, dataclasses.replace(solved, plans=[]), 0.0, None, "CP-SAT")
+    assert last.replicas == slow[1] and res.replicas == fast[1]
+    assert res.bottleneck_s == evaluate(g, res.assignment, fast[1], opts).bottleneck_s < last.bottleneck_s
