@@ -752,11 +752,13 @@ def _best_scored(graph: CostGraph, units: Units, opts: CostOptions, solved: Solv
     """(assignment, replicas, evaluation) of the solver's answer, or of an earlier solution it kept
     (``SolveResult.plans``: where tied weights make its objective a floor) that ``evaluate`` scores
     faster. Only solutions whose objective lies under the answer's real time can be (their real time
-    is at least their objective, to the rounding margin), so few are scored."""
+    is at least their objective, to the model's rounding: 0.1 % is allowed), so few are scored; the
+    answer itself, usually the last kept, is not scored twice."""
     assignment = to_nodes(graph, units, solved.stage_of)
     best = (assignment, solved.replicas, evaluate(graph, assignment, solved.replicas, opts))
     for objective, stage_of, replicas in reversed(solved.plans):
-        if objective * (1 - OPTIMAL_GAP) < best[2].bottleneck_s:
+        if (stage_of, replicas) != (solved.stage_of, solved.replicas) \
+                and objective * (1 - OPTIMAL_GAP) < best[2].bottleneck_s:
             other = to_nodes(graph, units, stage_of)
             ev = evaluate(graph, other, replicas, opts)
             if ev.bottleneck_s < best[2].bottleneck_s:

@@ -92,6 +92,7 @@ class PartitionModel:
         self.S = slots_of(units, opts)
         self.R = opts.allowed_replicas()
         self.groups: Dict[str, list] = {}  # per shared weight, its group-size literals (``_tied_groups``)
+        self.steps: Dict[str, Dict[int, list]] = {}  # ... and per replica count, its charge by size
         lb = max(sum(units.compute) / opts.devices, 1e-12)
         n_terms = max(2 * len(units) + 2 * len(units.shared), len(units.producers), 1)
         self.q = 5e-4 * lb / n_terms
@@ -181,8 +182,9 @@ class PartitionModel:
         extra = {r: tied_floor_coeff(r, opts) - allreduce_coeff(r, opts) for r in self.R}  # >= 0
         emax = max(extra.values()) if u_.shared else 0.0
         hi += sum(self._round(emax * nb / q) for nb, _ in u_.shared.values())
-        groups = self._tied_groups() if emax > 0 and not self.crossing else None
-        hi += sum(max(cum[-1] for cum in self.steps[p].values()) for p in groups) if groups else 0
+        if emax > 0 and not self.crossing:
+            self._tied_groups()
+        hi += sum(max(cum[-1] for cum in self.steps[p].values()) for p in self.groups)
         self.T = m.NewIntVar(0, hi + 1, "T")
         self.t_hi = hi + 1
         m.Add(opts.devices * self.T >= total)
@@ -210,7 +212,7 @@ class PartitionModel:
             self.compute.append(compute)
             self.params.append(params if amax > 0 else None)
             self.tied_b.append(tied if emax > 0 else None)
-            grown = self._group_charge(b) if groups else 0
+            grown = self._group_charge(b) if self.groups else 0
             for r, y in self.y[b].items():
                 k = self._round(F * allreduce_coeff(r, opts) / amax) if amax > 0 else 0
                 kt = self._round(F * extra[r] / emax) if emax > 0 else 0
@@ -221,9 +223,10 @@ class PartitionModel:
         if not self.minimise_memory:
             m.Minimize(self.T)
 
-    def _tied_groups(self) -> Optional[Dict[str, list]]:
-        """Per shared weight, ``ge[n - 1]`` for n = 1..K: its group (every rank of every stage holding
-        it) has at least n ranks; None where that encoding would be too large (``EXACT_TIED_TERMS``).
+    def _tied_groups(self) -> None:
+        """``self.groups``: per shared weight, ``ge[n - 1]`` for n = 1..K: its group (every rank of every
+        stage holding it) has at least n ranks; left empty where that encoding would be too large
+        (``EXACT_TIED_TERMS``). ``self.steps``: what each replica count pays at each size.
 
         Without it the model charges a stage's tied sync for a group of its own replicas plus one
         (``tied_floor_s``), a floor: two solutions of one objective then differ in real time, and the
@@ -231,8 +234,7 @@ class PartitionModel:
         run). With it the sync is charged for the group's real size (``_group_charge``)."""
         m, u_, S, K = self.m, self.units, self.S, self.opts.devices
         if len(u_.shared) * S * len(self.R) * K > EXACT_TIED_TERMS:
-            return None
-        self.groups, self.steps = {}, {}
+            return
         for p, (nb, _) in u_.shared.items():
             held = []  # r * (stage b has r replicas and holds p)
             for b in range(S):
@@ -245,17 +247,18 @@ class PartitionModel:
                 m.AddImplication(upper, lower)
             m.Add(sum(ge) >= sum(held))
             self.groups[p], self.steps[p] = ge, {r: self._extra_steps(nb, r, K) for r in self.R}
-        return self.groups
 
     def _extra_steps(self, nbytes: float, r: int, K: int) -> list:
-        """``cum[n]``, n = 0..K: the sync a stage of r replicas pays for ``nbytes`` tied over n ranks beyond
-        ``tied_floor_s``'s charge (n - r partners against one), in units of q, rounded down (never above
-        the real charge, so the bound stays a bound); 0 up to r + 1 ranks. The sync grows with the
-        group, so cum never falls."""
+        """``cum[n]``, n = 0..K: the least a stage of r replicas pays for ``nbytes`` tied over n or more
+        ranks beyond ``tied_floor_s``'s charge (n - r partners against one), in units of q, rounded
+        down: never above the real charge of a group that size, so the bound stays a bound; 0 up to
+        r + 1 ranks. The least over larger groups too, since ``ge[n - 1]`` only says "at least n" (the
+        sync grows with the group, so that is the charge at n itself)."""
         floor = float(tied_floor_s(nbytes, r, self.opts))
         cum = [0] * (K + 1)
-        for n in range(r + 2, K + 1):
-            cum[n] = max(cum[n - 1], int(math.floor((float(tied_floor_s(nbytes, r, self.opts, n - r)) - floor) / self.q)))
+        for n in range(K, r + 1, -1):
+            at_n = int(math.floor((float(tied_floor_s(nbytes, r, self.opts, n - r)) - floor) / self.q))
+            cum[n] = min(at_n, cum[n + 1]) if n < K else at_n
         return cum
 
     def _group_charge(self, b: int):
