@@ -292,6 +292,9 @@ def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -
 
     Their stderr goes to ``workers.log`` (torchrun's report of a failure is a
     page of tracebacks; the parent prints the failing rank's one line instead).
+    torchrun's log folder is the null device: the workers write their own
+    error files into the run folder, and torchrun's default would leave an
+    empty ``torchelastic_*`` folder in the temp directory on every run.
     """
     world = prep.layout.world_size
     env = dict(os.environ)
@@ -300,7 +303,7 @@ def launch(prep: Prepared, threads: Optional[int] = None, debug: bool = False) -
     if debug:
         env["FXPIPE_DEBUG"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "--max-restarts=0", "-m", "fxpipe.runtime.worker", prep.run_dir]
+           "--max-restarts=0", f"--log-dir={os.devnull}", "-m", "fxpipe.runtime.worker", prep.run_dir]
     _log(f"starting {world} workers: {' '.join(cmd[2:])}")
     failure.clear(prep.run_dir)
     rates: List[float] = []

@@ -25,7 +25,9 @@ def test_train_cli_saves_original_state_dict_and_trace(tmp_path) -> None:
     path = tmp_path / "tiny.py"
     path.write_text(MODEL)
     trace, saved, ckpt = tmp_path / "t.json", tmp_path / "trained.pt", tmp_path / "ck"
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    temp = tmp_path / "temp"  # the temp folder of the run: nothing is left in it
+    temp.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), TMPDIR=str(temp))
     cmd = [sys.executable, "-m", "fxpipe", "train", str(path), "--devices", "2", "--steps", "3",
            "--microbatches", "2", "--lr", "0.05", "--trace", str(trace), "--save", str(saved),
            "--checkpoint", str(ckpt), "--time-limit", "3", "--threads", "1", "--timeout", "60", "--log-every", "2"]
@@ -50,3 +52,5 @@ def test_train_cli_saves_original_state_dict_and_trace(tmp_path) -> None:
     assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
     assert {"F0", "B0", "STEP"} <= names
     assert json.load(open(ckpt / "latest.json"))["step"] == 3
+    left = [p.name for p in temp.iterdir() if p.name.startswith(("fxpipe-train-", "torchelastic_"))]
+    assert not left, left  # the run folder is removed, and torchrun left no log folder (torch's caches may stay)
