@@ -103,8 +103,8 @@ def _crossing_allreduce(pm, G: int, across) -> None:
             coeff = pm.crossing.get(r)
             if coeff is None or (r <= G and across is None):
                 continue
-            k = pm._round(pm.F * coeff / pm.amax)
-            kt = pm._round(pm.F * pm.extra[r] / pm.emax) if pm.emax > 0 else 0
+            k = pm.ratio(coeff / pm.amax)
+            kt = pm.ratio(pm.extra[r] / pm.emax) if pm.emax > 0 else 0
             rhs = pm.F * pm.compute[b] + k * pm.params[b] + (kt * pm.tied_b[b] if kt else 0)
             pm.m.Add(pm.F * r * pm.T >= rhs).OnlyEnforceIf([y] if r > G else [y, across[b]])
 

@@ -17,12 +17,12 @@ import random
 import pytest
 
 from passes.partition import CostOptions, evaluate, partition
-from passes.partition.coarsen import build_units, model_nodes
+from passes.partition.coarsen import build_units, model_nodes, to_nodes
 from passes.partition.model import PartitionModel
 from tests.passes.test_partition_tied import tied_chain
 from tests.plans import every_chain_plan
 
-TOL = 2e-4  # besides the rounding margin, the model's all-reduce ratios are rounded to 1e-4 (``_times``)
+TOL = 2e-4  # besides the rounding margin, the model's all-reduce ratios are rounded down to 1e-4 (``_times``)
 
 
 def _fixed_objective(g, opts: CostOptions, cuts, replicas) -> float:
@@ -76,6 +76,7 @@ def test_model_objective_is_the_plans_time_with_tied_groups(cost_model, replicat
             objective, margin, stage_of = _fixed_objective(g, opts, cuts, reps)
             real = evaluate(g, stage_of, reps, opts).bottleneck_s
             assert objective == pytest.approx(real, abs=margin + TOL * real), (seed, cuts, reps)
+            assert objective <= real + margin, (seed, cuts, reps)  # never above the plan: ratios round down
 
 
 def test_the_layout_the_floor_undercharged():
@@ -85,6 +86,22 @@ def test_the_layout_the_floor_undercharged():
     objective, margin, stage_of = _fixed_objective(g, opts, [2, 3, 5], [2, 2, 2, 2])
     real = evaluate(g, stage_of, [2, 2, 2, 2], opts).bottleneck_s
     assert objective == pytest.approx(real, abs=margin + TOL * real)
+
+
+def test_a_plans_real_time_as_upper_bound_keeps_that_plan():
+    """The ratios of the all-reduce coefficients rounded to the nearest charged this plan 0.016 % above
+    its real time, past the rounding margin: ``upper_bound`` at its own time left no solution."""
+    g = tied_chain(0)
+    opts = CostOptions(devices=8, replication="pow2")
+    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+    stage_of, reps = [0, 1, 1, 1, 1, 2, 2], [2, 4, 2]  # per unit (emb, l0..l3, head, output)
+    real = evaluate(g, to_nodes(g, units, stage_of), reps, opts).bottleneck_s
+    pm = PartitionModel(units, opts)
+    pm.hint(stage_of, reps)
+    pm.upper_bound(real)
+    solved = pm.solve(10)
+    assert solved.status == "OPTIMAL" and solved.objective <= real + pm.margin
+    assert solved.bound <= real
 
 
 def test_partition_proves_the_enumerated_optimum_every_run():
