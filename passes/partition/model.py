@@ -20,6 +20,8 @@ real size adds to that: ``ge[p][n]`` says the ranks of every stage holding p
 number at least n, and each stage pays the steps of its sync from r + 1 ranks
 up to the group's size (``_tied_groups``). Past that size the objective is a
 floor, and the driver scores every improving solution with ``evaluate``.
+Under ``1f1b-stash`` the stages sharing tied weights have one replica count
+(``_stash_rule``).
 
 Integer scaling: times become multiples of a unit ``q``. Every coefficient is
 rounded to the nearest unit, so a constraint with N terms is off by at most
@@ -52,6 +54,7 @@ from passes.partition.memory_guard import MemoryGuard
 from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs, slots_of
 from passes.partition.result import SolveResult
 
+STASH = "1f1b-stash"  # the schedule whose tied stages need equal replicas (``_stash_rule``)
 EXACT_TIED_TERMS = 100_000  # shared weights x slots x replica counts x K, up to which tied groups are exact
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
@@ -99,6 +102,8 @@ class PartitionModel:
         self.margin = n_terms * self.q  # worst rounding of any constraint, seconds
         self._variables()
         self._structure()
+        if opts.schedule == STASH and units.shared:
+            self._stash_rule()
         self._times()
         if machine is not None:
             charge_node_boundaries(self, machine)
@@ -145,6 +150,22 @@ class PartitionModel:
                     m.Add(self.shared[p][b] >= self.inside[u][b])
                     m.Add(self.inside[u][b] >= 1).OnlyEnforceIf(whole)
                 m.Add(self.tied[p][b] >= self.shared[p][b] - whole)
+
+    def _stash_rule(self) -> None:
+        """Under ``1f1b-stash`` every stage that shares a tied weight has one replica count (the runtime's
+        rule, ``fxpipe.schedule._check_stash_groups``: their ranks all-reduce after every backward, so
+        each must run as many): one literal per count, at most one set, implied by every tied stage's
+        count. A tied literal set without need only adds the rule, so the solver never does; the bound
+        is then one of the problem the runtime can run (``stash_ties.py`` evens the other searches')."""
+        m = self.m
+        common = {r: m.NewBoolVar(f"stash{r}") for r in self.R}
+        m.Add(sum(common.values()) <= 1)
+        for b in range(self.S):
+            held = m.NewBoolVar(f"anytied{b}")
+            for lits in self.tied.values():
+                m.AddImplication(lits[b], held)
+            for r, y in self.y[b].items():
+                m.AddBoolOr([held.Not(), y.Not(), common[r]])
 
     def _sum_var(self, b: int, weights: Sequence[float], shared: Dict[str, float], name: str, up: bool = False):
         """An integer variable equal to the weighted count of stage b's units (one per stage keeps the model small)."""

@@ -3,8 +3,8 @@ their ranks all-reduce the weight after every backward, so each must run as many
 
 On the tied chains of ``test_partition_tied`` the unconstrained optimum puts the embedding's stage
 and the heavy head's stage at different counts; the stash plan must be the best runnable plan that
-enumeration finds, on exactly K devices, with the search's bound kept (a bound of the looser
-problem) and its gap reported as it is.
+enumeration finds, on exactly K devices, proven: CP-SAT searches under the rule (its model states
+it) and its bound, of the problem the runtime can run, closes the gap the looser bounds leave.
 """
 from __future__ import annotations
 
@@ -35,7 +35,20 @@ def test_stash_plan_is_the_best_runnable_plan(seed, replication, K):
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s, rel=1e-12)
     assert res.bottleneck_s == pytest.approx(best, rel=1e-9)
     assert res.bound_s <= best * (1 + 1e-9)
-    assert res.status == ("OPTIMAL" if res.gap <= 1e-3 else "FEASIBLE") and "evened" in res.method
+    # proven: CP-SAT under the rule, on the segment DP's evened plan or as the search itself
+    assert res.status == "OPTIMAL" and res.gap <= 1e-3, res.method
+    assert "stash rule" in res.method or res.method == "CP-SAT", res.method
+
+
+@pytest.mark.parametrize("seed,replication,K", CASES[::2])
+def test_cp_sat_plans_under_the_rule_itself(seed, replication, K):
+    """The rule is in the CP-SAT model (``PartitionModel._stash_rule``): its plan needs no evening."""
+    g = tied_chain(seed)
+    opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication)
+    res = partition(g, K, time_limit=5, schedule="1f1b-stash", replication=replication, solver="cpsat")
+    best = every_chain_plan(g, opts, keep=lambda a, reps: runnable(g, a, reps))
+    assert runnable(g, res.assignment, res.replicas) and "evened" not in res.method
+    assert res.status == "OPTIMAL" and res.bottleneck_s == pytest.approx(best, rel=1e-3)
 
 
 def test_other_schedules_and_untied_plans_are_left_alone():
