@@ -66,3 +66,20 @@ def test_evening_keeps_to_the_time_limit():
     res = partition(g, 256, time_limit=2, schedule="1f1b-stash")
     assert time.monotonic() - start < 3.0
     assert runnable(g, res.assignment, res.replicas) and sum(res.replicas) == 256
+
+
+@pytest.mark.parametrize("seed,share", [(1, 0.8), (3, 0.5)])
+def test_under_a_memory_limit_the_plan_is_runnable_fits_and_is_proven(seed, share):
+    """With a memory limit CP-SAT plans alone (the segment DP does not model memory): the rule in its
+    model gives a runnable plan within the limit, the best such plan, with no evening."""
+    g = tied_chain(seed)
+    free = partition(g, 8, time_limit=5, schedule="1f1b-stash")
+    opts = CostOptions(devices=8, schedule="1f1b-stash")
+    memory = int(evaluate(g, free.assignment, free.replicas, opts).peak_memory_bytes * share)
+    opts = CostOptions(devices=8, schedule="1f1b-stash", memory=memory)
+    res = partition(g, 8, time_limit=5, schedule="1f1b-stash", memory=memory)
+    best = every_chain_plan(g, opts, keep=lambda a, reps: runnable(g, a, reps)
+                            and evaluate(g, a, reps, opts).peak_memory_bytes <= memory)
+    assert runnable(g, res.assignment, res.replicas) and "evened" not in res.method
+    assert evaluate(g, res.assignment, res.replicas, opts).peak_memory_bytes <= memory
+    assert res.status == "OPTIMAL" and res.bottleneck_s == pytest.approx(best, rel=1e-3)
