@@ -123,16 +123,16 @@ def _stash_searched(graph: CostGraph, fine: Units, opts: CostOptions, evened: Pa
     CP-SAT's bound where that is higher: on every node it bounds the plans the runtime can run, which
     the other searches' bounds (of the looser problem) are too, so the higher one holds. Flat machines
     only (two-level ones keep ``evened``), and only in the time the searches left. Tied chains of
-    four blocks on 6-8 devices: ``evened`` read FEASIBLE with 7.6-9.7 % open, CP-SAT proves the same
-    plans in 0.1-1.3 s; examples/gpt.py on 8 devices (five profiles): 0.9-7.5 % faster plans, proven."""
+    four blocks on 6-8 devices: ``evened`` read FEASIBLE with 7.6-9.7 % open, now ``partition`` proves
+    the same plans in 0.1-0.6 s in all; examples/gpt.py on 8 devices (five profiles): 0.9-7.5 % faster plans, proven."""
     if evened.status == "OPTIMAL" or opts.gpus_per_node is not None:
         return evened
     units = fine if len(fine) <= coarsen_above else coarsen(graph, opts, target=coarsen_above, deadline=deadline)
     if not _time_for_cpsat(units, opts, deadline):
         return evened
     model = _cp_sat(units, opts)
-    stage_of = [evened.assignment[names[0]] for names in units.members]
-    if all(evened.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names):
+    stage_of = _on_units(evened.assignment, units)
+    if stage_of is not None:
         model.hint(stage_of, evened.replicas)
     model.upper_bound(evened.bottleneck_s)  # the model's objective never exceeds a plan's real time
     solved = model.solve(max(0.05, deadline - time.monotonic()), workers=workers, report=progress)
@@ -148,6 +148,13 @@ def _stash_searched(graph: CostGraph, fine: Units, opts: CostOptions, evened: Pa
     if best is evened and best.bound_s > before:
         best.method = f"{best.method}, proven by CP-SAT under the stash rule"
     return best
+
+
+def _on_units(assignment: Dict[str, int], units: Units) -> Optional[List[int]]:
+    """A plan's stage per unit, or None where it splits a unit (the units cannot express it)."""
+    stage_of = [assignment[names[0]] for names in units.members]
+    whole = all(assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
+    return stage_of if whole else None
 
 
 def _budget_noted(found: PartitionResult, budget: MemoryGuard, progress) -> PartitionResult:
@@ -331,9 +338,8 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
                        start, heuristic_s, "CP-SAT")
     model = _cp_sat(units, opts)
     if chained is not None:  # the segment DP's plan, if the units can express it and it beats the order DP's
-        stage_of = [chained.assignment[names[0]] for names in units.members]
-        whole = all(chained.assignment[n] == s for s, names in zip(stage_of, units.members) for n in names)
-        if whole and (warm is None or chained.bottleneck_s < (heuristic_s or math.inf)):
+        stage_of = _on_units(chained.assignment, units)
+        if stage_of is not None and (warm is None or chained.bottleneck_s < (heuristic_s or math.inf)):
             warm = Solution(stage_of, chained.replicas, chained.bottleneck_s)
     if warm is not None:
         model.hint(warm.stage_of, warm.replicas)

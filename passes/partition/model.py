@@ -190,7 +190,7 @@ class PartitionModel:
         return int(math.floor(self.F * x))
 
     def _times(self) -> None:
-        """``r·T >= C_b + a_r·P_b`` written as ``F·r·T >= F·C_b + round(F·a_r/a_max)·P_b``.
+        """``r·T >= C_b + a_r·P_b`` written as ``F·r·T >= F·C_b + floor(F·a_r/a_max)·P_b``.
 
         This is ``costmodel.stage_time_s`` linearised per replica choice (its
         compute + all-reduce term, and each cut as ``r·T >= 2A/B``): the one
@@ -213,7 +213,8 @@ class PartitionModel:
         hi += sum(self._round(emax * nb / q) for nb, _ in u_.shared.values())
         if emax > 0 and not self.crossing:
             self._tied_groups()
-        hi += sum(max(cum[-1] for cum in self.steps[p].values()) for p in self.groups)
+        tops = {p: max(cum[-1] for cum in self.steps[p].values()) for p in self.groups}  # each group's most
+        hi += sum(tops.values())
         self.T = m.NewIntVar(0, hi + 1, "T")
         self.t_hi = hi + 1
         m.Add(opts.devices * self.T >= total)
@@ -241,7 +242,7 @@ class PartitionModel:
             self.compute.append(compute)
             self.params.append(params if amax > 0 else None)
             self.tied_b.append(tied if emax > 0 else None)
-            grown = self._group_charge(b) if self.groups else 0
+            grown = self._group_charge(b, tops) if self.groups else 0
             for r, y in self.y[b].items():
                 k = self.ratio(allreduce_coeff(r, opts) / amax) if amax > 0 else 0
                 kt = self.ratio(extra[r] / emax) if emax > 0 else 0
@@ -290,12 +291,13 @@ class PartitionModel:
             cum[n] = min(at_n, cum[n + 1]) if n < K else at_n
         return cum
 
-    def _group_charge(self, b: int):
+    def _group_charge(self, b: int, tops: Dict[str, int]):
         """What stage b's tied weights cost beyond ``tied_floor_s`` for their groups' real sizes (in q):
-        one variable per weight, at least its step sum over ``ge`` for the replica count b has."""
+        one variable per weight, at least its step sum over ``ge`` for the replica count b has;
+        ``tops``: per weight, the most any count pays."""
         terms = []
         for p, ge in self.groups.items():
-            top = max(cum[-1] for cum in self.steps[p].values())
+            top = tops[p]
             if top == 0:
                 continue
             e = self.m.NewIntVar(0, top, f"gE{p}_{b}")
