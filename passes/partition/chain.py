@@ -148,8 +148,16 @@ class ChainSolver:
     def _stage_r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """``_r`` on one piece."""
         params, tied, shares, flags = self._held(pi - pj, sj, si)
-        return min_replicas(stage_compute(ci, cj, self.two), params, cutj, cuti, T, self.opts, tied,
-                            self._partner_count(shares, flags, T))
+        compute, partners = stage_compute(ci, cj, self.two), self._partner_count(shares, flags, T)
+        r = min_replicas(compute, params, cutj, cuti, T, self.opts, tied, partners)
+        c = self.opts.tied_replicas
+        if c is None or shares is None:
+            return r
+        # ``1f1b-stash``'s rule for one count c: a stage sharing a tied weight runs exactly c replicas, and so
+        # does every other holder (its group has at least c ranks besides the stage; none needing more may hold it)
+        sharing = np.broadcast_to(shares.any(axis=-1), np.shape(r))
+        fits = (np.asarray(partners) <= c) & (stage_time_s(compute, params, cutj, cuti, c, self.opts, tied, c) <= T)
+        return np.where(sharing, np.where(fits, c, self.opts.devices + 1), r)
 
     def _held(self, params, sj, si):
         """For stages (j, i): weight bytes with the shared weights they hold, the bytes another stage holds
@@ -715,15 +723,18 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     comp, par = _stage_sums(units, stage_of, len(reps))
     groups = tied_groups(units, stage_of)
+    fixed = np.zeros(len(reps), dtype=bool)  # ``CostOptions.tied_replicas``: the tied stages keep their count
+    if opts.tied_replicas is not None:
+        fixed[[h for _, holders in groups for h in holders]] = True
     while left > 0:
         pos = np.searchsorted(allowed, reps, side="right")
         nxt = allowed[np.minimum(pos, len(allowed) - 1)]
-        usable = (pos < len(allowed)) & (nxt - reps <= left)
+        usable = (pos < len(allowed)) & (nxt - reps <= left) & ~fixed
         now = group_times(comp, par, groups, reps, opts)
         then = _times_after(comp, par, groups, reps, np.arange(len(reps)), nxt, now, T, opts)
         usable &= then <= T * (1 + 1e-12)
         if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
-            jump = _first_fit_above(comp, par, groups, reps, now, left, allowed, opts, T)
+            jump = _first_fit_above(comp, par, groups, reps, now, left, allowed, opts, T, fixed)
             if jump is None:
                 return None
             s, r = jump
@@ -753,13 +764,13 @@ def _times_after(comp, par, groups, reps, stages, counts, now, T: float, opts: C
     return out
 
 
-def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: CostOptions, T: float):
+def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: CostOptions, T: float, fixed):
     """(stage, replicas) adding the fewest devices (at most ``left``) that keeps that stage (and its tied
-    partners, ``_times_after``) within T."""
+    partners, ``_times_after``) within T; ``fixed`` stages keep their count."""
     best = None
     for s, r in enumerate(reps):
         cand = allowed[(allowed > r) & (allowed - r <= left)]
-        if not cand.size:
+        if not cand.size or fixed[s]:
             continue
         times = _times_after(comp, par, groups, reps, np.full(cand.size, s), cand, now, T, opts)
         ok = np.nonzero(times <= T * (1 + 1e-12))[0]

@@ -90,6 +90,10 @@ class CostOptions:
     fewer_devices: bool = False
     gpus_per_node: Optional[int] = None  # None: one flat network at ``bandwidth``
     intra_bandwidth: Optional[float] = None  # inside a node; None: same as ``bandwidth``
+    # a search's own restriction, never a plan's option (``as_dict`` leaves it out): every stage that shares a
+    # tied weight with another runs exactly this many replicas, ``1f1b-stash``'s rule for one common count
+    # (the flat segment DP states it, ``stash_counts.py``); None: free
+    tied_replicas: Optional[int] = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -100,6 +104,8 @@ class CostOptions:
             (self.schedule in SCHEDULES, f"schedule {self.schedule!r} is not one of {SCHEDULES}"),
             (self.replication in REPLICATION, f"replication {self.replication!r} is not one of {REPLICATION}"),
             (self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}"),
+            (self.tied_replicas is None or self.tied_replicas in self.allowed_replicas(),
+             f"tied replicas {self.tied_replicas} is not an allowed count under --replication {self.replication}"),
         ]
         for ok, message in checks:
             if not ok:

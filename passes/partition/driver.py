@@ -32,7 +32,7 @@ from passes.partition.memory_guard import MemoryGuard, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition.work_floor import work_floor
-from passes.partition import anchors, branchy, node_floor, placed, segment_plan, stash_ties, uniform
+from passes.partition import anchors, branchy, node_floor, placed, segment_plan, stash_counts, stash_ties, uniform
 from passes.partition.model_nodes import slots_of, walls_modelled
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -111,7 +111,10 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
             return _floored(graph, opts, _budget_noted(found, budget, progress))
         kept = _uniform_kept(graph, opts, found, start)
         found = stash_ties.evened(graph, opts, kept, start + time_limit)
-        if found is not kept:  # the searches' plan broke the stash rule: CP-SAT searches under it
+        broke = found is not kept  # the searches' plan broke the stash rule (evened chose its replicas again)
+        # under 1f1b-stash the tied stages share one replica count: the segment DP searches each count
+        found = stash_counts.searched(graph, opts, found, deadline, progress)
+        if broke:  # and CP-SAT under the rule, in the time left
             found = _stash_searched(graph, fine, opts, found, start, deadline, workers, coarsen_above, progress)
         return _floored(graph, opts, _budget_noted(found, budget, progress))
 
@@ -122,9 +125,10 @@ def _stash_searched(graph: CostGraph, fine: Units, opts: CostOptions, evened: Pa
     rule), or CP-SAT's plan under the rule itself (``PartitionModel._stash_rule``) where it is faster, with
     CP-SAT's bound where that is higher: on every node it bounds the plans the runtime can run, which
     the other searches' bounds (of the looser problem) are too, so the higher one holds. Flat machines
-    only (two-level ones keep ``evened``), and only in the time the searches left. Tied chains of
-    four blocks on 6-8 devices: ``evened`` read FEASIBLE with 7.6-9.7 % open, now ``partition`` proves
-    the same plans in 0.1-0.6 s in all; examples/gpt.py on 8 devices (five profiles): 0.9-7.5 % faster plans, proven."""
+    only (two-level ones keep ``evened``), and only in the time the searches and the per-count segment DP
+    (``stash_counts.py``) left. Tied chains of four blocks on 6-8 devices: ``evened`` read FEASIBLE with
+    7.6-9.7 % open, this search proved them in 0.1-0.6 s (now the per-count DP mostly does, first);
+    examples/gpt.py on 8 devices (five profiles): 0.9-7.5 % faster plans, proven."""
     if evened.status == "OPTIMAL" or opts.gpus_per_node is not None:
         return evened
     units = fine if len(fine) <= coarsen_above else coarsen(graph, opts, target=coarsen_above, deadline=deadline)

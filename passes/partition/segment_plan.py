@@ -363,6 +363,15 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     return found.bound - margin
 
 
+def bracketed(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"], floor: float,
+              ceiling: float, tolerance: float):
+    """``segment_dp``'s answer on ``relaxation``'s graph (no anchored reads, no wide segments freed) searched
+    between a bound (``floor``) and a plan's time (``ceiling``), its first pass ``chain.PROVE_WITHIN`` under
+    the plan, the bisection stopping at ``tolerance``: for a caller that searches many restrictions of one
+    problem against its best plan (``stash_counts.py``, one per common count of the tied stages)."""
+    return _relaxed_dp(graph, opts, deadline, cones, (), None, floor=floor, ceiling=ceiling, tolerance=tolerance)
+
+
 def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
                 exits: Sequence[anchors.Exit], limit: Optional[int], **search):
     """``segment_dp``'s answer (``search``: its options) on ``graph`` with every cone node but its exit

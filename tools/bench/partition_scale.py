@@ -20,7 +20,7 @@ with the last), each of the PP stages replicated DP times, scored by
 
     python -m tools.bench.partition_scale [--depths 8,32,96] [--devices 8,16,...,1024] [--time-limit 10]
         [--bandwidth B] [--gpus-per-node G --intra-bandwidth B1]   # flat, or a two-level machine
-        [--cost-model fxpipe|pipedream] [--replication any|pow2|none]
+        [--cost-model fxpipe|pipedream] [--replication any|pow2|none] [--schedule 1f1b-stash|...]
         [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (bundled; --reprofile needs transformers)
         [--hf-llama]  # also HF Llama, 24 layers (bundled; likewise)
         [--hf-llama-96]  # also the same HF Llama with 96 layers (bundled; likewise)
@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, partition
-from passes.partition.costmodel import COST_MODELS, REPLICATION
+from passes.partition.costmodel import COST_MODELS, DEFAULT_SCHEDULE, REPLICATION, SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = Path(__file__).resolve().parent / "data"  # the profiles the README's tables were measured on
@@ -249,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--intra-bandwidth", type=float, default=None, help="bytes/s inside a node (with G)")
     ap.add_argument("--cost-model", choices=COST_MODELS, default="fxpipe")
     ap.add_argument("--replication", choices=REPLICATION, default="any")
+    ap.add_argument("--schedule", choices=SCHEDULES, default=DEFAULT_SCHEDULE,
+                    help="the schedule planned for (1f1b-stash: the stages sharing a tied weight at one replica count)")
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--hf-llama", action="store_true", help="also HF Llama (24 layers, rotary, grouped-query attention)")
     ap.add_argument("--hf-llama-96", action="store_true", help="also the same HF Llama with 96 layers")
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
         ap.error("--device cuda measures new profiles: add --reprofile")
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
                "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
-               "replication": args.replication}
+               "replication": args.replication, "schedule": args.schedule}
     if args.row:
         from fxpipe.runtime.heap import keep_freed_memory
 
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
              if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
-        + f"; {args.cost_model} cost model, replication {args.replication}"
+        + f"; {args.cost_model} cost model, replication {args.replication}, schedule {args.schedule}"
     made = f"made on this machine ({args.device})" if args.reprofile else "read"
     print(f"machine: {where}; time limit {args.time_limit:g} s; profiles: {made}, {_shown(PROFILES)}")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
