@@ -22,8 +22,10 @@ embedding (the tests' stored profile): 32 devices FEASIBLE 2.85 % open ->
 OPTIMAL, the plan 2.8 % faster; 64 and 128 devices 6.0 and 15.2 % -> 1.9 and
 1.5 % (plans 4.2 and 13.9 % faster); with ``pow2`` 2.8, 5.9 and 17.0 % ->
 OPTIMAL, 2.0 and 8.4 % (CP-SAT under the rule, ``driver._stash_searched``,
-found nothing faster there). Where the searches before it take the whole
-limit (256 devices and more there) it gets no time. Per count the DP's
+found nothing faster there). The searches before it took the whole limit
+from 256 devices on, so under this rule they get half
+(``driver._searches_until``): 256-1,024 devices then read 7.0, 1.8 and
+13.7 % (14.1, 33.0 and 24.2 % before). Per count the DP's
 fewest-devices plan may not spread over exactly K with the tied stages
 held (``chain.pad``), so a count's plans can miss, never its bound.
 Flat machines, no memory limit (the segment DP models neither otherwise).

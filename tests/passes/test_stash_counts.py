@@ -45,18 +45,21 @@ def test_each_count_is_bounded_and_a_split_tie_planned_exactly(seed, replication
     assert split >= 1
 
 
-def test_hf_gpt2_tied_stash_plan_proven_within_the_limit():
-    """The head tied to the embedding, 32 devices: the searches' plan gives the first and last stages
-    1 and 2 replicas, evening it cost 2.9 % (FEASIBLE, 2.85 % open before the per-count search);
-    at one common replica the DP finds a plan as fast as the unconstrained one and proves it."""
+@pytest.mark.parametrize("K,open_at_most", [(32, 0.01), (512, 0.05)])
+def test_hf_gpt2_tied_stash_plan_proven_within_the_limit(K, open_at_most):
+    """The head tied to the embedding. 32 devices: the searches' plan gives the first and last stages
+    1 and 2 replicas, evening it cost 2.9 % (FEASIBLE, 2.85 % open before the per-count search); at one
+    common replica the DP finds a plan as fast as the unconstrained one and proves it. 512 devices: the
+    searches took the whole limit and left the per-count DP no time (33 % open); with half of it for
+    them (``driver._searches_until``) 1.8 % here."""
     g = tied_gpt2()
     start = time.monotonic()
-    res = partition(g, 32, time_limit=10, schedule="1f1b-stash")
+    res = partition(g, K, time_limit=10, schedule="1f1b-stash")
     assert time.monotonic() - start < 10.5
     assert runnable(g, res.assignment, res.replicas) and len(tied_stages(g, res.assignment)) >= 2
-    assert sum(res.replicas) == 32 and is_convex(g, res.assignment)
-    assert g.total_compute_s() / 32 <= res.bound_s <= res.bottleneck_s
-    assert res.gap <= 0.01, (res.gap, res.method)
+    assert sum(res.replicas) == K and is_convex(g, res.assignment)
+    assert g.total_compute_s() / K <= res.bound_s <= res.bottleneck_s
+    assert res.gap <= open_at_most, (res.gap, res.method)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s)
 
 
