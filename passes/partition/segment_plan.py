@@ -197,7 +197,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
     loose = loose_groups(graph, opts)
-    finish = lambda e, a, reps: _finished(graph, loose, a, reps, e, judge)  # noqa: E731
+    finish = lambda e, a, reps: finished(graph, loose, a, reps, e, judge)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
         # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
@@ -244,7 +244,7 @@ def _finer(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["br
 
 def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
     """Seconds the wide path keeps back for what follows its searches: scoring and finishing its
-    plans (``_finished``, several evaluations each) and the driver's uniform layouts (two a divisor of
+    plans (``finished``, several evaluations each) and the driver's uniform layouts (two a divisor of
     K), ``SCORING_EVALUATIONS`` times one evaluation of the graph. On a 96-layer HF Llama (6,000 nodes,
     0.02-0.04 s an evaluation) they took 1.4 s past the search's deadline at 1,024 devices."""
     t = time.monotonic()
@@ -436,7 +436,7 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
     return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
 
 
-def _finished(graph: CostGraph, loose, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
+def finished(graph: CostGraph, loose, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
     """(evaluation, assignment, replicas) of a plan with its loose groups and silent nodes placed where
     they slow it least (``loose_ends``, ``silent_moves``)."""
     ev, assignment = loose_ends(graph, loose, assignment, replicas, ev, opts)

@@ -17,15 +17,17 @@ plan, so one infeasible pass settles a count within 1 %, and a feasible one
 is a faster plan (kept where the runtime can run it and it scores faster);
 where the count's bound leaves room, plans with the mask branch as one node,
 then in pieces. A second round, while time is left, closes every count to
-the DP's tolerance. Measured at 10 s on HF GPT-2 with its head tied to the
-embedding (the tests' stored profile): 32 devices FEASIBLE 2.85 % open ->
-OPTIMAL, the plan 2.8 % faster; 64 and 128 devices 6.0 and 15.2 % -> 1.9 and
-1.5 % (plans 4.2 and 13.9 % faster); with ``pow2`` 2.8, 5.9 and 17.0 % ->
-OPTIMAL, 2.0 and 8.4 % (CP-SAT under the rule, ``driver._stash_searched``,
-found nothing faster there). The searches before it took the whole limit
-from 256 devices on, so under this rule they get half
-(``driver._searches_until``): 256-1,024 devices then read 7.0, 1.8 and
-13.7 % (14.1, 33.0 and 24.2 % before). Per count the DP's
+the DP's tolerance. Every candidate has its loose nodes (export's guard checks)
+placed where they cost least (``segment_plan.finished``), as ``chain_plan``'s
+are. Measured at 10 s on HF GPT-2 with its head tied to the embedding (the
+tests' stored profile), with the searches before it at half the limit
+(``driver._searches_until``): 32 and 64 devices OPTIMAL (2.85 and 6.0 %
+open before, plans 2.8 and 6.0 % faster), 128, 256, 512 and 1,024 devices
+1.5, 3.8, 1.8 and 12.3 % (15.2, 14.1, 33.0 and 24.2 % before); with
+``pow2`` 32 and 64 OPTIMAL, 128-1,024 0.65-2.3 % (2.8, 5.9, 17.0, 20.0,
+3.2, 0.8 % before). CP-SAT under the rule (``driver._stash_searched``)
+had found nothing faster at 32 and 64 devices in 40 s.
+Per count the DP's
 fewest-devices plan may not spread over exactly K with the tied stages
 held (``chain.pad``), so a count's plans can miss, never its bound.
 Flat machines, no memory limit (the segment DP models neither otherwise).
@@ -125,10 +127,15 @@ def _ordered(graph: CostGraph, counts: List[int], found: PartitionResult) -> Lis
 
 
 def _kept(graph: CostGraph, opts: CostOptions, best: tuple, assignment, replicas) -> tuple:
-    """``best``, or the plan (``assignment``, ``replicas``) where the runtime can run it and it is faster."""
+    """``best``, or the plan (``assignment``, ``replicas``) where the runtime can run it and it is faster,
+    its loose groups and silent nodes placed where they slow it least (``segment_plan.finished``, as
+    ``chain_plan`` does: the DP leaves export's guard checks out, and where it puts them is not where
+    they cost least; HF GPT-2, 64 devices, one count: 6.6 % of a plan's time in its first stage)."""
     if not stash_ties.runnable(graph, assignment, replicas):
         return best
     ev = evaluate(graph, assignment, replicas, opts)
+    ev, assignment, replicas = segment_plan.finished(graph, segment_plan.loose_groups(graph, opts), assignment,
+                                                     replicas, ev, opts)
     if ev.bottleneck_s < best[0]:
         return ev.bottleneck_s, (ev, assignment, list(replicas))
     return best
