@@ -125,21 +125,22 @@ EVENED_SHARE = 0.3  # ... and of what they leave, evening's (``stash_ties.evened
 
 def _searches_until(fine: Units, opts: CostOptions, start: float, deadline: float) -> float:
     """When the searches for the unconstrained plan stop: ``deadline``, or under ``1f1b-stash`` with
-    tied weights at ``STASH_SHARE`` of the time, since their plan then mostly breaks the stash rule
-    and the searches under it (``stash_counts.py``) need the rest. HF GPT-2 with its head tied, 10 s:
+    tied weights where the per-count search can run (``stash_counts.may_apply``) at ``STASH_SHARE`` of
+    the time, since their plan then mostly breaks the stash rule and the searches under it
+    (``stash_counts.py``) need the rest. HF GPT-2 with its head tied, 10 s:
     at 256-1,024 devices they took the whole limit and the per-count DP none (14-33 % open); with half
     (and evening capped, ``_evened_until``) 3.8, 1.8 and 12.3 %, 32-128 devices unchanged. On the
     benchmark's profile of it 256 devices read 4.1 % against 2.3 % with the whole limit."""
-    if opts.schedule == stash_ties.SCHEDULE and fine.shared:
+    if stash_counts.may_apply(opts, bool(fine.shared)):
         return start + (deadline - start) * STASH_SHARE
     return deadline
 
 
 def _evened_until(fine: Units, opts: CostOptions, end: float, deadline: float) -> float:
-    """When ``stash_ties.evened`` stops: at ``end`` (the call's limit), or with tied weights at
-    ``EVENED_SHARE`` of the time the searches left (it took 4.7 of 10 s at 1,024 devices, an
+    """When ``stash_ties.evened`` stops: at ``end`` (the call's limit), or where the per-count search
+    follows at ``EVENED_SHARE`` of the time the searches left (it took 4.7 of 10 s at 1,024 devices, an
     evaluation per replica step per count)."""
-    if opts.schedule == stash_ties.SCHEDULE and fine.shared:
+    if stash_counts.may_apply(opts, bool(fine.shared)):
         return min(end, time.monotonic() + EVENED_SHARE * max(0.0, deadline - time.monotonic()))
     return end
 

@@ -26,15 +26,15 @@ open before, plans 2.8 and 6.0 % faster), 128, 256, 512 and 1,024 devices
 1.5, 3.8, 1.8 and 12.3 % (15.2, 14.1, 33.0 and 24.2 % before); with
 ``pow2`` 32 and 64 OPTIMAL, 128-1,024 0.65-2.3 % (2.8, 5.9, 17.0, 20.0,
 3.2, 0.8 % before). CP-SAT under the rule (``driver._stash_searched``)
-had found nothing faster at 32 and 64 devices in 40 s.
-Per count the DP's
-fewest-devices plan may not spread over exactly K with the tied stages
-held (``chain.pad``), so a count's plans can miss, never its bound.
+had found nothing faster at 32 and 64 devices in 40 s. Per count the DP's
+fewest-devices plan may not spread over exactly K with the tied stages held
+(``chain.pad``), so a count's plans can miss, never its bound.
 Flat machines, no memory limit (the segment DP models neither otherwise).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import List, Optional, Tuple
@@ -50,11 +50,18 @@ PIECES = (1, 8)  # the mask branch in the plan searches: one node, then a chain 
 ROUNDS = (PROVE_WITHIN * (1 + 1e-6), TOLERANCE)  # where each count's bisection stops, round by round
 
 
+def may_apply(opts: CostOptions, tied: bool) -> bool:
+    """Whether the per-count search can run for a graph with (``tied``) or without tied weights: a
+    ``1f1b-stash`` plan on a flat machine without a memory limit, with replicas (the driver leaves it
+    time only then, ``driver._searches_until``)."""
+    return (tied and opts.schedule == stash_ties.SCHEDULE and opts.gpus_per_node is None and opts.memory is None
+            and opts.replication != "none")
+
+
 def applies(graph: CostGraph, opts: CostOptions, found: PartitionResult) -> bool:
-    """Whether the per-count search has something to prove: a ``1f1b-stash`` plan on a flat machine
-    without a memory limit, with replicas, not proven, on a graph whose plan splits a tied weight."""
-    return (opts.schedule == stash_ties.SCHEDULE and opts.gpus_per_node is None and opts.memory is None
-            and opts.replication != "none" and found.status != "OPTIMAL" and found.bottleneck_s < math.inf
+    """Whether the per-count search has something to prove (``may_apply``): a runnable plan, not
+    proven, that splits a tied weight."""
+    return (may_apply(opts, True) and found.status != "OPTIMAL" and found.bottleneck_s < math.inf
             and bool(tied_weights(graph, found.assignment))
             and stash_ties.runnable(graph, found.assignment, found.replicas))
 
@@ -72,6 +79,7 @@ def searched(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadli
     if not counts:
         return found
     best: Tuple[float, Optional[tuple]] = (found.bottleneck_s, None)  # (time, (evaluation, assignment, replicas))
+    keep = functools.partial(_kept, graph, opts, segment_plan.loose_groups(graph, opts))
     lows = {c: found.bound_s for c in counts}
     bound = found.bound_s
     for tolerance in ROUNDS:
@@ -88,23 +96,23 @@ def searched(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadli
             units, solution, margin = lower
             lows[c] = max(lows[c], solution.bound - margin)
             if solution.stage_of is not None:
-                best = _kept(graph, opts, best, to_nodes(graph, units, solution.stage_of), solution.replicas)
-            best = _restricted(graph, opts, counted, cones, deadline, tolerance, lows[c], best, PIECES[:1])
+                best = keep(best, to_nodes(graph, units, solution.stage_of), solution.replicas)
+            best = _restricted(graph, keep, counted, cones, deadline, tolerance, lows[c], best, PIECES[:1])
         bound = max(bound, min(min(lows.values()), best[0]))
         for c in sorted(counts, key=lows.get):  # then the branch in pieces, the most promising counts first
             if time.monotonic() > deadline:
                 return _answer(found, best, bound, start)
             counted = dataclasses.replace(opts, tied_replicas=c)
-            best = _restricted(graph, opts, counted, cones, deadline, tolerance, lows[c], best, PIECES[1:])
+            best = _restricted(graph, keep, counted, cones, deadline, tolerance, lows[c], best, PIECES[1:])
         if progress is not None:
             progress(f"partition: 1f1b-stash, every common count of the tied stages searched: bound "
                      f"{bound * 1e3:.4f} ms, plan {best[0] * 1e3:.4f} ms")
     return _answer(found, best, bound, start)
 
 
-def _restricted(graph: CostGraph, opts: CostOptions, counted: CostOptions, cones, deadline: float,
+def _restricted(graph: CostGraph, keep, counted: CostOptions, cones, deadline: float,
                 tolerance: float, low: float, best: tuple, pieces: Tuple[int, ...]) -> tuple:
-    """``best``, or a faster runnable plan of the count's search with the mask branch as ``pieces`` nodes in a
+    """``best``, or (``keep``: ``_kept``) a faster runnable plan of the count's search with the mask branch as ``pieces`` nodes in a
     chain (``segment_plan.searched``), where the count's bound (``low``) leaves room under ``best``: the
     relaxation's plans may run that branch where no plan can (HF GPT-2, 32 devices: the relaxation's plan
     at one common replica scored 2.29 ms, this search's 1.75 ms, the unconstrained optimum)."""
@@ -114,7 +122,7 @@ def _restricted(graph: CostGraph, opts: CostOptions, counted: CostOptions, cones
         found = segment_plan.searched(graph, counted, deadline, cones, keep_dead=True, ceiling=best[0],
                                       tolerance=tolerance, pieces=k)
         if found is not None and found[0] is not None:
-            best = _kept(graph, opts, best, *found[0])
+            best = keep(best, *found[0])
     return best
 
 
@@ -126,7 +134,7 @@ def _ordered(graph: CostGraph, counts: List[int], found: PartitionResult) -> Lis
     return sorted(counts, key=lambda c: (abs(math.log(c / anchor)), c))
 
 
-def _kept(graph: CostGraph, opts: CostOptions, best: tuple, assignment, replicas) -> tuple:
+def _kept(graph: CostGraph, opts: CostOptions, loose, best: tuple, assignment, replicas) -> tuple:
     """``best``, or the plan (``assignment``, ``replicas``) where the runtime can run it and it is faster,
     its loose groups and silent nodes placed where they slow it least (``segment_plan.finished``, as
     ``chain_plan`` does: the DP leaves export's guard checks out, and where it puts them is not where
@@ -134,8 +142,7 @@ def _kept(graph: CostGraph, opts: CostOptions, best: tuple, assignment, replicas
     if not stash_ties.runnable(graph, assignment, replicas):
         return best
     ev = evaluate(graph, assignment, replicas, opts)
-    ev, assignment, replicas = segment_plan.finished(graph, segment_plan.loose_groups(graph, opts), assignment,
-                                                     replicas, ev, opts)
+    ev, assignment, replicas = segment_plan.finished(graph, loose, assignment, replicas, ev, opts)
     if ev.bottleneck_s < best[0]:
         return ev.bottleneck_s, (ev, assignment, list(replicas))
     return best
