@@ -129,7 +129,8 @@ def _searches_until(fine: Units, opts: CostOptions, start: float, deadline: floa
     the time, since their plan then mostly breaks the stash rule and the searches under it
     (``stash_counts.py``) need the rest. HF GPT-2 with its head tied, 10 s:
     at 256-1,024 devices they took the whole limit and the per-count DP none (14-33 % open); with half
-    (and evening capped, ``_evened_until``) 3.8, 1.8 and 12.3 %, 32-128 devices unchanged. On the
+    (and evening capped, ``_evened_until``) 7.0, 1.8 and 13.7 %, 32-128 devices unchanged (3.8, 1.8 and
+    12.3 % once the per-count plans had their loose nodes placed, ``stash_counts._kept``). On the
     benchmark's profile of it 256 devices read 4.1 % against 2.3 % with the whole limit."""
     if stash_counts.may_apply(opts, bool(fine.shared)):
         return start + (deadline - start) * STASH_SHARE

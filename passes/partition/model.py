@@ -52,9 +52,9 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_coeff, most_in_flight, tied_floor_coeff, tied_floor_s
 from passes.partition.memory_guard import MemoryGuard
 from passes.partition.model_nodes import charge_node_boundaries, crossing_coeffs, slots_of
+from passes.partition import stash_ties
 from passes.partition.result import SolveResult
 
-STASH = "1f1b-stash"  # the schedule whose tied stages need equal replicas (``_stash_rule``)
 EXACT_TIED_TERMS = 100_000  # shared weights x slots x replica counts x K, up to which tied groups are exact
 SOLVE_SLACK = 1.0  # seconds of a CP-SAT time limit kept back for its overrun (``PartitionModel.solve``)
 STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE", cp_model.INFEASIBLE: "INFEASIBLE",
@@ -102,7 +102,7 @@ class PartitionModel:
         self.margin = n_terms * self.q  # worst rounding of any constraint, seconds
         self._variables()
         self._structure()
-        if opts.schedule == STASH and units.shared:
+        if opts.schedule == stash_ties.SCHEDULE and units.shared:
             self._stash_rule()
         self._times()
         if machine is not None:
