@@ -156,6 +156,15 @@ class ChainSolver:
         # ``1f1b-stash``'s rule for one count c: a stage sharing a tied weight runs exactly c replicas, and so
         # does every other holder (its group has at least c ranks besides the stage; none needing more may hold it)
         sharing = np.broadcast_to(shares.any(axis=-1), np.shape(r))
+        upto = self.opts.tied_replicas_upto
+        if upto is not None and upto > c:  # a range of counts, each stage its own: the fewest it can run from
+            # c on, its partners at least c too (the group's sync grows with them, ``tied_floor_s``, so the
+            # counts that meet T form an interval, ``min_replicas``, and none does past one too slow)
+            floor = np.maximum(partners, c)
+            least = np.maximum(min_replicas(compute, params, cutj, cuti, T, self.opts, tied, floor), c)
+            fits = (np.asarray(partners) <= upto) & (least <= upto) & \
+                (stage_time_s(compute, params, cutj, cuti, np.minimum(least, upto), self.opts, tied, floor) <= T)
+            return np.where(sharing, np.where(fits, least, self.opts.devices + 1), r).astype(np.asarray(r).dtype)
         fits = (np.asarray(partners) <= c) & (stage_time_s(compute, params, cutj, cuti, c, self.opts, tied, c) <= T)
         return np.where(sharing, np.where(fits, c, self.opts.devices + 1), r)
 

@@ -94,6 +94,10 @@ class CostOptions:
     # tied weight with another runs exactly this many replicas, ``1f1b-stash``'s rule for one common count
     # (the flat segment DP states it, ``stash_counts.py``); None: free
     tied_replicas: Optional[int] = None
+    # with ``tied_replicas``, a relaxation of every count from it to this one (also a search's own): each such
+    # stage runs some count of the range, not necessarily the others' (its bound bounds every count of the
+    # range at once, its plans may not run); None: the one count ``tied_replicas``
+    tied_replicas_upto: Optional[int] = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +110,11 @@ class CostOptions:
             (self.num_microbatches >= 1, f"microbatches must be >= 1, got {self.microbatches}"),
             (self.tied_replicas is None or self.tied_replicas in self.allowed_replicas(),
              f"tied replicas {self.tied_replicas} is not an allowed count under --replication {self.replication}"),
+            (self.tied_replicas_upto is None or (self.tied_replicas is not None
+                                                 and self.tied_replicas <= self.tied_replicas_upto
+                                                 and self.tied_replicas_upto in self.allowed_replicas()),
+             f"tied replicas up to {self.tied_replicas_upto} needs an allowed count from tied replicas "
+             f"{self.tied_replicas} on"),
         ]
         for ok, message in checks:
             if not ok:

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from passes.costgraph import CostGraph
 from passes.partition import (anchors, branches, charged, node_floor, placed, retie, stage_count, wide_blocks,
                                wide_segments)
-from passes.partition.chain import TOLERANCE, solve as chain_solve, unit_bottleneck
+from passes.partition.chain import PROVE_WITHIN, TOLERANCE, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.memory_guard import past
@@ -370,6 +370,21 @@ def bracketed(graph: CostGraph, opts: CostOptions, deadline: float, cones: List[
     the plan, the bisection stopping at ``tolerance``: for a caller that searches many restrictions of one
     problem against its best plan (``stash_counts.py``, one per common count of the tied stages)."""
     return _relaxed_dp(graph, opts, deadline, cones, (), None, floor=floor, ceiling=ceiling, tolerance=tolerance)
+
+
+def proven_above(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
+                 T: float) -> Optional[float]:
+    """One pass of ``bracketed``'s relaxation at T: where no plan meets T, T less what folding may cost
+    (a bound); None where one does, or past the deadline. For a caller that settles many restrictions
+    with one pass (``stash_counts.py``: a range of counts)."""
+    # ``chain.solve``'s first pass sits PROVE_WITHIN under the ceiling, at T; it stops after it, failed (the
+    # bracket is then within its tolerance) or with a plan (``settle_by``); its bound reaches T only if it failed
+    lower = _relaxed_dp(graph, opts, deadline, cones, (), None, floor=T / (1 + PROVE_WITHIN),
+                        ceiling=T * (1 + PROVE_WITHIN), tolerance=PROVE_WITHIN * (1 + 1e-6), settle_by=-math.inf)
+    if lower is None:
+        return None
+    _, found, margin = lower
+    return T - margin if found.stage_of is None and found.bound >= T * (1 - 1e-12) else None
 
 
 def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],

@@ -4,13 +4,14 @@ plan with that count (by enumeration) and its plan is that plan; over every coun
 bounds are those of the problem the runtime can run (``stash_counts.py``)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import pytest
 
 from passes.errors import FxpipeError
-from passes.partition import CostOptions, evaluate, is_convex, partition, segment_plan
+from passes.partition import CostOptions, branches, evaluate, is_convex, partition, segment_plan, stash_counts
 from passes.partition.coarsen import to_nodes
 from passes.partition.stash_ties import runnable, tied_stages
 from tests.passes.test_partition_tied import tied_chain, tied_gpt2
@@ -64,9 +65,68 @@ def test_hf_gpt2_tied_stash_plan_proven_within_the_limit(K):
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s)
 
 
+def _with_count_in(g, lo, hi):
+    return lambda a, reps: len({reps[j] for j in tied_stages(g, a)}) <= 1 and \
+        all(lo <= reps[j] <= hi for j in tied_stages(g, a))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("replication,K", [("any", 8), ("pow2", 16)])  # pow2 on 8: every range holds 2
+def test_one_pass_over_a_range_of_counts_bounds_every_count_in_it(seed, replication, K):
+    """``CostOptions.tied_replicas_upto``: a pass over the range never proves a T that some plan with a
+    common count in the range meets (by enumeration), and where the range's best plan is slower than the
+    unconstrained optimum, it proves a T between the two for some ranges (each stage may take its own
+    count in the range, so a range whose counts the optimum's stages have proves nothing there)."""
+    g = tied_chain(seed)
+    counts = [r for r in CostOptions(devices=K, replication=replication).allowed_replicas() if 2 * r <= K]
+    cones, proved = [], 0
+    free = every_chain_plan(g, CostOptions(devices=K, schedule="1f1b-stash", replication=replication))
+    for lo, hi in [(a, b) for a in counts for b in counts if a < b]:
+        opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication, tied_replicas=lo,
+                           tied_replicas_upto=hi)
+        best = every_chain_plan(g, opts, keep=_with_count_in(g, lo, hi))
+        for T in (best * (1 + 1e-6), best * 1.01):
+            assert segment_plan.proven_above(g, opts, time.monotonic() + 30, cones, T) is None, (lo, hi, T)
+        between = (free + best) / 2
+        if best > free * 1.02:  # where the range's plans are slower than the others, a pass may prove it
+            proved += segment_plan.proven_above(g, opts, time.monotonic() + 30, cones, between) == \
+                pytest.approx(between)
+    assert proved >= 1
+
+
+def test_hf_gpt2_far_counts_settled_by_one_pass():
+    """256 devices: one pass over the counts 16-128 of the tied stages proves what a pass for each count
+    proves, at the least bound the relaxation of the unconstrained problem gives (every count there fails)."""
+    g = tied_gpt2()
+    opts = CostOptions(devices=256, schedule="1f1b-stash")
+    cones = branches.input_only_cones(g, opts)
+    _, free, margin = segment_plan.bracketed(g, opts, time.monotonic() + 60, cones, floor=0.0, ceiling=math.inf,
+                                             tolerance=1e-3)
+    T = free.bound - margin
+    ranged = dataclasses.replace(opts, tied_replicas=16, tied_replicas_upto=128)
+    assert segment_plan.proven_above(g, ranged, time.monotonic() + 60, cones, T) == pytest.approx(T)
+    for c in (16, 17, 64, 128):
+        one = dataclasses.replace(opts, tied_replicas=c)
+        assert segment_plan.proven_above(g, one, time.monotonic() + 60, cones, T) == pytest.approx(T), c
+
+
+def test_range_checks_come_at_doubling_distances_from_the_plans_count():
+    """Per side of the first count (the plan's own, then the nearest, ``stash_counts._ordered``), a range
+    check at its 2nd, 3rd, 5th, 9th... count covers the rest of that side: a side of n counts costs
+    about log2(n) checks."""
+    counts = sorted(range(1, 21), key=lambda c: (abs(math.log(c / 4)), c))
+    assert counts[:3] == [4, 5, 3]
+    assert stash_counts._tails(counts) == {6: list(range(6, 21)), 7: list(range(7, 21)), 9: list(range(9, 21)),
+                                           13: list(range(13, 21)), 2: [2, 1]}
+
+
 def test_count_must_be_allowed_and_is_no_plan_option():
     with pytest.raises(FxpipeError, match="tied replicas 3"):
         CostOptions(devices=8, replication="pow2", tied_replicas=3)
+    for lo, hi in [(None, 4), (4, 2), (2, 3)]:
+        with pytest.raises(FxpipeError, match=f"tied replicas up to {hi}"):
+            CostOptions(devices=8, replication="pow2", tied_replicas=lo, tied_replicas_upto=hi)
+    assert "tied_replicas_upto" not in CostOptions(devices=8, tied_replicas=2, tied_replicas_upto=4).as_dict()
     opts = CostOptions(devices=8, tied_replicas=2)
     assert "tied_replicas" not in opts.as_dict()
     assert CostOptions.from_dict(opts.as_dict()).tied_replicas is None
