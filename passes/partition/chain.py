@@ -740,7 +740,9 @@ def pad(units: Units, stage_of: List[int], replicas: List[int], opts: CostOption
         nxt = allowed[np.minimum(pos, len(allowed) - 1)]
         usable = (pos < len(allowed)) & (nxt - reps <= left) & ~fixed
         now = group_times(comp, par, groups, reps, opts)
-        then = _times_after(comp, par, groups, reps, np.arange(len(reps)), nxt, now, T, opts)
+        then = np.full(len(reps), np.inf)
+        free = np.nonzero(~fixed)[0]  # held stages are never tried (each tied one costs a pass over its group)
+        then[free] = _times_after(comp, par, groups, reps, free, nxt[free], now, T, opts)
         usable &= then <= T * (1 + 1e-12)
         if not usable.any():  # the next count is too slow somewhere in between (PipeDream at r = 2): look further
             jump = _first_fit_above(comp, par, groups, reps, now, left, allowed, opts, T, fixed)

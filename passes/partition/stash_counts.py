@@ -163,11 +163,14 @@ def _restricted(graph: CostGraph, keep, counted: CostOptions, cones, deadline: f
 
 
 def _ordered(graph: CostGraph, counts: List[int], found: PartitionResult) -> List[int]:
-    """The counts nearest the plan's own common count first: there a faster plan is likeliest, and
-    finding it early lowers the bracket of every later count."""
+    """The plan's own common count first, then the powers of two, then the rest, each nearest the plan's
+    count first: near it a faster plan is likeliest, and finding one early lowers the bracket of every
+    later count; the powers of two span the range in a few counts, where the own count can lie far from
+    the best one (HF GPT-2 tied, 512 devices: evening's plan at 16 replicas, the best at about 64; one
+    count at a time up from 16, the time ran out at 29, 10.4 % open)."""
     own = [found.replicas[j] for j in stash_ties.tied_stages(graph, found.assignment)]
     anchor = min(own) if own else 1
-    return sorted(counts, key=lambda c: (abs(math.log(c / anchor)), c))
+    return sorted(counts, key=lambda c: (c != anchor, c & (c - 1) != 0, abs(math.log(c / anchor)), c))
 
 
 def _kept(graph: CostGraph, opts: CostOptions, loose, best: tuple, assignment, replicas) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import types
 
 import pytest
 
@@ -118,6 +119,17 @@ def test_range_checks_come_at_doubling_distances_from_the_plans_count():
     assert counts[:3] == [4, 5, 3]
     assert stash_counts._tails(counts) == {6: list(range(6, 21)), 7: list(range(7, 21)), 9: list(range(9, 21)),
                                            13: list(range(13, 21)), 2: [2, 1]}
+
+
+def test_counts_searched_from_the_plans_own_then_the_powers_of_two():
+    """The plan's own count, then the powers of two nearest it (a few counts span the range: on 512
+    devices the best count lay four times above the plan's own), then the rest nearest it."""
+    g = tied_chain(0)
+    found = types.SimpleNamespace(assignment={"ids": 0, "emb": 0, "l0": 1, "l1": 1, "l2": 1, "l3": 1, "head": 2,
+                                              "output": 2}, replicas=[12, 40, 12])
+    order = stash_counts._ordered(g, list(range(1, 33)), found)
+    assert order[:9] == [12, 16, 8, 32, 4, 2, 1, 13, 11]
+    assert sorted(order) == list(range(1, 33))
 
 
 def test_count_must_be_allowed_and_is_no_plan_option():
