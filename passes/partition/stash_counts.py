@@ -19,7 +19,9 @@ where the count's bound leaves room, plans with the mask branch as one node,
 then in pieces. Far from the plan's own count every count fails: one pass
 over the rest of a side (each tied stage any count of the range,
 ``CostOptions.tied_replicas_upto``, a relaxation of each) settles them at
-once, tried at the 2nd, 3rd, 5th, 9th... count of each side (``_tails``).
+once, tried at the 1st, 2nd, 4th, 8th... count on each side of the best
+plan's count (``_tails``). The counts go the plan's own first, then the
+powers of two, then the rest around the best plan's count (``_ordered``).
 A second round, while time is left, closes every count to
 the DP's tolerance. Every candidate has its loose nodes (export's guard checks)
 placed where they cost least (``segment_plan.finished``), as ``chain_plan``'s
@@ -86,25 +88,39 @@ def searched(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadli
     keep = functools.partial(_kept, graph, opts, segment_plan.loose_groups(graph, opts))
     lows = {c: found.bound_s for c in counts}
     bound = found.bound_s
-    tails = _tails(counts)
+
+    def visit(c: int, tolerance: float, tails: dict) -> bool:
+        """Count c's bound, then its plans where the bound leaves room; False past the deadline."""
+        nonlocal best
+        if time.monotonic() > deadline:
+            return False
+        if c in tails and lows[c] * (1 + tolerance) < best[0]:  # one pass for the rest of this side
+            _settle(graph, opts, cones, deadline, tails[c], best[0] / (1 + tolerance) * (1 + 1e-12), lows)
+        if lows[c] * (1 + tolerance) >= best[0]:
+            return True  # this count is settled at this round's tolerance
+        counted = dataclasses.replace(opts, tied_replicas=c)
+        lower = segment_plan.bracketed(graph, counted, deadline, cones, floor=lows[c], ceiling=best[0],
+                                       tolerance=tolerance)
+        if lower is None:
+            return False
+        units, solution, margin = lower
+        lows[c] = max(lows[c], solution.bound - margin)
+        if solution.stage_of is not None:
+            best = keep(best, to_nodes(graph, units, solution.stage_of), solution.replicas)
+        best = _restricted(graph, keep, counted, cones, deadline, tolerance, lows[c], best, PIECES[:1])
+        return True
+
+    first = [c for c in counts if c == counts[0] or c & (c - 1) == 0]  # ``_ordered``: the own count, powers of two
     for tolerance in ROUNDS:
-        for c in counts:  # bounds first: one pass each settles most counts (its plans kept where runnable)
-            if time.monotonic() > deadline:
+        for c in first:  # bounds first: one pass each settles most counts (its plans kept where runnable)
+            if not visit(c, tolerance, {}):
                 return _answer(found, best, bound, start)
-            if c in tails and lows[c] * (1 + tolerance) < best[0]:  # one pass for the rest of this side
-                _settle(graph, opts, cones, deadline, tails[c], best[0] / (1 + tolerance) * (1 + 1e-12), lows)
-            if lows[c] * (1 + tolerance) >= best[0]:
-                continue  # this count is settled at this round's tolerance
-            counted = dataclasses.replace(opts, tied_replicas=c)
-            lower = segment_plan.bracketed(graph, counted, deadline, cones, floor=lows[c], ceiling=best[0],
-                                           tolerance=tolerance)
-            if lower is None:
+        centre = counts[0] if best[1] is None else _own_count(graph, best[1][1], best[1][2]) or counts[0]
+        rest = sorted((c for c in counts if c not in first), key=lambda c: (abs(math.log(c / centre)), c))
+        tails = _tails(centre, rest)
+        for c in rest:
+            if not visit(c, tolerance, tails):
                 return _answer(found, best, bound, start)
-            units, solution, margin = lower
-            lows[c] = max(lows[c], solution.bound - margin)
-            if solution.stage_of is not None:
-                best = keep(best, to_nodes(graph, units, solution.stage_of), solution.replicas)
-            best = _restricted(graph, keep, counted, cones, deadline, tolerance, lows[c], best, PIECES[:1])
         bound = max(bound, min(min(lows.values()), best[0]))
         for c in sorted(counts, key=lows.get):  # then the branch in pieces, the most promising counts first
             if time.monotonic() > deadline:
@@ -117,18 +133,19 @@ def searched(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadli
     return _answer(found, best, bound, start)
 
 
-def _tails(counts: List[int]) -> dict:
-    """Per count where a range check pays (``_settle``), the counts on its side of the first (``_ordered``:
-    the plan's own) from it outwards: at the 2nd, 3rd, 5th, 9th... count of a side, so that a side
-    whose far counts all fail costs a few passes, not one per count (HF GPT-2 tied, 256 devices: each
-    count 12 % of the time the per-count search had, counts 15-128 failed one pass each, 111-128 got
-    none), and the checks come after the counts nearest the plan's own, whose plans lower the time
-    they are made at (on 512 devices twelve checks at the first plan's time all found plans)."""
-    anchor = counts[0]
+def _tails(centre: int, counts: List[int]) -> dict:
+    """Per count where a range check pays (``_settle``), the counts on its side of ``centre`` (the best
+    plan's count) from it outwards: at the 1st, 2nd, 4th, 8th... count of a side, so that a side whose
+    far counts all fail costs a few passes, not one per count (HF GPT-2 tied, 256 devices: each count
+    12 % of the time the per-count search had, counts 15-128 failed one pass each, 111-128 got none),
+    and the checks come after the counts nearest the best one, whose plans lower the time they are made
+    at (on 512 devices twelve checks at the first plan's time all found plans). Around the best count,
+    not the first plan's: on 512 devices that was 16 replicas, the best 64, and every range from 17 up
+    held 64."""
     out = {}
-    for side in (sorted(c for c in counts if c > anchor), sorted((c for c in counts if c < anchor), reverse=True)):
-        for k in range(1, len(side) - 1):  # a range of one count is that count's own pass
-            if k & (k - 1) == 0:
+    for side in (sorted(c for c in counts if c > centre), sorted((c for c in counts if c < centre), reverse=True)):
+        for k in range(len(side) - 1):  # a range of one count is that count's own pass
+            if k & (k + 1) == 0:
                 out[side[k]] = side[k:]
     return out
 
@@ -167,10 +184,16 @@ def _ordered(graph: CostGraph, counts: List[int], found: PartitionResult) -> Lis
     count first: near it a faster plan is likeliest, and finding one early lowers the bracket of every
     later count; the powers of two span the range in a few counts, where the own count can lie far from
     the best one (HF GPT-2 tied, 512 devices: evening's plan at 16 replicas, the best at about 64; one
-    count at a time up from 16, the time ran out at 29, 10.4 % open)."""
-    own = [found.replicas[j] for j in stash_ties.tied_stages(graph, found.assignment)]
-    anchor = min(own) if own else 1
+    count at a time up from 16, the time ran out at 29, 10.4 % open). ``searched`` orders the rest again
+    around the best plan's count once the powers of two are done."""
+    anchor = _own_count(graph, found.assignment, found.replicas) or 1
     return sorted(counts, key=lambda c: (c != anchor, c & (c - 1) != 0, abs(math.log(c / anchor)), c))
+
+
+def _own_count(graph: CostGraph, assignment, replicas) -> Optional[int]:
+    """The replicas of a runnable plan's tied stages (None where no stage shares a tied weight)."""
+    own = [replicas[j] for j in stash_ties.tied_stages(graph, assignment)]
+    return min(own) if own else None
 
 
 def _kept(graph: CostGraph, opts: CostOptions, loose, best: tuple, assignment, replicas) -> tuple:

@@ -111,14 +111,12 @@ def test_hf_gpt2_far_counts_settled_by_one_pass():
         assert segment_plan.proven_above(g, one, time.monotonic() + 60, cones, T) == pytest.approx(T), c
 
 
-def test_range_checks_come_at_doubling_distances_from_the_plans_count():
-    """Per side of the first count (the plan's own, then the nearest, ``stash_counts._ordered``), a range
-    check at its 2nd, 3rd, 5th, 9th... count covers the rest of that side: a side of n counts costs
-    about log2(n) checks."""
-    counts = sorted(range(1, 21), key=lambda c: (abs(math.log(c / 4)), c))
-    assert counts[:3] == [4, 5, 3]
-    assert stash_counts._tails(counts) == {6: list(range(6, 21)), 7: list(range(7, 21)), 9: list(range(9, 21)),
-                                           13: list(range(13, 21)), 2: [2, 1]}
+def test_range_checks_come_at_doubling_distances_from_the_best_count():
+    """Per side of the best plan's count, a range check at its 1st, 2nd, 4th, 8th... count covers the
+    rest of that side: a side of n counts costs about log2(n) checks."""
+    assert stash_counts._tails(4, list(range(1, 21))) == {
+        5: list(range(5, 21)), 6: list(range(6, 21)), 8: list(range(8, 21)), 12: list(range(12, 21)),
+        3: [3, 2, 1], 2: [2, 1]}
 
 
 def test_counts_searched_from_the_plans_own_then_the_powers_of_two():
