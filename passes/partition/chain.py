@@ -158,12 +158,16 @@ class ChainSolver:
         sharing = np.broadcast_to(shares.any(axis=-1), np.shape(r))
         upto = self.opts.tied_replicas_upto
         if upto is not None and upto > c:  # a range of counts, each stage its own: the fewest it can run from
-            # c on, its partners at least c too (the group's sync grows with them, ``tied_floor_s``, so the
-            # counts that meet T form an interval, ``min_replicas``, and none does past one too slow)
+            # c on, its partners at least c too (the group's sync grows with them, ``tied_floor_s``)
             floor = np.maximum(partners, c)
-            least = np.maximum(min_replicas(compute, params, cutj, cuti, T, self.opts, tied, floor), c)
-            fits = (np.asarray(partners) <= upto) & (least <= upto) & \
-                (stage_time_s(compute, params, cutj, cuti, np.minimum(least, upto), self.opts, tied, floor) <= T)
+            fewest = min_replicas(compute, params, cutj, cuti, T, self.opts, tied, floor)
+            least = np.maximum(fewest, c)
+            meets = stage_time_s(compute, params, cutj, cuti, np.minimum(least, upto), self.opts, tied, floor) <= T
+            # c failing where the fewest lies below it puts c past every count that meets T where those form
+            # an interval: from one replica on under fxpipe's model, from two on under PipeDream's
+            # (``min_replicas``); else it proves nothing, and the stage takes c
+            decided = (fewest >= 2) | (self.opts.cost_model == "fxpipe")
+            fits = (np.asarray(partners) <= upto) & (least <= upto) & (meets | ~decided)
             return np.where(sharing, np.where(fits, least, self.opts.devices + 1), r).astype(np.asarray(r).dtype)
         fits = (np.asarray(partners) <= c) & (stage_time_s(compute, params, cutj, cuti, c, self.opts, tied, c) <= T)
         return np.where(sharing, np.where(fits, c, self.opts.devices + 1), r)

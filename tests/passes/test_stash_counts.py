@@ -73,17 +73,19 @@ def _with_count_in(g, lo, hi):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("replication,K", [("any", 8), ("pow2", 16)])  # pow2 on 8: every range holds 2
-def test_one_pass_over_a_range_of_counts_bounds_every_count_in_it(seed, replication, K):
+@pytest.mark.parametrize("cost_model", ["fxpipe", "pipedream"])
+def test_one_pass_over_a_range_of_counts_bounds_every_count_in_it(seed, replication, K, cost_model):
     """``CostOptions.tied_replicas_upto``: a pass over the range never proves a T that some plan with a
     common count in the range meets (by enumeration), and where the range's best plan is slower than the
     unconstrained optimum, it proves a T between the two for some ranges (each stage may take its own
-    count in the range, so a range whose counts the optimum's stages have proves nothing there)."""
+    count in the range, so a range whose counts the optimum's stages have proves nothing there). Under
+    PipeDream's model every range's best plan here is the unconstrained optimum: only the first part."""
     g = tied_chain(seed)
     counts = [r for r in CostOptions(devices=K, replication=replication).allowed_replicas() if 2 * r <= K]
     cones, proved = [], 0
-    free = every_chain_plan(g, CostOptions(devices=K, schedule="1f1b-stash", replication=replication))
+    free = every_chain_plan(g, CostOptions(devices=K, schedule="1f1b-stash", replication=replication, cost_model=cost_model))
     for lo, hi in [(a, b) for a in counts for b in counts if a < b]:
-        opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication, tied_replicas=lo,
+        opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication, cost_model=cost_model, tied_replicas=lo,
                            tied_replicas_upto=hi)
         best = every_chain_plan(g, opts, keep=_with_count_in(g, lo, hi))
         for T in (best * (1 + 1e-6), best * 1.01):
@@ -92,7 +94,7 @@ def test_one_pass_over_a_range_of_counts_bounds_every_count_in_it(seed, replicat
         if best > free * 1.02:  # where the range's plans are slower than the others, a pass may prove it
             proved += segment_plan.proven_above(g, opts, time.monotonic() + 30, cones, between) == \
                 pytest.approx(between)
-    assert proved >= 1
+    assert proved >= 1 or cost_model == "pipedream"  # under PipeDream's charges each range's best is the optimum here
 
 
 def test_hf_gpt2_far_counts_settled_by_one_pass():
