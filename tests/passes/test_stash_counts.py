@@ -132,6 +132,19 @@ def test_counts_searched_from_the_plans_own_then_the_powers_of_two():
     assert sorted(order) == list(range(1, 33))
 
 
+def test_search_runs_where_the_plan_holds_the_tie_in_one_stage():
+    """A faster runnable plan may split the tie where evening's does not (HF GPT-2 under PipeDream's
+    charges, 64 devices: 3.6 % open, then OPTIMAL); a graph without tied weights has nothing to search."""
+    g = tied_chain(0)
+    whole = {n: 0 for n in g.nodes}  # on a chain the tie's holders hold everything between them
+    found = types.SimpleNamespace(status="FEASIBLE", bottleneck_s=1.0, assignment=whole, replicas=[8])
+    opts = CostOptions(devices=8, schedule="1f1b-stash")
+    assert not tied_stages(g, whole) and stash_counts.applies(g, opts, found)
+    untied = dataclasses.replace(g, nodes={**g.nodes, "head": dataclasses.replace(g.nodes["head"], params=())})
+    assert not stash_counts.applies(untied, opts, found)
+    assert not stash_counts.applies(g, dataclasses.replace(opts, schedule="1f1b-flush"), found)
+
+
 def test_count_must_be_allowed_and_is_no_plan_option():
     with pytest.raises(FxpipeError, match="tied replicas 3"):
         CostOptions(devices=8, replication="pow2", tied_replicas=3)
