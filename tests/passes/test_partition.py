@@ -6,6 +6,7 @@ import functools
 import itertools
 import random
 import re
+import time
 
 import pytest
 
@@ -401,11 +402,14 @@ def test_time_the_coarsened_search_leaves_goes_to_every_node():
     bounded by sum C / K only (20.7 % open); CP-SAT on every node, started from that plan, proves
     the optimum in the time left, and its bound is the graph's."""
     g = CostGraph.load(PROFILES / "inception_v3.txt")
-    # 7-10 s alone here; under the full suite's load on 2 cores the proof once took past 20 s (2026-12-03),
-    # so the limit leaves room: the search returns as soon as it is proven
-    res = partition(g, 8, bandwidth=1.25e9, time_limit=40)
+    # 4-10 s alone here; under the full suite's load on 2 cores the proof once took past 20 s (2026-12-03)
+    # and once was not done at 40 s (fresh-clone CI, 2026-12-05; 6 s in eleven runs alone that hour, also
+    # beside a busy core), so the limit leaves room: the search returns as soon as it is proven
+    start = time.monotonic()
+    res = partition(g, 8, bandwidth=1.25e9, time_limit=90)
     # OPTIMAL needs the bound on every node (the coarsened run's holds for its groups only); the plan
     # may be either run's, as they tie when the coarsened run finds the optimum
-    assert res.status == "OPTIMAL" and res.method in ("CP-SAT", "CP-SAT on every node")
+    assert res.status == "OPTIMAL" and res.method in ("CP-SAT", "CP-SAT on every node"), \
+        (res.status, res.gap, res.method, time.monotonic() - start)
     assert res.bound_s <= res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, res.options).bottleneck_s,
                                                             rel=1e-12)
