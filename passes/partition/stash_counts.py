@@ -120,7 +120,7 @@ def searched(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadli
             if not visit(c, tolerance, {}):
                 return _answer(found, best, bound, start)
         centre = counts[0] if best[1] is None else _own_count(graph, best[1][1], best[1][2]) or counts[0]
-        rest = sorted((c for c in counts if c not in first), key=lambda c: (abs(math.log(c / centre)), c))
+        rest = _nearest(centre, [c for c in counts if c not in first])
         tails = _tails(centre, rest)
         for c in rest:
             if not visit(c, tolerance, tails):
@@ -191,7 +191,13 @@ def _ordered(graph: CostGraph, counts: List[int], found: PartitionResult) -> Lis
     count at a time up from 16, the time ran out at 29, 10.4 % open). ``searched`` orders the rest again
     around the best plan's count once the powers of two are done."""
     anchor = _own_count(graph, found.assignment, found.replicas) or 1
-    return sorted(counts, key=lambda c: (c != anchor, c & (c - 1) != 0, abs(math.log(c / anchor)), c))
+    own, powers = [c for c in counts if c == anchor], [c for c in counts if c != anchor and c & (c - 1) == 0]
+    return own + _nearest(anchor, powers) + _nearest(anchor, [c for c in counts if c != anchor and c & (c - 1)])
+
+
+def _nearest(centre: int, counts: List[int]) -> List[int]:
+    """``counts`` nearest ``centre`` first (by ratio, the smaller of a tie first)."""
+    return sorted(counts, key=lambda c: (abs(math.log(c / centre)), c))
 
 
 def _own_count(graph: CostGraph, assignment, replicas) -> Optional[int]:

@@ -83,10 +83,10 @@ def test_one_pass_over_a_range_of_counts_bounds_every_count_in_it(seed, replicat
     g = tied_chain(seed)
     counts = [r for r in CostOptions(devices=K, replication=replication).allowed_replicas() if 2 * r <= K]
     cones, proved = [], 0
-    free = every_chain_plan(g, CostOptions(devices=K, schedule="1f1b-stash", replication=replication, cost_model=cost_model))
+    plain = CostOptions(devices=K, schedule="1f1b-stash", replication=replication, cost_model=cost_model)
+    free = every_chain_plan(g, plain)
     for lo, hi in [(a, b) for a in counts for b in counts if a < b]:
-        opts = CostOptions(devices=K, schedule="1f1b-stash", replication=replication, cost_model=cost_model, tied_replicas=lo,
-                           tied_replicas_upto=hi)
+        opts = dataclasses.replace(plain, tied_replicas=lo, tied_replicas_upto=hi)
         best = every_chain_plan(g, opts, keep=_with_count_in(g, lo, hi))
         for T in (best * (1 + 1e-6), best * 1.01):
             assert segment_plan.proven_above(g, opts, time.monotonic() + 30, cones, T) is None, (lo, hi, T)
