@@ -32,7 +32,8 @@ from passes.partition.memory_guard import MemoryGuard, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition.work_floor import work_floor
-from passes.partition import anchors, branchy, node_floor, placed, segment_plan, stash_counts, stash_ties, uniform
+from passes.partition import (anchors, branchy, node_floor, placed, polish, segment_plan, stash_counts, stash_ties,
+                              uniform)
 from passes.partition.model_nodes import slots_of, walls_modelled
 
 FLOOR_SHARE = 0.2  # of the time, for the node-count floor DP under pow2 (``_placed_chain``)
@@ -97,7 +98,8 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     if solver not in ("auto", "cpsat"):
         raise FxpipeError(f"partition: solver must be 'auto' or 'cpsat', not {solver!r}")
     start = time.monotonic()
-    deadline = start + time_limit - finish_reserve(time_limit)
+    polish_by = start + time_limit - finish_reserve(time_limit)
+    deadline = polish_by - polish.reserve(time_limit)
     with planning() as budget:  # the searches stop once they have grown the process by LIMIT_MB
         fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
         _check_devices(fine, opts)
@@ -116,6 +118,7 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
         found = stash_counts.searched(graph, opts, found, deadline, progress)
         if broke:  # and CP-SAT under the rule, in the time left
             found = _stash_searched(graph, fine, opts, found, start, deadline, workers, coarsen_above, progress)
+        found = polish.result(graph, found, polish_by, progress)  # the boundaries moved on single nodes
         return _floored(graph, opts, _budget_noted(found, budget, progress))
 
 

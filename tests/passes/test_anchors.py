@@ -249,7 +249,7 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     assert "relaxation" not in calls
     calls.clear()
     res = partition(llama, 64, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
-    assert res.method == "segment DP (flat, slower links)" and calls[:4] == ["narrowed", "chained", "merged", "paired"]
+    assert res.method.startswith("segment DP (flat, slower links)") and calls[:4] == ["narrowed", "chained", "merged", "paired"]
     assert "finer" not in calls and "early" not in calls
 
 
@@ -309,7 +309,7 @@ def test_llama_on_a_two_level_machine_planned_by_the_flat_wide_path(llama):
     start = time.monotonic()
     res = partition(llama, 512, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
     assert time.monotonic() - start < 5.5
-    assert res.method == "segment DP (flat, slower links)"
+    assert res.method.startswith("segment DP (flat, slower links)")
     assert is_convex(llama, res.assignment) and sum(res.replicas) == 512
     assert math.isclose(res.bottleneck_s, evaluate(llama, res.assignment, res.replicas, res.options).bottleneck_s)
     assert llama.total_compute_s() / 512 * (1 - 1e-9) <= res.bound_s <= res.bottleneck_s

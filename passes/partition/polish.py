@@ -1,0 +1,333 @@
+"""A finished plan's stage boundaries searched again on the graph's own nodes.
+
+The searches cut where their units end: narrowed, chained or paired units on
+a Llama block (``wide_segments.py``), coarsened units for CP-SAT, folded
+shape reads. The graph's nodes allow finer cuts than any of them sees, but
+the whole lattice of a wide block is too large to search (6,790 downsets a
+Llama attention block). ``polished`` searches a corridor around the plan
+instead: each boundary may move within a window of nodes beside it (the
+last nodes of the stage before it, the first of the stage after, in graph
+order; at most half of either, at most ``POINTS`` downsets of the window),
+and one minimax DP over the boundaries picks every boundary's place at once,
+keeping each stage's replica count and ranks. The plan itself lies in the
+corridor, so the answer is never slower; the search repeats around each new
+plan while it gets faster and time is left.
+
+Windows of neighbouring boundaries never overlap (each takes under half of
+the stage between them), so any choice of points is a plan: stages stay
+convex, in graph order, and non-empty. Inputs, nodes nobody reads (the
+outputs) and nodes holding a weight another node uses (tied weights) stay
+where they are, so a window ends before them. Stage times are
+``costmodel.evaluate``'s (its all-reduce, link and memory terms are linear in
+the bytes a stage holds, so a point carries its running sums); the caller
+scores the answer with ``evaluate`` itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from passes.costgraph import CostGraph
+from passes.partition.costmodel import (CostOptions, allreduce_on, combine_stage_time, counts_comm, cut_on,
+                                        evaluate, in_flight, param_bytes_of, planned_microbatches,
+                                        tied_sync_s, tied_weights, weight_versions)
+from passes.partition.result import OPTIMAL_GAP, PartitionResult
+
+POINTS = 256  # downsets a boundary's window may have (``_grown`` stops adding nodes there): 1,024 found the
+# same plans on 24 Llama layers, 2-3x slower
+WINDOW = 24  # nodes a window takes from each side of a boundary, at most
+
+
+class _Graph:
+    """What every round needs of the graph: order, neighbours, and which nodes may move."""
+
+    def __init__(self, graph: CostGraph) -> None:
+        self.graph = graph
+        self.succ: Dict[str, List[str]] = {name: [] for name in graph.nodes}
+        self.pred: Dict[str, List[str]] = {name: [] for name in graph.nodes}
+        for u, v in graph.edges:
+            self.succ[u].append(v)
+            self.pred[v].append(u)
+        # two orders make two kinds of window (``polished`` alternates them): graph order, and one that
+        # finishes a branch before the next (on 24 Llama layers each found plans the other missed)
+        self.orders = [{name: i for i, name in enumerate(_topological(graph, self.pred, self.succ, lifo))}
+                       for lifo in (False, True)]
+        users: Dict[str, int] = {}
+        for node in graph.nodes.values():
+            for p in node.params:
+                users[p] = users.get(p, 0) + 1
+        self.fixed = {name for name, node in graph.nodes.items()
+                      if node.is_input or not self.succ[name] or any(users[p] > 1 for p in node.params)}
+        self.work = {name: node.fwd_s + node.bwd_s for name, node in graph.nodes.items()}
+        self.params = {name: (sum(int(graph.param_sizes.get(p, 0)) for p in node.params)
+                              if node.params and graph.param_sizes else node.param_bytes)
+                       for name, node in graph.nodes.items()}
+        self.acts = {name: 0 if node.is_input else node.out_bytes for name, node in graph.nodes.items()}
+
+
+def _topological(graph: CostGraph, pred, succ, lifo: bool) -> List[str]:
+    """The nodes in an order every edge follows: the earliest ready node in graph order first (graph order
+    where it is one, as a captured graph's), or with ``lifo`` the node made ready last."""
+    place = {name: i for i, name in enumerate(graph.nodes)}
+    left = {name: len(pred[name]) for name in graph.nodes}
+    ready = [place[name] for name in graph.nodes if not left[name]]
+    heapq.heapify(ready)
+    names = list(graph.nodes)
+    out: List[str] = []
+    while ready:
+        name = names[ready.pop() if lifo else heapq.heappop(ready)]
+        out.append(name)
+        for v in succ[name]:
+            left[v] -= 1
+            if not left[v]:
+                if lifo:
+                    ready.append(place[v])
+                else:
+                    heapq.heappush(ready, place[v])
+    return out
+
+
+def _downsets(nodes: List[str], g: _Graph, limit: int) -> Optional[List[int]]:
+    """Bitmasks over ``nodes`` (in graph order) of the subsets closed under predecessors among ``nodes``;
+    None past ``limit``."""
+    index = {name: i for i, name in enumerate(nodes)}
+    need = [sum(1 << index[u] for u in g.pred[name] if u in index) for name in nodes]
+    found: List[int] = [0]
+    for i in range(len(nodes)):  # each set so far, with node i added where its predecessors are in
+        grown = [s | (1 << i) for s in found if s & need[i] == need[i]]
+        found += grown
+        if len(found) > limit:
+            return None
+    return found
+
+
+class _Window:
+    """One boundary's points: the plan's prefix less ``out`` (its stage's last nodes) plus a subset of
+    ``out`` + ``into`` (the next stage's first nodes) closed under predecessors."""
+
+    def __init__(self, g: _Graph, stage: Dict[str, int], b: int, out: List[str], into: List[str],
+                 masks: List[int], totals: Tuple[float, float, float], crossing: set, opts: CostOptions) -> None:
+        self.nodes = out + into
+        self.masks = masks
+        rows = np.array([[(m >> i) & 1 for i in range(len(self.nodes))] for m in masks], dtype=float)
+        rows = rows.reshape(len(masks), len(self.nodes))
+        own = lambda field: np.array([field[n] for n in self.nodes], dtype=float)
+        base = [t - float(own(f)[:len(out)].sum()) for t, f in zip(totals, (g.work, g.params, g.acts))]
+        self.work = base[0] + rows @ own(g.work)  # the prefix's sums at each point
+        self.params = base[1] + rows @ own(g.params)
+        self.acts = base[2] + rows @ own(g.acts)
+        self.cut = self._cuts(g, stage, b, set(out), rows > 0, crossing, opts)
+
+    def _cuts(self, g: _Graph, stage: Dict[str, int], b: int, out: set, rows: np.ndarray, crossing: set,
+              opts: CostOptions) -> np.ndarray:
+        """Bytes crossing the boundary at each point: values made in the prefix and read after it
+        (``crossing``: the nodes whose values cross it in the plan)."""
+        index = {n: i for i, n in enumerate(self.nodes)}
+        base = lambda u: stage[u] <= b and u not in out
+        near = {u for n in self.nodes for u in g.pred[n] if base(u)}
+        cut = np.zeros(len(self.masks))
+        for u in crossing:  # the prefix's values read beyond the window whatever the point
+            if u not in near and u not in index and counts_comm(g.graph.nodes[u], opts):
+                cut += g.graph.nodes[u].out_bytes
+        for u in near | set(self.nodes):
+            if not counts_comm(g.graph.nodes[u], opts):
+                continue
+            inside = rows[:, index[u]] if u in index else True
+            later = [v for v in g.succ[u] if not base(v)]
+            if any(v not in index for v in later):
+                read = True  # some reader runs after the window whatever the point
+            else:
+                read = np.zeros(len(self.masks), dtype=bool)
+                for v in later:
+                    read = read | ~rows[:, index[v]]
+            cut += g.graph.nodes[u].out_bytes * (inside & read)
+        return cut
+
+
+def _windows(g: _Graph, stage: Dict[str, int], members: List[List[str]], opts: CostOptions, deadline: float,
+             ) -> Optional[List[_Window]]:
+    """One window per boundary (see the module docstring); None past ``deadline``."""
+    crossing: List[set] = [set() for _ in range(len(members) - 1)]
+    for u, readers in g.succ.items():
+        for b in range(stage[u], max((stage[v] for v in readers), default=-1)):
+            crossing[b].add(u)
+    windows = []
+    sums = [0.0, 0.0, 0.0]
+    for b in range(len(members) - 1):
+        for i, field in enumerate((g.work, g.params, g.acts)):
+            sums[i] += sum(field[n] for n in members[b])
+        if time.monotonic() > deadline:
+            return None
+        left, right = members[b], members[b + 1]
+        out, into, masks = _grown(left, right, g)
+        windows.append(_Window(g, stage, b, out, into, masks, tuple(sums), crossing[b], opts))
+    return windows
+
+
+def _grown(left: List[str], right: List[str], g: _Graph) -> Tuple[List[str], List[str], List[int]]:
+    """A boundary's window: nodes taken one at a time from each side in turn (under half of either
+    stage, at most ``WINDOW`` a side) while its downsets stay within ``POINTS``."""
+    sides = [0, 0]
+    most = [min(WINDOW, (len(left) - 1) // 2), min(WINDOW, (len(right) - 1) // 2)]
+    masks: List[int] = [0]
+    while True:
+        grew = False
+        for side in (0, 1):
+            if sides[side] >= most[side]:
+                continue
+            sides[side] += 1
+            found = _downsets(_tail(left, sides[0], g) + _head(right, sides[1], g), g, POINTS)
+            if found is None:
+                sides[side] -= 1
+                most[side] = sides[side]
+            else:
+                masks, grew = found, True
+        if not grew:
+            out, into = _tail(left, sides[0], g), _head(right, sides[1], g)
+            return out, into, masks
+
+
+def _tail(nodes: List[str], n: int, g: _Graph) -> List[str]:
+    """The last ``n`` of a stage's nodes (graph order), after its last node that may not move."""
+    out = nodes[len(nodes) - n:] if n > 0 else []
+    fixed = [i for i, name in enumerate(out) if name in g.fixed]
+    return out[fixed[-1] + 1:] if fixed else out
+
+
+def _head(nodes: List[str], n: int, g: _Graph) -> List[str]:
+    """The first ``n`` of a stage's nodes (graph order), before its first node that may not move."""
+    into = nodes[:n]
+    fixed = [i for i, name in enumerate(into) if name in g.fixed]
+    return into[:fixed[0]] if fixed else into
+
+
+def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
+           opts: CostOptions, deadline: float, order: int = 0) -> Optional[Tuple[Dict[str, int], float]]:
+    """The best plan in the corridor around ``assignment`` (windows cut in ``g.orders[order]``) and its
+    bottleneck as the DP scored it; None past ``deadline``."""
+    S = len(replicas)
+    members: List[List[str]] = [[] for _ in range(S)]
+    for name in sorted(assignment, key=g.orders[order].__getitem__):
+        members[assignment[name]].append(name)
+    windows = _windows(g, assignment, members, opts, deadline)
+    if windows is None:
+        return None
+    tied = tied_weights(g.graph, assignment)
+    tied_bytes = [sum(v for k, v in tied.items() if j in k) for j in range(S)]
+    tied_s = [sum(tied_sync_s(v, ranks[j], [x for k in grp for x in ranks[k]], opts)
+                  for grp, v in tied.items() if j in grp) for j in range(S)]
+    own_params = [param_bytes_of(g.graph, m) - sum(g.params[n] for n in m) for m in members]  # shared, per stage
+    ar = [allreduce_on(1.0, ranks[j], opts) for j in range(S)]
+    link = [cut_on(1.0, ranks[j], ranks[j + 1], opts) for j in range(S - 1)]
+    M = planned_microbatches(opts)
+    keep = [weight_versions(j, replicas, opts) + 1 + opts.optimizer_state for j in range(S)]
+    flight = [in_flight(j, replicas, opts.schedule, M) for j in range(S)]
+    total = [sum(field.values()) for field in (g.work, g.params, g.acts)]
+
+    def times(j, lo: Optional[_Window], hi: Optional[_Window]) -> np.ndarray:
+        """Stage ``j`` between each point of ``lo`` (rows; None: the start) and of ``hi`` (columns; None:
+        the end)."""
+        at = lambda w, field, end: (getattr(w, field)[:, None] if w is lo else getattr(w, field)[None, :]) \
+            if w is not None else np.array([[end]])
+        work = at(hi, "work", total[0]) - at(lo, "work", 0.0)
+        params = at(hi, "params", total[1]) - at(lo, "params", 0.0) + own_params[j]
+        acts = at(hi, "acts", total[2]) - at(lo, "acts", 0.0)
+        comm = np.zeros_like(work)
+        if lo is not None:
+            comm = np.maximum(comm, link[j - 1] * lo.cut[:, None])
+        if hi is not None:
+            comm = np.maximum(comm, link[j] * hi.cut[None, :])
+        t = combine_stage_time(work, replicas[j], ar[j] * (params - tied_bytes[j]) + tied_s[j], comm)
+        if opts.memory is not None:
+            t = np.where(params * keep[j] + acts * flight[j] <= opts.memory, t, math.inf)
+        return t
+
+    best = times(0, None, windows[0])[0] if S > 1 else None
+    if best is None:
+        return None
+    came: List[np.ndarray] = []
+    for j in range(1, S):
+        lo, hi = windows[j - 1], (windows[j] if j < S - 1 else None)
+        both = np.maximum(best[:, None], times(j, lo, hi))
+        came.append(np.argmin(both, axis=0))
+        best = both[came[-1], np.arange(both.shape[1])]
+        if time.monotonic() > deadline:
+            return None
+    point = [0] * (S - 1)
+    k = int(np.argmin(best))
+    worst = float(best[k])
+    for j in range(S - 1, 0, -1):
+        k = int(came[j - 1][k])
+        point[j - 1] = k
+    new = dict(assignment)
+    for b, w in enumerate(windows):
+        m = w.masks[point[b]]
+        for i, name in enumerate(w.nodes):
+            new[name] = b if (m >> i) & 1 else b + 1
+    return new, worst
+
+
+def _working(g: _Graph, assignment: Mapping[str, int]) -> set:
+    """The stages that run some node that is neither an input nor an output: a window keeps one node of
+    each stage, which could be one of those, and a polished plan must keep every working stage so."""
+    return {assignment[n] for n, node in g.graph.nodes.items() if not node.is_input and g.succ[n]}
+
+
+def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int],
+             ranks: Sequence[Sequence[int]], opts: CostOptions, deadline: float = math.inf,
+             ) -> Optional[Dict[str, int]]:
+    """A faster assignment with the same replicas and ranks (see the module docstring), or None where
+    the corridor holds none found before ``deadline``."""
+    g = _Graph(graph)
+    current = dict(assignment)
+    working = _working(g, current)
+    start = now = evaluate(graph, current, replicas, opts, ranks=ranks).bottleneck_s
+    order, stuck = 0, 0
+    while time.monotonic() < deadline and stuck < len(g.orders):  # until neither kind of window helps
+        found = _round(g, current, replicas, ranks, opts, deadline, order)
+        if found is None:
+            break
+        new = found[0]
+        ev = evaluate(graph, new, replicas, opts, ranks=ranks)
+        if ev.bottleneck_s < now and _working(g, new) >= working and \
+                (opts.memory is None or ev.peak_memory_bytes <= opts.memory):
+            current, now, stuck = new, ev.bottleneck_s, 0
+        else:
+            order, stuck = (order + 1) % len(g.orders), stuck + 1
+    return current if now < start else None
+
+
+def reserve(time_limit: float) -> float:
+    """Seconds of a ``partition`` call's limit kept for ``result``: 5 % of it, at most half a second. A
+    round takes 0.05-0.15 s on 24 Llama layers (28-192 stages), 0.45 s on 96 layers and 512 devices, and
+    the first rounds gain the most; the searches' bounds lose what they would have done in that time
+    (24 Llama layers on 512 devices: 1.87 -> 2.23 % open with 0.3 s less, same plan)."""
+    return min(0.5, 0.05 * time_limit)
+
+
+def result(graph: CostGraph, found: PartitionResult, deadline: float,
+           progress: Optional[Callable[[str], None]] = None) -> PartitionResult:
+    """``found`` with its boundaries ``polished`` where that makes it faster (same bound, so a smaller
+    gap); as it is where it is proven (OPTIMAL) or has one stage."""
+    if found.status == "OPTIMAL" or len(found.replicas) < 2:
+        return found
+    ranks = [s.ranks for s in found.stages]
+    opts = found.options
+    new = polished(graph, found.assignment, found.replicas, ranks, opts, deadline)
+    if new is None:
+        return found
+    ev = evaluate(graph, new, found.replicas, opts, ranks=ranks)
+    if progress is not None:
+        progress(f"partition: stage boundaries moved on single nodes: {found.bottleneck_s * 1e3:.4g} -> "
+                 f"{ev.bottleneck_s * 1e3:.4g} ms per microbatch")
+    out = dataclasses.replace(found, assignment=new, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+                              objective_s=ev.bottleneck_s, bound_s=min(found.bound_s, ev.bottleneck_s),
+                              method=found.method + ", boundaries polished")
+    if out.status == "FEASIBLE" and out.gap <= OPTIMAL_GAP:
+        out.status = "OPTIMAL"
+    return out

@@ -1,0 +1,193 @@
+"""``polish.py``: a plan's boundaries searched again on single nodes, against ``evaluate`` and brute force."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from passes.costgraph import CostGraph, CostNode
+from passes.partition import evaluate, is_convex
+from passes.partition import polish
+from passes.partition.costmodel import CostOptions
+from passes.partition.result import PartitionResult
+from passes.partition.topology import stage_ranks
+from tests.passes.test_partition import random_dag
+
+
+def _random_plan(g: CostGraph, S: int, rng: random.Random):
+    """A convex plan of ``S`` stages, each running a node that is neither input nor output: stage
+    boundaries at random places of a topological order."""
+    order = list(g.nodes)  # the test graphs' names are in a topological order
+    work = [i for i, n in enumerate(order) if not g.nodes[n].is_input and g.nodes[n].op != "output"]
+    cuts = sorted(rng.sample(work[1:], S - 1))
+    return {n: sum(i >= c for c in cuts) for i, n in enumerate(order)}
+
+
+def _opts(K: int, model: str, two_level: bool, bandwidth: float) -> CostOptions:
+    if two_level:
+        return CostOptions(devices=K, cost_model=model, gpus_per_node=2, intra_bandwidth=8 * bandwidth,
+                           bandwidth=bandwidth)
+    return CostOptions(devices=K, cost_model=model, bandwidth=bandwidth)
+
+
+def _cases(count: int):
+    """Random DAGs and plans, both cost models, flat and on nodes of two, links slow enough to be the
+    bottleneck in about half of them (1e8 bytes/s) or not (1e9), every third the tied graph (a weight
+    tied across stages, or inside one), every fifth a memory limit."""
+    rng = random.Random(7)
+    for seed in range(count):
+        g = _tied_graph(("emb", "head") if seed % 2 else ("a", "b")) if seed % 3 == 2 else \
+            random_dag(rng.randint(10, 16), seed)
+        S = rng.randint(2, 4)
+        replicas = [rng.choice([1, 1, 2, 3]) for _ in range(S)]
+        two_level = seed % 3 == 0
+        K = sum(replicas) + (sum(replicas) % 2 if two_level else 0)
+        bandwidth = (1e8, 1e9)[seed % 4 // 2] * (1e-3 if g.param_sizes else 1.0)  # the tied graph's bytes are few
+        plan, opts = _random_plan(g, S, rng), _opts(K, ("fxpipe", "pipedream")[seed % 2], two_level, bandwidth)
+        if seed % 5 == 4:  # a memory limit the plan just meets
+            opts = dataclasses.replace(opts, memory=evaluate(g, plan, replicas, opts).peak_memory_bytes)
+        yield g, plan, replicas, opts
+
+
+def test_the_corridor_dp_scores_stages_as_evaluate_does():
+    """The DP's bottleneck for the plan it picks equals ``evaluate``'s, under both cost models, flat and
+    on nodes of two (ranks as the plan places them), and the plan it starts from lies in the corridor."""
+    links = 0
+    for g, plan, replicas, opts in _cases(90):
+        ranks = stage_ranks(replicas)
+        ev = evaluate(g, plan, replicas, opts, ranks=ranks)
+        links += any(s.comm_s >= s.time_s for s in ev.stages)
+        found = polish._round(polish._Graph(g), plan, replicas, ranks, opts, math.inf)
+        new, predicted = found
+        assert is_convex(g, new)
+        got = evaluate(g, new, replicas, opts, ranks=ranks).bottleneck_s
+        assert predicted == pytest.approx(got, rel=1e-9, abs=1e-15)
+        assert got <= ev.bottleneck_s * (1 + 1e-12)
+        if opts.memory is not None:
+            assert evaluate(g, new, replicas, opts, ranks=ranks).peak_memory_bytes <= opts.memory
+    assert links >= 20  # a link sets some stage's time in many of the plans
+
+
+def test_polished_plans_are_plans_and_faster():
+    """Every answer is convex, keeps the stages, their replicas and every stage's work, leaves inputs and
+    outputs where they were, and is faster than the plan it started from."""
+    improved = 0
+    for g, plan, replicas, opts in _cases(60):
+        ranks = stage_ranks(replicas)
+        new = polish.polished(g, plan, replicas, ranks, opts)
+        if new is None:
+            continue
+        improved += 1
+        assert is_convex(g, new) and set(new.values()) == set(plan.values())
+        fixed = [n for n, nd in g.nodes.items() if nd.is_input or nd.op == "output"]
+        assert all(new[n] == plan[n] for n in fixed)
+        working = {new[n] for n, nd in g.nodes.items() if not nd.is_input and nd.op != "output"}
+        assert working == set(range(len(replicas)))
+        assert evaluate(g, new, replicas, opts, ranks=ranks).bottleneck_s < \
+            evaluate(g, plan, replicas, opts, ranks=ranks).bottleneck_s
+    assert improved >= 20  # random cuts are rarely the best; the search must find better ones
+
+
+def _line(n: int, seed: int) -> CostGraph:
+    """A chain of ``n`` nodes with random compute, an input first and an output last."""
+    rng = random.Random(seed)
+    nodes = {"x": CostNode(name="x", op="placeholder", target="x", fwd_s=0.0, bwd_s=0.0, out_bytes=10,
+                           param_bytes=0, is_input=True)}
+    for i in range(n):
+        nodes[f"l{i}"] = CostNode(name=f"l{i}", op="call_module", target="t", fwd_s=rng.uniform(1e-3, 1e-2),
+                                  bwd_s=rng.uniform(1e-3, 2e-2), out_bytes=10, param_bytes=0)
+    nodes["out"] = CostNode(name="out", op="output", target="o", fwd_s=0.0, bwd_s=0.0, out_bytes=0, param_bytes=0)
+    names = list(nodes)
+    return CostGraph(nodes=nodes, edges=list(zip(names, names[1:])))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_reach_the_best_cuts_of_a_line(seed):
+    """On a line of 24 nodes cut in 4 one-replica stages, rounds of the corridor move the boundaries
+    from equal node counts to the best cuts found by trying every placement of the three."""
+    g = _line(24, seed)
+    opts = CostOptions(devices=4)
+    names = list(g.nodes)
+    body = names[1:-1]
+
+    def plan(cuts):
+        stage = {n: sum(i >= c for c in cuts) for i, n in enumerate(body)}
+        return {"x": 0, **stage, "out": 3}
+
+    best = min(evaluate(g, plan(c), [1] * 4, opts).bottleneck_s for c in itertools.combinations(range(1, 24), 3))
+    start = plan((6, 12, 18))
+    new = polish.polished(g, start, [1] * 4, stage_ranks([1] * 4), opts)
+    got = evaluate(g, new if new is not None else start, [1] * 4, opts).bottleneck_s
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def _tied_graph(tie=("emb", "head")) -> CostGraph:
+    """x -> emb -> a -> b -> c -> d -> head -> out; the two nodes of ``tie`` share weight w, the other
+    layers each hold their own."""
+    names = ["x", "emb", "a", "b", "c", "d", "head", "out"]
+    sizes = {"w": 4000, **{f"p{n}": 2000 for n in names}}
+    nodes = {}
+    for i, n in enumerate(names):
+        params = ("w",) if n in tie else (f"p{n}",) if n not in ("x", "out") else ()
+        nodes[n] = CostNode(name=n, op="placeholder" if n == "x" else "output" if n == "out" else "call_module",
+                            target=n, fwd_s=0.0 if n in ("x", "out") else 1e-3 * (1 + i % 3),
+                            bwd_s=0.0 if n in ("x", "out") else 2e-3, out_bytes=1000, is_input=n == "x",
+                            params=params, param_bytes=sum(sizes[p] for p in params))
+    return CostGraph(nodes=nodes, edges=list(zip(names, names[1:])), param_sizes=sizes)
+
+
+def test_a_stage_keeps_work():
+    """A window may take every node of a stage but one, and that one may be an input: a plan whose stage
+    would run nothing is refused (here moving y1 and y2 out of the bottleneck stage, to the replicated
+    stages beside it, would make the plan 4x faster)."""
+    spec = [("x", 0.0, True), ("a", 1e-3, False), ("y1", 5e-3, False), ("inp2", 0.0, True), ("y2", 5e-3, False),
+            ("b", 1e-3, False), ("out", 0.0, False)]
+    nodes = {n: CostNode(name=n, op="placeholder" if inp else "output" if n == "out" else "call_module", target=n,
+                         fwd_s=c, bwd_s=c, out_bytes=10, param_bytes=0, is_input=inp) for n, c, inp in spec}
+    edges = [("x", "a"), ("a", "y1"), ("y1", "y2"), ("inp2", "y2"), ("y2", "b"), ("b", "out")]
+    g = CostGraph(nodes=nodes, edges=edges)
+    start = {"x": 0, "a": 0, "y1": 1, "inp2": 1, "y2": 1, "b": 2, "out": 2}
+    opts, replicas = CostOptions(devices=5), [2, 1, 2]
+    new, _ = polish._round(polish._Graph(g), start, replicas, stage_ranks(replicas), opts, math.inf)
+    assert new["y1"] == 0 and new["y2"] == 2  # what the corridor's best is
+    kept = polish.polished(g, start, replicas, stage_ranks(replicas), opts)
+    assert kept is None or {kept[n] for n in ("a", "y1", "y2", "b")} == {0, 1, 2}
+
+
+def test_tied_holders_stay_and_memory_holds():
+    """Nodes holding a tied weight never move, and a memory limit the plan meets is met after."""
+    g = _tied_graph()
+    start = {"x": 0, "emb": 0, "a": 0, "b": 0, "c": 0, "d": 1, "head": 1, "out": 1}
+    base = CostOptions(devices=2)
+    ranks = stage_ranks([1, 1])
+    free = polish.polished(g, start, [1, 1], ranks, base)
+    assert free is not None and free["emb"] == 0 and free["head"] == 1
+    mem = max(s.memory_bytes for s in evaluate(g, start, [1, 1], base).stages)
+    tight = CostOptions(devices=2, memory=mem)
+    held = polish.polished(g, start, [1, 1], ranks, tight)
+    if held is not None:
+        assert max(s.memory_bytes for s in evaluate(g, held, [1, 1], tight).stages) <= mem
+
+
+def test_result_keeps_bound_ranks_and_replicas():
+    """``polish.result`` on a FEASIBLE answer: faster plan, same bound, replicas and ranks; the method
+    says so; an OPTIMAL answer is left alone."""
+    g = _line(24, 3)
+    opts = CostOptions(devices=4)
+    body = list(g.nodes)[1:-1]
+    start = {"x": 0, **{n: min(i // 6, 3) for i, n in enumerate(body)}, "out": 3}
+    ev = evaluate(g, start, [1] * 4, opts)
+    bound = sum(n.fwd_s + n.bwd_s for n in g.nodes.values()) / 4
+    found = PartitionResult(assignment=start, replicas=[1] * 4, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+                            options=opts, status="FEASIBLE", objective_s=ev.bottleneck_s, bound_s=bound,
+                            wall_s=0.0, units=len(g.nodes), method="segment DP")
+    out = polish.result(g, found, math.inf)
+    assert out.bottleneck_s < found.bottleneck_s and out.bound_s == bound and out.replicas == [1] * 4
+    assert [s.ranks for s in out.stages] == [s.ranks for s in found.stages]
+    assert out.method == "segment DP, boundaries polished"
+    assert out.bottleneck_s == evaluate(g, out.assignment, out.replicas, opts).bottleneck_s
+    found.status = "OPTIMAL"
+    assert polish.result(g, found, math.inf) is found
