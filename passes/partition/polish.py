@@ -114,8 +114,8 @@ class _Window:
                  masks: List[int], totals: Tuple[float, float, float], crossing: set, opts: CostOptions) -> None:
         self.nodes = out + into
         self.masks = masks
-        rows = np.array([[(m >> i) & 1 for i in range(len(self.nodes))] for m in masks], dtype=float)
-        rows = rows.reshape(len(masks), len(self.nodes))
+        # a window holds at most 2 * WINDOW nodes, so a point's mask fits an int64
+        rows = ((np.array(masks, dtype=np.int64)[:, None] >> np.arange(len(self.nodes))) & 1).astype(float)
         own = lambda field: np.array([field[n] for n in self.nodes], dtype=float)
         base = [t - float(own(f)[:len(out)].sum()) for t, f in zip(totals, (g.work, g.params, g.acts))]
         self.work = base[0] + rows @ own(g.work)  # the prefix's sums at each point
