@@ -762,17 +762,25 @@ def weight_versions(stage: int, replicas: Sequence[int], opts: CostOptions) -> i
     return 2 if opts.schedule == "2bw" else 1
 
 
-def device_memory_bytes(param_bytes: float, act_bytes: float, versions: int, flight: int, extra_copies: float) -> int:
+def device_memory_bytes(param_bytes, act_bytes, versions: int, flight: int, extra_copies: float):
     """THE bytes one device holds: weights × (``versions`` kept + ``extra_copies``: one gradient buffer
-    and the optimizer state) + activations × ``flight`` microbatches (the simulator passes what it runs)."""
-    return int(round(param_bytes * (versions + extra_copies) + act_bytes * flight))
+    and the optimizer state) + activations × ``flight`` microbatches (the simulator passes what it runs).
+    An int; elementwise on arrays of bytes (``polish.py`` scores many stages at once)."""
+    total = np.rint(np.asarray(param_bytes, dtype=float) * (versions + extra_copies)
+                    + np.asarray(act_bytes, dtype=float) * flight)
+    return int(total) if total.ndim == 0 else total
+
+
+def memory_terms(stage: int, replicas: Sequence[int], opts: CostOptions) -> Tuple[int, int, float]:
+    """``device_memory_bytes``' weight versions, microbatches in flight and extra copies for stage
+    ``stage`` as the plan's schedule runs it."""
+    flight = in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
+    return weight_versions(stage, replicas, opts), flight, 1 + opts.optimizer_state
 
 
 def memory_bytes(param_bytes: int, act_bytes: int, stage: int, replicas: Sequence[int], opts: CostOptions) -> int:
     """``device_memory_bytes`` of stage ``stage`` as the plan's schedule runs it."""
-    flight = in_flight(stage, replicas, opts.schedule, planned_microbatches(opts))
-    return device_memory_bytes(param_bytes, act_bytes, weight_versions(stage, replicas, opts), flight,
-                               1 + opts.optimizer_state)
+    return device_memory_bytes(param_bytes, act_bytes, *memory_terms(stage, replicas, opts))
 
 
 def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:
@@ -794,6 +802,15 @@ def param_bytes_of(graph: CostGraph, nodes: Sequence[str]) -> int:
 def activation_bytes(graph: CostGraph, nodes: Iterable[str]) -> int:
     """Bytes a stage keeps per microbatch in flight: the outputs of its nodes (model inputs are loaded, not kept)."""
     return sum(graph.nodes[n].out_bytes for n in nodes if n in graph.nodes and not graph.nodes[n].is_input)
+
+
+def shared_weights(graph: CostGraph) -> set:
+    """Names of the weights more than one node uses (tied weights, wherever the nodes sit)."""
+    users: Dict[str, int] = {}
+    for node in graph.nodes.values():
+        for p in set(node.params):
+            users[p] = users.get(p, 0) + 1
+    return {p for p, n in users.items() if n > 1}
 
 
 def tied_weights(graph: CostGraph, assignment: Mapping[str, int]) -> Dict[Tuple[int, ...], int]:

@@ -28,7 +28,6 @@ scores the answer with ``evaluate`` itself.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -36,10 +35,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from passes.costgraph import CostGraph
-from passes.partition.costmodel import (CostOptions, allreduce_on, combine_stage_time, counts_comm, cut_on,
-                                        evaluate, in_flight, param_bytes_of, planned_microbatches,
-                                        tied_sync_s, tied_weights, weight_versions)
+from passes.partition.costmodel import (CostOptions, activation_bytes, allreduce_on, combine_stage_time,
+                                        counts_comm, cut_on, device_memory_bytes, evaluate, memory_terms,
+                                        param_bytes_of, shared_weights, tied_sync_s, tied_weights)
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
+from passes.partition.wide_segments import topological
 
 POINTS = 256  # downsets a boundary's window may have (``_grown`` stops adding nodes there): 1,024 found the
 # same plans on 24 Llama layers, 2-3x slower
@@ -56,43 +56,20 @@ class _Graph:
         for u, v in graph.edges:
             self.succ[u].append(v)
             self.pred[v].append(u)
-        # two orders make two kinds of window (``polished`` alternates them): graph order, and one that
-        # finishes a branch before the next (on 24 Llama layers each found plans the other missed)
-        self.orders = [{name: i for i, name in enumerate(_topological(graph, self.pred, self.succ, lifo))}
+        # two orders make two kinds of window (``polished`` alternates them): graph order (the earliest
+        # ready node first), and one that finishes a branch before the next (on 24 Llama layers each found
+        # plans the other missed)
+        names = list(graph.nodes)
+        place = {name: i for i, name in enumerate(names)}
+        edges = [(place[u], place[v]) for u, v in graph.edges]
+        self.orders = [{names[i]: k for k, i in enumerate(topological(edges, list(range(len(names))), lifo))}
                        for lifo in (False, True)]
-        users: Dict[str, int] = {}
-        for node in graph.nodes.values():
-            for p in node.params:
-                users[p] = users.get(p, 0) + 1
+        shared = shared_weights(graph)
         self.fixed = {name for name, node in graph.nodes.items()
-                      if node.is_input or not self.succ[name] or any(users[p] > 1 for p in node.params)}
+                      if node.is_input or not self.succ[name] or shared.intersection(node.params)}
         self.work = {name: node.fwd_s + node.bwd_s for name, node in graph.nodes.items()}
-        self.params = {name: (sum(int(graph.param_sizes.get(p, 0)) for p in node.params)
-                              if node.params and graph.param_sizes else node.param_bytes)
-                       for name, node in graph.nodes.items()}
-        self.acts = {name: 0 if node.is_input else node.out_bytes for name, node in graph.nodes.items()}
-
-
-def _topological(graph: CostGraph, pred, succ, lifo: bool) -> List[str]:
-    """The nodes in an order every edge follows: the earliest ready node in graph order first (graph order
-    where it is one, as a captured graph's), or with ``lifo`` the node made ready last."""
-    place = {name: i for i, name in enumerate(graph.nodes)}
-    left = {name: len(pred[name]) for name in graph.nodes}
-    ready = [place[name] for name in graph.nodes if not left[name]]
-    heapq.heapify(ready)
-    names = list(graph.nodes)
-    out: List[str] = []
-    while ready:
-        name = names[ready.pop() if lifo else heapq.heappop(ready)]
-        out.append(name)
-        for v in succ[name]:
-            left[v] -= 1
-            if not left[v]:
-                if lifo:
-                    ready.append(place[v])
-                else:
-                    heapq.heappush(ready, place[v])
-    return out
+        self.params = {name: param_bytes_of(graph, [name]) for name in graph.nodes}
+        self.acts = {name: activation_bytes(graph, [name]) for name in graph.nodes}
 
 
 def _downsets(nodes: List[str], g: _Graph, limit: int) -> Optional[List[int]]:
@@ -227,9 +204,7 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     own_params = [param_bytes_of(g.graph, m) - sum(g.params[n] for n in m) for m in members]  # shared, per stage
     ar = [allreduce_on(1.0, ranks[j], opts) for j in range(S)]
     link = [cut_on(1.0, ranks[j], ranks[j + 1], opts) for j in range(S - 1)]
-    M = planned_microbatches(opts)
-    keep = [weight_versions(j, replicas, opts) + 1 + opts.optimizer_state for j in range(S)]
-    flight = [in_flight(j, replicas, opts.schedule, M) for j in range(S)]
+    memory = [memory_terms(j, replicas, opts) for j in range(S)]
     total = [sum(field.values()) for field in (g.work, g.params, g.acts)]
 
     def times(j, lo: Optional[_Window], hi: Optional[_Window]) -> np.ndarray:
@@ -247,7 +222,7 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
             comm = np.maximum(comm, link[j] * hi.cut[None, :])
         t = combine_stage_time(work, replicas[j], ar[j] * (params - tied_bytes[j]) + tied_s[j], comm)
         if opts.memory is not None:
-            t = np.where(params * keep[j] + acts * flight[j] <= opts.memory, t, math.inf)
+            t = np.where(device_memory_bytes(params, acts, *memory[j]) <= opts.memory, t, math.inf)
         return t
 
     best = times(0, None, windows[0])[0] if S > 1 else None
@@ -307,10 +282,10 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
 
 def reserve(time_limit: float) -> float:
     """Seconds of a ``partition`` call's limit kept for ``result``: 5 % of it, at most half a second. A
-    round takes 0.05-0.15 s on 24 Llama layers (28-192 stages), 0.45 s on 96 layers and 512 devices, and
-    the first rounds gain the most; the searches' bounds lose what they would have done in that time
-    (24 Llama layers on 512 devices: 1.87 -> 2.22 % open with 0.3 or 0.5 s less, same plan: the bound's
-    last pass there ends at the edge of the limit)."""
+    round takes 0.05-0.15 s on 24 Llama layers (28-192 stages), a whole polish about 3 s on 96 layers and
+    512 devices (140 stages, cut at the limit), and the first rounds gain the most; the searches' bounds
+    lose what they would have done in that time (24 Llama layers on 512 devices: 1.87 -> 2.22 % open with
+    0.3 or 0.5 s less, same plan: the bound's last pass there ends at the edge of the limit)."""
     return min(0.5, 0.05 * time_limit)
 
 

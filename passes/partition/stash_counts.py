@@ -51,7 +51,7 @@ from passes.costgraph import CostGraph
 from passes.partition import branches, segment_plan, stash_ties
 from passes.partition.chain import PROVE_WITHIN, TOLERANCE
 from passes.partition.coarsen import to_nodes
-from passes.partition.costmodel import CostOptions, evaluate, tied_weights
+from passes.partition.costmodel import CostOptions, evaluate, shared_weights
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 
 PIECES = (1, 8)  # the mask branch in the plan searches: one node, then a chain of pieces (``branches.contracted``)
@@ -72,7 +72,7 @@ def applies(graph: CostGraph, opts: CostOptions, found: PartitionResult) -> bool
     (HF GPT-2 tied under PipeDream's charges, 64 devices: evening's plan holds the tie in one stage,
     3.6 % open, and until 2026-12-05 the search did not run)."""
     return (may_apply(opts, True) and found.status != "OPTIMAL" and found.bottleneck_s < math.inf
-            and bool(tied_weights(graph, {n: k for k, n in enumerate(graph.nodes)}))
+            and bool(graph.param_sizes) and bool(shared_weights(graph))
             and stash_ties.runnable(graph, found.assignment, found.replicas))
 
 

@@ -226,16 +226,17 @@ def narrowed(units: Units, limit: int = LIMIT, deadline: float = math.inf) -> Op
 def joined(units: Units, head: List[int]) -> Optional[Units]:
     """``units`` with each unit merged into the group of ``head[u]`` (a unit heading its own group maps to
     itself), the groups numbered in a topological order; None where the groups' graph has a cycle."""
-    order = _topological({(head[a], head[b]) for a, b in units.edges if head[a] != head[b]}, sorted(set(head)))
+    order = topological({(head[a], head[b]) for a, b in units.edges if head[a] != head[b]}, sorted(set(head)))
     if order is None:
         return None
     number = {h: k for k, h in enumerate(order)}
     return merge_groups(units, [number[head[u]] for u in range(len(units))])
 
 
-def _topological(edges, nodes: List[int]) -> Optional[List[int]]:
+def topological(edges, nodes: List[int], lifo: bool = False) -> Optional[List[int]]:
     """``nodes`` in a topological order of ``edges``, the smallest ready node first (so groups keep their
-    units' order where they can); None if the edges have a cycle."""
+    units' order where they can), or with ``lifo`` the node made ready last (a branch finished before the
+    next, ``polish.py``'s second order); None if the edges have a cycle."""
     succ: Dict[int, List[int]] = {n: [] for n in nodes}
     waiting = {n: 0 for n in nodes}
     for a, b in edges:
@@ -245,10 +246,13 @@ def _topological(edges, nodes: List[int]) -> Optional[List[int]]:
     heapq.heapify(ready)
     out: List[int] = []
     while ready:
-        n = heapq.heappop(ready)
+        n = ready.pop() if lifo else heapq.heappop(ready)
         out.append(n)
         for m in succ[n]:
             waiting[m] -= 1
             if waiting[m] == 0:
-                heapq.heappush(ready, m)
+                if lifo:
+                    ready.append(m)
+                else:
+                    heapq.heappush(ready, m)
     return out if len(out) == len(nodes) else None
