@@ -13,7 +13,11 @@ keeping each stage's replica count and ranks. The plan itself lies in the
 corridor, so the answer is never slower; the search repeats around each new
 plan while it gets faster and time is left, cutting windows in two orders in
 turn (graph order, and one branch at a time: on 24 Llama layers each found
-plans the other did not).
+plans the other did not). Once neither order helps, rounds that also move
+replicas (one more or one fewer a stage, as many devices in all) follow, on
+flat machines without a memory limit: a boundary that cannot move for want
+of slack on either side may move once a replica changes stage (24 Llama
+layers: 128 devices 0.31 % faster, 256 devices 0.25 %).
 
 Windows of neighbouring boundaries never overlap (each takes under half of
 the stage between them), so any choice of points is a plan: stages stay
@@ -35,6 +39,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from passes.costgraph import CostGraph
+from passes.partition import topology
 from passes.partition.costmodel import (CostOptions, activation_bytes, allreduce_on, combine_stage_time,
                                         counts_comm, cut_on, device_memory_bytes, evaluate, memory_terms,
                                         param_bytes_of, shared_weights, tied_sync_s, tied_weights)
@@ -43,6 +48,8 @@ from passes.partition.wide_segments import topological
 
 POINTS = 256  # downsets a boundary's window may have (``_grown`` stops adding nodes there): 1,024 found the
 # same plans on 24 Llama layers, 2-3x slower
+MOVES = 2  # devices the stages before a boundary may have given up or taken in all, in a round that moves
+# replicas (1 and 3 found the same plans on 24 Llama layers, 128 and 256 devices)
 WINDOW = 24  # nodes a window takes from each side of a boundary, at most
 
 
@@ -186,11 +193,35 @@ def _head(nodes: List[str], n: int, g: _Graph) -> List[str]:
     return into[:fixed[0]] if fixed else into
 
 
+def _moves(g: _Graph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions,
+           moves: int) -> List[List[int]]:
+    """Each stage's replica changes a round may make: none (``moves`` 0, a memory limit, a two-level machine,
+    replication other than ``any``, or a stage holding a tied weight, whose sync depends on its group's
+    ranks), else one replica fewer or more (at least one)."""
+    if moves == 0 or opts.memory is not None or opts.gpus_per_node is not None or opts.replication != "any":
+        return [[0] for _ in replicas]
+    tied = {j for group in tied_weights(g.graph, assignment) for j in group}
+    return [[0] if j in tied else [d for d in (-1, 0, 1) if r + d >= 1] for j, r in enumerate(replicas)]
+
+
 def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
-           opts: CostOptions, deadline: float, order: int = 0) -> Optional[Tuple[Dict[str, int], float]]:
-    """The best plan in the corridor around ``assignment`` (windows cut in ``g.orders[order]``) and its
-    bottleneck as the DP scored it; None past ``deadline``."""
+           opts: CostOptions, deadline: float, order: int = 0, moves: int = 0,
+           ) -> Optional[Tuple[Dict[str, int], List[int], float]]:
+    """The best plan in the corridor around ``assignment`` (windows cut in ``g.orders[order]``), its
+    replicas and its bottleneck as the DP scored it; None past ``deadline``.
+
+    ``moves``: how many devices the stages before any boundary may have given up or taken in all, each
+    stage one replica more or fewer (``_moves`` says where); the plan ends on as many devices as before
+    (no more, with ``fewer_devices``). Without moves every stage keeps its replicas and ranks.
+
+    The DP is a minimax over the boundaries. A stage's time is the larger of its own work (compute over
+    its replicas plus its all-reduce) and its links, so each link is charged once, at its boundary, with
+    the replica counts of the stages on both sides of it: the state after stage j is (boundary j's point,
+    devices moved so far, stage j's change).
+    """
     S = len(replicas)
+    if S < 2:
+        return None
     members: List[List[str]] = [[] for _ in range(S)]
     for name in sorted(assignment, key=g.orders[order].__getitem__):
         members[assignment[name]].append(name)
@@ -202,52 +233,89 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     tied_s = [sum(tied_sync_s(v, ranks[j], [x for k in grp for x in ranks[k]], opts)
                   for grp, v in tied.items() if j in grp) for j in range(S)]
     own_params = [param_bytes_of(g.graph, m) - sum(g.params[n] for n in m) for m in members]  # shared, per stage
-    ar = [allreduce_on(1.0, ranks[j], opts) for j in range(S)]
-    link = [cut_on(1.0, ranks[j], ranks[j + 1], opts) for j in range(S - 1)]
     memory = [memory_terms(j, replicas, opts) for j in range(S)]
     total = [sum(field.values()) for field in (g.work, g.params, g.acts)]
+    change = _moves(g, assignment, replicas, opts, moves)
+    span = moves if any(len(c) > 1 for c in change) else 0
+    D = 2 * span + 1  # devices moved so far, -span .. span
 
-    def times(j, lo: Optional[_Window], hi: Optional[_Window]) -> np.ndarray:
-        """Stage ``j`` between each point of ``lo`` (rows; None: the start) and of ``hi`` (columns; None:
-        the end)."""
+    def on(j: int, d: int) -> Sequence[int]:
+        """Stage j's ranks with its replica count changed by d (flat machines only move replicas)."""
+        return ranks[j] if d == 0 else list(range(replicas[j] + d))
+
+    def work(j, lo: Optional[_Window], hi: Optional[_Window], d: int) -> np.ndarray:
+        """Stage ``j``'s own time (no links) with ``d`` replicas more, between each point of ``lo`` (rows;
+        None: the start) and of ``hi`` (columns; None: the end)."""
         at = lambda w, field, end: (getattr(w, field)[:, None] if w is lo else getattr(w, field)[None, :]) \
             if w is not None else np.array([[end]])
-        work = at(hi, "work", total[0]) - at(lo, "work", 0.0)
+        compute = at(hi, "work", total[0]) - at(lo, "work", 0.0)
         params = at(hi, "params", total[1]) - at(lo, "params", 0.0) + own_params[j]
-        acts = at(hi, "acts", total[2]) - at(lo, "acts", 0.0)
-        comm = np.zeros_like(work)
-        if lo is not None:
-            comm = np.maximum(comm, link[j - 1] * lo.cut[:, None])
-        if hi is not None:
-            comm = np.maximum(comm, link[j] * hi.cut[None, :])
-        t = combine_stage_time(work, replicas[j], ar[j] * (params - tied_bytes[j]) + tied_s[j], comm)
+        ar = allreduce_on(1.0, on(j, d), opts)
+        t = combine_stage_time(compute, replicas[j] + d, ar * (params - tied_bytes[j]) + tied_s[j], 0.0)
         if opts.memory is not None:
+            acts = at(hi, "acts", total[2]) - at(lo, "acts", 0.0)
             t = np.where(device_memory_bytes(params, acts, *memory[j]) <= opts.memory, t, math.inf)
-        return t
+        return np.broadcast_to(t, (compute.shape[0], compute.shape[1]))
 
-    best = times(0, None, windows[0])[0] if S > 1 else None
-    if best is None:
-        return None
-    came: List[np.ndarray] = []
+    # best[i][p, m]: the slowest stage or link up to stage j, ending at boundary j's point p, with m - span
+    # devices moved, stage j changed by change[j][i]
+    first = work(0, None, windows[0], 0)[0]
+    best = []
+    for d in change[0]:
+        row = np.full((len(first), D), math.inf)
+        if abs(d) <= span:
+            row[:, span + d] = work(0, None, windows[0], d)[0]
+        best.append(row)
+    came: List[Tuple[List[np.ndarray], List[np.ndarray]]] = []  # per stage j >= 1: per change, argmin p, argmin i
     for j in range(1, S):
         lo, hi = windows[j - 1], (windows[j] if j < S - 1 else None)
-        both = np.maximum(best[:, None], times(j, lo, hi))
-        came.append(np.argmin(both, axis=0))
-        best = both[came[-1], np.arange(both.shape[1])]
+        nxt, by_p, by_i = [], [], []
+        for d in change[j]:
+            # the link at boundary j - 1, charged with both sides' counts; the best earlier change per point
+            linked = np.stack([np.maximum(b, cut_on(1.0, on(j - 1, e), on(j, d), opts) * lo.cut[:, None])
+                               for b, e in zip(best, change[j - 1])])
+            pick = np.argmin(linked, axis=0)  # (P, D)
+            A = np.take_along_axis(linked, pick[None], axis=0)[0]
+            W = work(j, lo, hi, d)  # (P, Q)
+            both = np.maximum(A[:, None, :], W[:, :, None])  # (P, Q, D)
+            p = np.argmin(both, axis=0)  # (Q, D)
+            val = np.take_along_axis(both, p[None], axis=0)[0]
+            row = np.full_like(val, math.inf)  # shifted by d devices
+            if d >= 0:
+                row[:, d:] = val[:, :D - d]
+            else:
+                row[:, :D + d] = val[:, -d:]
+            nxt.append(row)
+            by_p.append(p)
+            by_i.append(pick)
+        best = nxt
+        came.append((by_p, by_i))
         if time.monotonic() > deadline:
             return None
-    point = [0] * (S - 1)
-    k = int(np.argmin(best))
-    worst = float(best[k])
+    # one point at the end; as many devices as before (``fewer_devices``: no more)
+    end = np.stack(best)[:, 0, :span + 1] if opts.fewer_devices else np.stack(best)[:, 0, span:span + 1]
+    i, m = np.unravel_index(int(np.argmin(end)), end.shape)
+    worst = float(end[i, m])
+    m += 0 if opts.fewer_devices else span
+    if not math.isfinite(worst):
+        return None
+    point, counts = [0] * (S - 1), list(replicas)
+    q = 0
     for j in range(S - 1, 0, -1):
-        k = int(came[j - 1][k])
-        point[j - 1] = k
+        d = change[j][i]
+        counts[j] = replicas[j] + d
+        m -= d  # devices moved before stage j
+        by_p, by_i = came[j - 1]
+        p = int(by_p[i][q, m])
+        i = int(by_i[i][p, m])
+        point[j - 1], q = p, p
+    counts[0] = replicas[0] + change[0][i]
     new = dict(assignment)
     for b, w in enumerate(windows):
-        m = w.masks[point[b]]
-        for i, name in enumerate(w.nodes):
-            new[name] = b if (m >> i) & 1 else b + 1
-    return new, worst
+        mask = w.masks[point[b]]
+        for k, name in enumerate(w.nodes):
+            new[name] = b if (mask >> k) & 1 else b + 1
+    return new, counts, worst
 
 
 def _working(g: _Graph, assignment: Mapping[str, int]) -> set:
@@ -257,27 +325,32 @@ def _working(g: _Graph, assignment: Mapping[str, int]) -> set:
 
 
 def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence[int],
-             ranks: Sequence[Sequence[int]], opts: CostOptions, deadline: float = math.inf,
-             ) -> Optional[Dict[str, int]]:
-    """A faster assignment with the same replicas and ranks (see the module docstring), or None where
-    the corridor holds none found before ``deadline``."""
+             ranks: Sequence[Sequence[int]], opts: CostOptions, deadline: float = math.inf, moves: int = 0,
+             ) -> Optional[Tuple[Dict[str, int], List[int], List[List[int]]]]:
+    """A faster plan (assignment, replicas, ranks) in the corridor (see the module docstring), or None
+    where none is found before ``deadline``. ``moves``: see ``_round``; rounds that keep the replicas come
+    first, those that move them (slower) once neither order helps."""
     g = _Graph(graph)
-    current = dict(assignment)
+    current, counts, placed = dict(assignment), list(replicas), [list(r) for r in ranks]
     working = _working(g, current)
-    start = now = evaluate(graph, current, replicas, opts, ranks=ranks).bottleneck_s
-    order, stuck = 0, 0
-    while time.monotonic() < deadline and stuck < len(g.orders):  # until neither kind of window helps
-        found = _round(g, current, replicas, ranks, opts, deadline, order)
+    start = now = evaluate(graph, current, counts, opts, ranks=placed).bottleneck_s
+    kinds = [(order, 0) for order in range(len(g.orders))]
+    kinds += [(order, moves) for order in range(len(g.orders))] if moves else []
+    kind, stuck = 0, 0
+    while time.monotonic() < deadline and stuck < len(kinds):  # until no kind of round helps
+        order, moved = kinds[kind]
+        found = _round(g, current, counts, placed, opts, deadline, order, moved)
         if found is None:
             break
-        new = found[0]
-        ev = evaluate(graph, new, replicas, opts, ranks=ranks)
+        new, reps, _ = found
+        at = placed if reps == counts else topology.stage_ranks(reps)
+        ev = evaluate(graph, new, reps, opts, ranks=at)
         if ev.bottleneck_s < now and _working(g, new) >= working and \
                 (opts.memory is None or ev.peak_memory_bytes <= opts.memory):
-            current, now, stuck = new, ev.bottleneck_s, 0
+            current, counts, placed, now, stuck = new, reps, at, ev.bottleneck_s, 0
         else:
-            order, stuck = (order + 1) % len(g.orders), stuck + 1
-    return current if now < start else None
+            kind, stuck = (kind + 1) % len(kinds), stuck + 1
+    return (current, counts, placed) if now < start else None
 
 
 def reserve(time_limit: float) -> float:
@@ -291,20 +364,22 @@ def reserve(time_limit: float) -> float:
 
 def result(graph: CostGraph, found: PartitionResult, deadline: float,
            progress: Optional[Callable[[str], None]] = None) -> PartitionResult:
-    """``found`` with its boundaries ``polished`` where that makes it faster (same bound, so a smaller
-    gap); as it is where it is proven (OPTIMAL) or has one stage."""
+    """``found`` with its boundaries (and on flat machines its replica counts) ``polished`` where that makes
+    it faster (same bound, so a smaller gap); as it is where it is proven (OPTIMAL) or has one stage."""
     if found.status == "OPTIMAL" or len(found.replicas) < 2:
         return found
     ranks = [s.ranks for s in found.stages]
     opts = found.options
-    new = polished(graph, found.assignment, found.replicas, ranks, opts, deadline)
+    new = polished(graph, found.assignment, found.replicas, ranks, opts, deadline, moves=MOVES)
     if new is None:
         return found
-    ev = evaluate(graph, new, found.replicas, opts, ranks=ranks)
+    assignment, replicas, ranks = new
+    ev = evaluate(graph, assignment, replicas, opts, ranks=ranks)
     if progress is not None:
-        progress(f"partition: stage boundaries moved on single nodes: {found.bottleneck_s * 1e3:.4g} -> "
-                 f"{ev.bottleneck_s * 1e3:.4g} ms per microbatch")
-    out = dataclasses.replace(found, assignment=new, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+        moved = sum(abs(a - b) for a, b in zip(replicas, found.replicas))
+        progress(f"partition: stage boundaries moved on single nodes{f' ({moved} replica moves)' if moved else ''}:"
+                 f" {found.bottleneck_s * 1e3:.4g} -> {ev.bottleneck_s * 1e3:.4g} ms per microbatch")
+    out = dataclasses.replace(found, assignment=assignment, replicas=list(replicas), stages=ev.stages, bottleneck_s=ev.bottleneck_s,
                               objective_s=ev.bottleneck_s, bound_s=min(found.bound_s, ev.bottleneck_s),
                               method=found.method + ", boundaries polished")
     if out.status == "FEASIBLE" and out.gap <= OPTIMAL_GAP:
