@@ -14,10 +14,14 @@ corridor, so the answer is never slower; the search repeats around each new
 plan while it gets faster and time is left, cutting windows in two orders in
 turn (graph order, and one branch at a time: on 24 Llama layers each found
 plans the other did not). Once neither order helps, rounds that also move
-replicas (one more or one fewer a stage, as many devices in all) follow, on
-flat machines without a memory limit: a boundary that cannot move for want
-of slack on either side may move once a replica changes stage (24 Llama
-layers: 128 devices 0.31 % faster, 256 devices 0.25 %).
+replicas (one more or one fewer a stage, as many devices in all) follow,
+without a memory limit (the microbatches in flight depend on every count),
+under replication ``any``, and on a two-level machine where the stages sit
+on consecutive ranks in stage order (a stage's ranks then shift by the
+devices moved before it, and the DP charges its all-reduce and links where
+they land): a boundary that cannot move for want of slack on either side
+may move once a replica changes stage (24 Llama layers: 128 devices 0.31 %
+faster, 256 devices 0.25 %).
 
 Windows of neighbouring boundaries never overlap (each takes under half of
 the stage between them), so any choice of points is a plan: stages stay
@@ -193,26 +197,33 @@ def _head(nodes: List[str], n: int, g: _Graph) -> List[str]:
     return into[:fixed[0]] if fixed else into
 
 
-def _moves(g: _Graph, assignment: Mapping[str, int], replicas: Sequence[int], opts: CostOptions,
-           moves: int) -> List[List[int]]:
-    """Each stage's replica changes a round may make: none (``moves`` 0, a memory limit, a two-level machine,
-    replication other than ``any``, or a stage holding a tied weight, whose sync depends on its group's
-    ranks), else one replica fewer or more (at least one)."""
-    if moves == 0 or opts.memory is not None or opts.gpus_per_node is not None or opts.replication != "any":
+def _moves(g: _Graph, assignment: Mapping[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
+           opts: CostOptions, moves: int) -> List[List[int]]:
+    """Each stage's replica changes a round may make: none (``moves`` 0, a memory limit, replication other
+    than ``any``, a two-level machine whose stages do not sit on consecutive ranks in stage order, or a
+    stage holding a tied weight, whose sync depends on its group), else one replica fewer or more (at
+    least one)."""
+    placed = [list(r) for r in ranks] == topology.stage_ranks(replicas)
+    if moves == 0 or opts.memory is not None or opts.replication != "any" or \
+            (opts.gpus_per_node is not None and not placed):
         return [[0] for _ in replicas]
     tied = {j for group in tied_weights(g.graph, assignment) for j in group}
     return [[0] if j in tied else [d for d in (-1, 0, 1) if r + d >= 1] for j, r in enumerate(replicas)]
 
 
 def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
-           opts: CostOptions, deadline: float, order: int = 0, moves: int = 0,
+           opts: CostOptions, deadline: float, order: int = 0, moves: int = 0, cache: Optional[dict] = None,
            ) -> Optional[Tuple[Dict[str, int], List[int], float]]:
     """The best plan in the corridor around ``assignment`` (windows cut in ``g.orders[order]``), its
     replicas and its bottleneck as the DP scored it; None past ``deadline``.
 
     ``moves``: how many devices the stages before any boundary may have given up or taken in all, each
     stage one replica more or fewer (``_moves`` says where); the plan ends on as many devices as before
-    (no more, with ``fewer_devices``). Without moves every stage keeps its replicas and ranks.
+    (no more, with ``fewer_devices``), its stages on consecutive ranks in stage order, so a stage's ranks
+    shift by the devices moved before it (on a two-level machine a stage holding a tied weight keeps its
+    ranks: none moved before it). Without moves every stage keeps its replicas and ranks. ``cache``: the
+    all-reduce and link charges per set of ranks, kept between a polish's rounds (same options; on nodes
+    of 8 working them out was half of a round's time).
 
     The DP is a minimax over the boundaries. A stage's time is the larger of its own work (compute over
     its replicas plus its all-reduce) and its links, so each link is charged once, at its boundary, with
@@ -233,38 +244,64 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     tied_s = [sum(tied_sync_s(v, ranks[j], [x for k in grp for x in ranks[k]], opts)
                   for grp, v in tied.items() if j in grp) for j in range(S)]
     own_params = [param_bytes_of(g.graph, m) - sum(g.params[n] for n in m) for m in members]  # shared, per stage
+    tied_stages = {j for group in tied for j in group}
     memory = [memory_terms(j, replicas, opts) for j in range(S)]
     total = [sum(field.values()) for field in (g.work, g.params, g.acts)]
-    change = _moves(g, assignment, replicas, opts, moves)
+    change = _moves(g, assignment, replicas, ranks, opts, moves)
     span = moves if any(len(c) > 1 for c in change) else 0
     D = 2 * span + 1  # devices moved so far, -span .. span
+    first_rank = np.cumsum([0] + list(replicas))
+    shifts = range(-span, span + 1)
+    flat = opts.gpus_per_node is None  # where only replica counts matter, not which ranks
 
-    def on(j: int, d: int) -> Sequence[int]:
-        """Stage j's ranks with its replica count changed by d (flat machines only move replicas)."""
-        return ranks[j] if d == 0 else list(range(replicas[j] + d))
+    def on(j: int, d: int, shift: int) -> Optional[Sequence[int]]:
+        """Stage j's ranks with its count changed by d and ``shift`` devices moved before it (None where
+        that would start below rank 0: a state no plan reaches)."""
+        if d == 0 and shift == 0:
+            return ranks[j]
+        start = int(first_rank[j]) + shift
+        return list(range(start, start + replicas[j] + d)) if start >= 0 else None
+
+    known = {} if cache is None else cache
+    charge = {"sync": lambda r: allreduce_on(1.0, r, opts), "link": lambda x, y: cut_on(1.0, x, y, opts)}
+
+    def per_state(what: str, *stages) -> np.ndarray:
+        """``charge[what]`` of the ranks of ``stages`` ((stage, change, devices moved before it less those
+        before stage j)) for each state m (devices moved before stage j): inf where a stage has no ranks."""
+        def one(m):
+            placed = [on(j, d, m + extra) for j, d, extra in stages]
+            if any(r is None for r in placed):
+                return math.inf
+            key = (what, *(len(r) for r in placed)) if flat else (what, *(tuple(r) for r in placed))
+            if key not in known:
+                known[key] = charge[what](*placed)
+            return known[key]
+        return np.full(D, one(0)) if flat else np.array([one(m) for m in shifts])
 
     def work(j, lo: Optional[_Window], hi: Optional[_Window], d: int) -> np.ndarray:
         """Stage ``j``'s own time (no links) with ``d`` replicas more, between each point of ``lo`` (rows;
-        None: the start) and of ``hi`` (columns; None: the end)."""
+        None: the start) and of ``hi`` (columns; None: the end), for each state (the last axis)."""
         at = lambda w, field, end: (getattr(w, field)[:, None] if w is lo else getattr(w, field)[None, :]) \
             if w is not None else np.array([[end]])
         compute = at(hi, "work", total[0]) - at(lo, "work", 0.0)
         params = at(hi, "params", total[1]) - at(lo, "params", 0.0) + own_params[j]
-        ar = allreduce_on(1.0, on(j, d), opts)
-        t = combine_stage_time(compute, replicas[j] + d, ar * (params - tied_bytes[j]) + tied_s[j], 0.0)
+        ar = per_state("sync", (j, d, 0))
+        reached = np.isfinite(ar)
+        t = combine_stage_time(compute[:, :, None], replicas[j] + d,
+                               np.where(reached, ar, 0.0) * (params - tied_bytes[j])[:, :, None] + tied_s[j], 0.0)
+        t = np.where(reached, t, math.inf)
         if opts.memory is not None:
             acts = at(hi, "acts", total[2]) - at(lo, "acts", 0.0)
-            t = np.where(device_memory_bytes(params, acts, *memory[j]) <= opts.memory, t, math.inf)
-        return np.broadcast_to(t, (compute.shape[0], compute.shape[1]))
+            t = np.where((device_memory_bytes(params, acts, *memory[j]) <= opts.memory)[:, :, None], t, math.inf)
+        return np.broadcast_to(t, (compute.shape[0], compute.shape[1], D))
 
     # best[i][p, m]: the slowest stage or link up to stage j, ending at boundary j's point p, with m - span
     # devices moved, stage j changed by change[j][i]
-    first = work(0, None, windows[0], 0)[0]
     best = []
     for d in change[0]:
-        row = np.full((len(first), D), math.inf)
+        row = np.full((len(windows[0].masks), D), math.inf)
         if abs(d) <= span:
-            row[:, span + d] = work(0, None, windows[0], d)[0]
+            row[:, span + d] = work(0, None, windows[0], d)[0, :, span]
         best.append(row)
     came: List[Tuple[List[np.ndarray], List[np.ndarray]]] = []  # per stage j >= 1: per change, argmin p, argmin i
     for j in range(1, S):
@@ -272,12 +309,13 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
         nxt, by_p, by_i = [], [], []
         for d in change[j]:
             # the link at boundary j - 1, charged with both sides' counts; the best earlier change per point
-            linked = np.stack([np.maximum(b, cut_on(1.0, on(j - 1, e), on(j, d), opts) * lo.cut[:, None])
+            linked = np.stack([np.maximum(b, _times_cut(per_state("link", (j - 1, e, -e), (j, d, 0)), lo.cut))
                                for b, e in zip(best, change[j - 1])])
             pick = np.argmin(linked, axis=0)  # (P, D)
             A = np.take_along_axis(linked, pick[None], axis=0)[0]
-            W = work(j, lo, hi, d)  # (P, Q)
-            both = np.maximum(A[:, None, :], W[:, :, None])  # (P, Q, D)
+            if not flat and j in tied_stages:  # its ranks, and so its group's sync, as they were
+                A = np.where(np.arange(D) == span, A, math.inf)
+            both = np.maximum(A[:, None, :], work(j, lo, hi, d))  # (P, Q, D)
             p = np.argmin(both, axis=0)  # (Q, D)
             val = np.take_along_axis(both, p[None], axis=0)[0]
             row = np.full_like(val, math.inf)  # shifted by d devices
@@ -318,6 +356,13 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     return new, counts, worst
 
 
+def _times_cut(link: np.ndarray, cut: np.ndarray) -> np.ndarray:
+    """Seconds per state (columns) a boundary's link takes at each point (rows): inf for a state no plan
+    reaches (``link`` inf), also where nothing crosses."""
+    reached = np.isfinite(link)
+    return np.where(reached, np.where(reached, link, 0.0) * cut[:, None], math.inf)
+
+
 def _working(g: _Graph, assignment: Mapping[str, int]) -> set:
     """The stages that run some node that is neither an input nor an output: a window keeps one node of
     each stage, which could be one of those, and a polished plan must keep every working stage so."""
@@ -336,10 +381,10 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
     start = now = evaluate(graph, current, counts, opts, ranks=placed).bottleneck_s
     kinds = [(order, 0) for order in range(len(g.orders))]
     kinds += [(order, moves) for order in range(len(g.orders))] if moves else []
-    kind, stuck = 0, 0
+    kind, stuck, cache = 0, 0, {}
     while time.monotonic() < deadline and stuck < len(kinds):  # until no kind of round helps
         order, moved = kinds[kind]
-        found = _round(g, current, counts, placed, opts, deadline, order, moved)
+        found = _round(g, current, counts, placed, opts, deadline, order, moved, cache)
         if found is None:
             break
         new, reps, _ = found
@@ -364,8 +409,8 @@ def reserve(time_limit: float) -> float:
 
 def result(graph: CostGraph, found: PartitionResult, deadline: float,
            progress: Optional[Callable[[str], None]] = None) -> PartitionResult:
-    """``found`` with its boundaries (and on flat machines its replica counts) ``polished`` where that makes
-    it faster (same bound, so a smaller gap); as it is where it is proven (OPTIMAL) or has one stage."""
+    """``found`` with its boundaries (and where ``_moves`` allows, its replica counts) ``polished`` where that
+    makes it faster (same bound, so a smaller gap); as it is where it is proven (OPTIMAL) or has one stage."""
     if found.status == "OPTIMAL" or len(found.replicas) < 2:
         return found
     ranks = [s.ranks for s in found.stages]

@@ -72,29 +72,60 @@ def test_the_corridor_dp_scores_stages_as_evaluate_does():
     assert links >= 20  # a link sets some stage's time in many of the plans
 
 
+def _moved_round(g, plan, replicas, ranks, opts):
+    """A round with replica moves, checked: convex, devices kept (no more with ``fewer_devices``), each
+    count moved by at most one, its bottleneck ``evaluate``'s (ranks placed in stage order where counts
+    moved) and never above the round that keeps the counts. Its (counts, ranks)."""
+    kept = polish._round(polish._Graph(g), plan, replicas, ranks, opts, math.inf)
+    new, reps, predicted = polish._round(polish._Graph(g), plan, replicas, ranks, opts, math.inf, moves=2)
+    assert is_convex(g, new)
+    assert sum(reps) <= sum(replicas) if opts.fewer_devices else sum(reps) == sum(replicas)
+    assert all(abs(a - b) <= 1 and a >= 1 for a, b in zip(reps, replicas))
+    placed = ranks if reps == replicas else stage_ranks(reps)
+    assert predicted == pytest.approx(evaluate(g, new, reps, opts, ranks=placed).bottleneck_s, rel=1e-9, abs=1e-15)
+    assert predicted <= kept[2] * (1 + 1e-12)
+    return reps, placed
+
+
 def test_rounds_that_move_replicas_score_as_evaluate_does():
-    """With replica moves the DP's bottleneck equals ``evaluate``'s on the plan and counts it picks (ranks
-    placed in stage order), never above the round that keeps the counts. The plan uses as many devices
-    (no more with ``fewer_devices``), each count moves by at most one, only on flat machines without a
-    memory limit, and never for a stage holding a tied weight."""
-    moved = 0
+    """With replica moves (``_moved_round``'s checks), flat and on nodes of two, under both cost models:
+    never with a memory limit, and never for a stage holding a tied weight."""
+    moved, two_level = 0, 0
     for seed, (g, plan, replicas, base) in enumerate(_cases(90)):
         ranks = stage_ranks(replicas)
         for opts in [base] + ([dataclasses.replace(base, fewer_devices=True)] if seed % 4 == 1 else []):
-            kept = polish._round(polish._Graph(g), plan, replicas, ranks, opts, math.inf)
-            new, reps, predicted = polish._round(polish._Graph(g), plan, replicas, ranks, opts, math.inf, moves=2)
-            assert is_convex(g, new)
-            assert sum(reps) <= sum(replicas) if opts.fewer_devices else sum(reps) == sum(replicas)
-            assert all(abs(a - b) <= 1 and a >= 1 for a, b in zip(reps, replicas))
-            got = evaluate(g, new, reps, opts, ranks=ranks if reps == replicas else stage_ranks(reps)).bottleneck_s
-            assert predicted == pytest.approx(got, rel=1e-9, abs=1e-15)
-            assert predicted <= kept[2] * (1 + 1e-12)
+            reps, _ = _moved_round(g, plan, replicas, ranks, opts)
             if reps != replicas:
                 moved += 1
-                assert opts.gpus_per_node is None and opts.memory is None
+                two_level += opts.gpus_per_node is not None
+                assert opts.memory is None
                 tied = {j for group in tied_weights(g, plan) for j in group}
                 assert all(reps[j] == replicas[j] for j in tied)
-    assert moved >= 10  # random plans' counts are rarely the best
+    assert moved >= 10 and two_level >= 3  # random plans' counts are rarely the best
+
+
+def test_replica_moves_on_nodes_keep_tied_stages_ranks():
+    """On nodes of two a stage holding a tied weight keeps its ranks (its group's sync depends on them):
+    no device moves before it; and stages not on consecutive ranks in stage order move nothing."""
+    rng = random.Random(3)
+    moved = 0
+    for seed in range(150):
+        g = _tied_graph((("emb", "head"), ("b", "d"), ("a", "head"))[seed % 3])
+        S = rng.randint(3, 4)
+        replicas = [rng.choice([1, 2, 3]) for _ in range(S)]
+        K = sum(replicas) + sum(replicas) % 2
+        opts = _opts(K, ("fxpipe", "pipedream")[seed % 2], True, 1e6)
+        plan = _random_plan(g, S, rng)
+        ranks = stage_ranks(replicas)
+        reps, placed = _moved_round(g, plan, replicas, ranks, opts)
+        tied = {j for group in tied_weights(g, plan) for j in group}
+        assert all(placed[j] == ranks[j] for j in tied)
+        moved += reps != replicas and any(0 < j < S - 1 for j in tied)  # a tied stage between others
+        backwards = [list(r) for r in reversed(stage_ranks(replicas[::-1]))]
+        if backwards != ranks:
+            new, same, _ = polish._round(polish._Graph(g), plan, replicas, backwards, opts, math.inf, moves=2)
+            assert same == replicas
+    assert moved >= 2  # 3 of 150 here
 
 
 def test_a_replica_moves_to_the_slow_stage():
@@ -118,6 +149,13 @@ def test_a_replica_moves_to_the_slow_stage():
     assignment, reps, placed = polish.polished(g, start, replicas, ranks, opts, moves=2)
     assert reps == [1, 2, 1] and placed == stage_ranks(reps)
     assert evaluate(g, assignment, reps, opts).bottleneck_s == pytest.approx(12e-3)
+    ev = evaluate(g, start, replicas, opts)  # the answer ``result`` gives: counts and ranks with the plan
+    found = PartitionResult(assignment=start, replicas=replicas, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+                            options=opts, status="FEASIBLE", objective_s=ev.bottleneck_s, bound_s=11e-3,
+                            wall_s=0.0, units=len(g.nodes), method="segment DP")
+    out = polish.result(g, found, math.inf)
+    assert out.replicas == [1, 2, 1] and [s.ranks for s in out.stages] == stage_ranks([1, 2, 1])
+    assert out.bottleneck_s == pytest.approx(12e-3) and out.bound_s == 11e-3
 
 
 def test_polished_plans_are_plans_and_faster():
