@@ -420,13 +420,15 @@ def result(graph: CostGraph, found: PartitionResult, deadline: float,
         return found
     assignment, replicas, ranks = new
     ev = evaluate(graph, assignment, replicas, opts, ranks=ranks)
+    moved = sum(max(0, b - a) for a, b in zip(replicas, found.replicas))  # replicas some stage gave up
     if progress is not None:
-        moved = sum(abs(a - b) for a, b in zip(replicas, found.replicas))
-        progress(f"partition: stage boundaries moved on single nodes{f' ({moved} replica moves)' if moved else ''}:"
-                 f" {found.bottleneck_s * 1e3:.4g} -> {ev.bottleneck_s * 1e3:.4g} ms per microbatch")
-    out = dataclasses.replace(found, assignment=assignment, replicas=list(replicas), stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+        also = f", {moved} replica{'s' * (moved > 1)} to other stages" if moved else ""
+        progress(f"partition: stage boundaries moved on single nodes{also}: {found.bottleneck_s * 1e3:.4g} -> "
+                 f"{ev.bottleneck_s * 1e3:.4g} ms per microbatch")
+    out = dataclasses.replace(found, assignment=assignment, replicas=list(replicas), stages=ev.stages,
+                              bottleneck_s=ev.bottleneck_s,
                               objective_s=ev.bottleneck_s, bound_s=min(found.bound_s, ev.bottleneck_s),
-                              method=found.method + ", boundaries polished")
+                              method=found.method + ", boundaries polished" + (", replicas moved" if moved else ""))
     if out.status == "FEASIBLE" and out.gap <= OPTIMAL_GAP:
         out.status = "OPTIMAL"
     return out

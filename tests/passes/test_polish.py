@@ -153,8 +153,10 @@ def test_a_replica_moves_to_the_slow_stage():
     found = PartitionResult(assignment=start, replicas=replicas, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
                             options=opts, status="FEASIBLE", objective_s=ev.bottleneck_s, bound_s=11e-3,
                             wall_s=0.0, units=len(g.nodes), method="segment DP")
-    out = polish.result(g, found, math.inf)
+    lines = []
+    out = polish.result(g, found, math.inf, lines.append)
     assert out.replicas == [1, 2, 1] and [s.ranks for s in out.stages] == stage_ranks([1, 2, 1])
+    assert out.method == "segment DP, boundaries polished, replicas moved" and "1 replica to other stages:" in lines[0]
     assert out.bottleneck_s == pytest.approx(12e-3) and out.bound_s == 11e-3
 
 
