@@ -219,13 +219,20 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     plans won no row of the benchmark and whose time a pass of it needs; no chained search (the paired
     one holds its plans) and the relaxation is not run again. On a two-level machine, whose answer
     drops the flat bound (``driver._flat_wide``), neither bound is run and the chained and merged
-    searches keep their places."""
+    searches keep their places. The paired search bisects between the early bound and the first plan,
+    except on the two-level machine (plans scored placed)."""
     calls, got = [], []
     real_searched, real_early = segment_plan.searched, segment_plan.early_bound
+
+    firsts, brackets = [], {}
 
     def searched(*args, widen=None, **kw):  # the searches after the first only recorded, to keep this short
         out = real_searched(*args, widen=widen, **kw) if widen in (None, wide_segments.narrowed) else None
         calls.extend([widen.__name__] if widen is not None else [])
+        if widen is wide_segments.narrowed:
+            firsts.append(out[1].objective)
+        elif widen is not None:
+            brackets[widen.__name__] = (kw.get("floor", 0.0), kw.get("ceiling", math.inf))
         return out
 
     def early(*args):
@@ -247,10 +254,14 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     assert calls[:5] == ["narrowed", "early", "paired", "finer", "merged"] and "chained" not in calls
     assert got[0] is not None and got[1] * (1 - 1e-12) <= res.bound_s <= res.bottleneck_s
     assert "relaxation" not in calls
+    # the paired search bisects between that bound and the first plan
+    assert brackets["paired"] == (got[0], firsts[0]) and got[0] < firsts[0] < math.inf
     calls.clear()
+    brackets.clear()
     res = partition(llama, 64, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
     assert res.method.startswith("segment DP (flat, slower links)") and calls[:4] == ["narrowed", "chained", "merged", "paired"]
     assert "finer" not in calls and "early" not in calls
+    assert set(brackets.values()) == {(0.0, math.inf)}  # plans scored placed: the searches stay whole
 
 
 @pytest.fixture(scope="module")
