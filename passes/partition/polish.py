@@ -256,10 +256,11 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
 
     def on(j: int, d: int, shift: int) -> Optional[Sequence[int]]:
         """Stage j's ranks with its count changed by d and ``shift`` devices moved before it (None where
-        that would start below rank 0: a state no plan reaches)."""
-        if d == 0 and shift == 0:
+        that would start below rank 0: a state no plan reaches). On a flat machine only the count matters
+        (``per_state`` asks once for every state), so the shift is left out."""
+        if d == 0 and (shift == 0 or flat):
             return ranks[j]
-        start = int(first_rank[j]) + shift
+        start = int(first_rank[j]) + (0 if flat else shift)
         return list(range(start, start + replicas[j] + d)) if start >= 0 else None
 
     known = {} if cache is None else cache

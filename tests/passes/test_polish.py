@@ -128,6 +128,28 @@ def test_replica_moves_on_nodes_keep_tied_stages_ranks():
     assert moved >= 2  # 3 of 150 here
 
 
+def test_the_first_stage_takes_a_replica():
+    """A heavy first stage (one replica) beside a light replicated one: a replica moves to stage 0, where
+    no device was moved before it (keeping the counts: 14 ms; moved: 12 ms a stage), flat and on nodes of
+    two."""
+    nodes = {"x": CostNode(name="x", op="placeholder", target="x", fwd_s=0.0, bwd_s=0.0, out_bytes=10,
+                           param_bytes=0, is_input=True)}
+    for i, c in enumerate([4] * 3 + [1] * 6 + [1] * 6):
+        nodes[f"l{i}"] = CostNode(name=f"l{i}", op="call_module", target="t", fwd_s=c * 1e-3, bwd_s=c * 1e-3,
+                                  out_bytes=10, param_bytes=0)
+    nodes["out"] = CostNode(name="out", op="output", target="o", fwd_s=0.0, bwd_s=0.0, out_bytes=0, param_bytes=0)
+    names = list(nodes)
+    g = CostGraph(nodes=nodes, edges=list(zip(names, names[1:])))
+    start = {n: 0 if i < 4 else 1 if i < 10 else 2 for i, n in enumerate(names)}
+    for opts in (CostOptions(devices=4), CostOptions(devices=4, gpus_per_node=2, intra_bandwidth=1e10)):
+        replicas = [1, 2, 1]
+        kept = polish.polished(g, start, replicas, stage_ranks(replicas), opts)
+        assert kept is not None and evaluate(g, kept[0], replicas, opts).bottleneck_s == pytest.approx(14e-3)
+        assignment, reps, placed = polish.polished(g, start, replicas, stage_ranks(replicas), opts, moves=2)
+        assert reps == [2, 1, 1] and placed == stage_ranks(reps)
+        assert evaluate(g, assignment, reps, opts, ranks=placed).bottleneck_s == pytest.approx(12e-3)
+
+
 def test_a_replica_moves_to_the_slow_stage():
     """Three stages of a line on 4 devices, the two replicas on a light first stage: keeping the counts,
     the heavy middle stage gives up at most a node a side (16 ms); moving a replica to it makes every stage
