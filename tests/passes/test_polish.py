@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import math
 import random
+from typing import Sequence
 
 import pytest
 
@@ -128,19 +129,25 @@ def test_replica_moves_on_nodes_keep_tied_stages_ranks():
     assert moved >= 2  # 3 of 150 here
 
 
-def test_the_first_stage_takes_a_replica():
-    """A heavy first stage (one replica) beside a light replicated one: a replica moves to stage 0, where
-    no device was moved before it (keeping the counts: 14 ms; moved: 12 ms a stage), flat and on nodes of
-    two."""
+def _weighted_line(work_ms: Sequence[int], cuts: Sequence[int]):
+    """A line x -> l0 -> ... -> out whose layers take ``work_ms`` forward and as much backward, and a plan
+    whose stages begin at the given places of that line (x is place 0)."""
     nodes = {"x": CostNode(name="x", op="placeholder", target="x", fwd_s=0.0, bwd_s=0.0, out_bytes=10,
                            param_bytes=0, is_input=True)}
-    for i, c in enumerate([4] * 3 + [1] * 6 + [1] * 6):
+    for i, c in enumerate(work_ms):
         nodes[f"l{i}"] = CostNode(name=f"l{i}", op="call_module", target="t", fwd_s=c * 1e-3, bwd_s=c * 1e-3,
                                   out_bytes=10, param_bytes=0)
     nodes["out"] = CostNode(name="out", op="output", target="o", fwd_s=0.0, bwd_s=0.0, out_bytes=0, param_bytes=0)
     names = list(nodes)
     g = CostGraph(nodes=nodes, edges=list(zip(names, names[1:])))
-    start = {n: 0 if i < 4 else 1 if i < 10 else 2 for i, n in enumerate(names)}
+    return g, {n: sum(i >= c for c in cuts) for i, n in enumerate(names)}
+
+
+def test_the_first_stage_takes_a_replica():
+    """A heavy first stage (one replica) beside a light replicated one: a replica moves to stage 0, where
+    no device was moved before it (keeping the counts: 14 ms; moved: 12 ms a stage), flat and on nodes of
+    two."""
+    g, start = _weighted_line([4] * 3 + [1] * 12, (4, 10))
     for opts in (CostOptions(devices=4), CostOptions(devices=4, gpus_per_node=2, intra_bandwidth=1e10)):
         replicas = [1, 2, 1]
         kept = polish.polished(g, start, replicas, stage_ranks(replicas), opts)
@@ -154,15 +161,7 @@ def test_a_replica_moves_to_the_slow_stage():
     """Three stages of a line on 4 devices, the two replicas on a light first stage: keeping the counts,
     the heavy middle stage gives up at most a node a side (16 ms); moving a replica to it makes every stage
     12 ms."""
-    nodes = {"x": CostNode(name="x", op="placeholder", target="x", fwd_s=0.0, bwd_s=0.0, out_bytes=10,
-                           param_bytes=0, is_input=True)}
-    for i, c in enumerate([1] * 6 + [4] * 3 + [1] * 6):
-        nodes[f"l{i}"] = CostNode(name=f"l{i}", op="call_module", target="t", fwd_s=c * 1e-3, bwd_s=c * 1e-3,
-                                  out_bytes=10, param_bytes=0)
-    nodes["out"] = CostNode(name="out", op="output", target="o", fwd_s=0.0, bwd_s=0.0, out_bytes=0, param_bytes=0)
-    names = list(nodes)
-    g = CostGraph(nodes=nodes, edges=list(zip(names, names[1:])))
-    start = {n: 0 if i < 7 else 1 if i < 10 else 2 for i, n in enumerate(names)}
+    g, start = _weighted_line([1] * 6 + [4] * 3 + [1] * 6, (7, 10))
     opts, replicas = CostOptions(devices=4), [2, 1, 1]
     ranks = stage_ranks(replicas)
     kept = polish.polished(g, start, replicas, ranks, opts)
