@@ -253,18 +253,32 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     first_rank = np.cumsum([0] + list(replicas))
     shifts = range(-span, span + 1)
     flat = opts.gpus_per_node is None  # where only replica counts matter, not which ranks
+    in_order = [list(r) for r in ranks] == topology.stage_ranks(replicas)
 
     def on(j: int, d: int, shift: int) -> Optional[Sequence[int]]:
         """Stage j's ranks with its count changed by d and ``shift`` devices moved before it (None where
-        that would start below rank 0: a state no plan reaches). On a flat machine only the count matters
-        (``per_state`` asks once for every state), so the shift is left out."""
-        if d == 0 and (shift == 0 or flat):
+        that would start below rank 0: a state no plan reaches); a ``range`` where they are consecutive.
+        On a flat machine only the count matters (``per_state`` asks once for every state), so the shift
+        is left out."""
+        if d == 0 and (shift == 0 or flat) and not in_order:
             return ranks[j]
         start = int(first_rank[j]) + (0 if flat else shift)
-        return list(range(start, start + replicas[j] + d)) if start >= 0 else None
+        return range(start, start + replicas[j] + d) if start >= 0 else None
 
     known = {} if cache is None else cache
     charge = {"sync": lambda r: allreduce_on(1.0, r, opts), "link": lambda x, y: cut_on(1.0, x, y, opts)}
+
+    def key(what: str, placed: List[Sequence[int]]) -> tuple:
+        """The cache's key: the counts on a flat machine; else consecutive ranks as (first, count) moved
+        by whole nodes to start in the first node (the all-reduce and the links depend on how the ranks
+        fall into nodes, not on which nodes: ``topology.node_counts``, ``pair_load``), other rank sets
+        whole."""
+        if flat:
+            return (what, *(len(r) for r in placed))
+        if all(isinstance(r, range) for r in placed):
+            base = min(r.start for r in placed) // opts.gpus_per_node * opts.gpus_per_node
+            return (what, *((r.start - base, len(r)) for r in placed))
+        return (what, *(tuple(r) for r in placed))
 
     def per_state(what: str, *stages) -> np.ndarray:
         """``charge[what]`` of the ranks of ``stages`` ((stage, change, devices moved before it less those
@@ -273,10 +287,10 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
             placed = [on(j, d, m + extra) for j, d, extra in stages]
             if any(r is None for r in placed):
                 return math.inf
-            key = (what, *(len(r) for r in placed)) if flat else (what, *(tuple(r) for r in placed))
-            if key not in known:
-                known[key] = charge[what](*placed)
-            return known[key]
+            k = key(what, placed)
+            if k not in known:
+                known[k] = charge[what](*placed)
+            return known[k]
         return np.full(D, one(0)) if flat else np.array([one(m) for m in shifts])
 
     def work(j, lo: Optional[_Window], hi: Optional[_Window], d: int) -> np.ndarray:
