@@ -197,18 +197,16 @@ def _head(nodes: List[str], n: int, g: _Graph) -> List[str]:
     return into[:fixed[0]] if fixed else into
 
 
-def _moves(g: _Graph, assignment: Mapping[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
-           opts: CostOptions, moves: int) -> List[List[int]]:
+def _moves(replicas: Sequence[int], tied_stages: set, in_order: bool, opts: CostOptions,
+           moves: int) -> List[List[int]]:
     """Each stage's replica changes a round may make: none (``moves`` 0, a memory limit, replication other
-    than ``any``, a two-level machine whose stages do not sit on consecutive ranks in stage order, or a
-    stage holding a tied weight, whose sync depends on its group), else one replica fewer or more (at
-    least one)."""
-    placed = [list(r) for r in ranks] == topology.stage_ranks(replicas)
+    than ``any``, a two-level machine whose stages do not sit on consecutive ranks in stage order, not
+    ``in_order``, or one of ``tied_stages``, holding a tied weight, whose sync depends on its group), else
+    one replica fewer or more (at least one)."""
     if moves == 0 or opts.memory is not None or opts.replication != "any" or \
-            (opts.gpus_per_node is not None and not placed):
+            (opts.gpus_per_node is not None and not in_order):
         return [[0] for _ in replicas]
-    tied = {j for group in tied_weights(g.graph, assignment) for j in group}
-    return [[0] if j in tied else [d for d in (-1, 0, 1) if r + d >= 1] for j, r in enumerate(replicas)]
+    return [[0] if j in tied_stages else [d for d in (-1, 0, 1) if r + d >= 1] for j, r in enumerate(replicas)]
 
 
 def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks: Sequence[Sequence[int]],
@@ -247,13 +245,13 @@ def _round(g: _Graph, assignment: Dict[str, int], replicas: Sequence[int], ranks
     tied_stages = {j for group in tied for j in group}
     memory = [memory_terms(j, replicas, opts) for j in range(S)]
     total = [sum(field.values()) for field in (g.work, g.params, g.acts)]
-    change = _moves(g, assignment, replicas, ranks, opts, moves)
+    in_order = [list(r) for r in ranks] == topology.stage_ranks(replicas)
+    change = _moves(replicas, tied_stages, in_order, opts, moves)
     span = moves if any(len(c) > 1 for c in change) else 0
     D = 2 * span + 1  # devices moved so far, -span .. span
     first_rank = np.cumsum([0] + list(replicas))
     shifts = range(-span, span + 1)
     flat = opts.gpus_per_node is None  # where only replica counts matter, not which ranks
-    in_order = [list(r) for r in ranks] == topology.stage_ranks(replicas)
 
     def on(j: int, d: int, shift: int) -> Optional[Sequence[int]]:
         """Stage j's ranks with its count changed by d and ``shift`` devices moved before it (None where
