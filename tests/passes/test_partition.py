@@ -405,8 +405,13 @@ def test_time_the_coarsened_search_leaves_goes_to_every_node():
     # 4-10 s alone here; under the full suite's load on 2 cores the proof once took past 20 s (2026-12-03)
     # and once was not done at 40 s (fresh-clone CI, 2026-12-05; 6 s in eleven runs alone that hour, also
     # beside a busy core), so the limit leaves room: the search returns as soon as it is proven
+    # the memory guard once stopped both searches here within 3 s (fresh-clone CI, 2026-12-06): CP-SAT's
+    # later presolve passes spiked the process by up to 690 MB (model.py now runs one); a stop says so
+    stops = []
     start = time.monotonic()
-    res = partition(g, 8, bandwidth=1.25e9, time_limit=90)
+    res = partition(g, 8, bandwidth=1.25e9, time_limit=90,
+                    progress=lambda line: stops.append(line) if "MB of memory" in line else None)
+    assert not stops, stops
     # OPTIMAL needs the bound on every node (the coarsened run's holds for its groups only); the plan
     # may be either run's, as they tie when the coarsened run finds the optimum
     assert res.status == "OPTIMAL" and res.method in ("CP-SAT", "CP-SAT on every node"), \
