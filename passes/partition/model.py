@@ -405,11 +405,15 @@ class PartitionModel:
         solver.parameters.num_workers = int(workers)
         solver.parameters.relative_gap_limit = 1e-4
         solver.parameters.cp_model_probing_level = 0  # probing cost seconds of presolve and bought no bound here
-        # one presolve pass, not three: with three, inception_v3's 300 coarsened units on 8 devices (OR-Tools
-        # 9.15, two workers) spiked the process by 450-690 MB for a few tenths of a second in most runs, as the
-        # LNS workers' sub-models were presolved, which tripped the memory guard before the proof (nasnetamobile
-        # on 16: 890 MB); with one, 13 of 14 runs stayed within 130 MB of the search's start (one 390 MB), the
-        # same optimum proven as fast, and the branchy benchmark's open rows read as close or closer
+        # no dual reductions in presolve: removing a variable that appears in one linear constraint runs a
+        # knapsack DP over that constraint's range (``RemoveSingletonInLinear``), a table the size of the
+        # stage-time scale (12.5 MB each on a 207-unit encoder LM), and an LNS worker's sub-model held 56 of
+        # them at once: the process grew by 450-690 MB for a few tenths of a second on models of 200-300
+        # units (OR-Tools 9.15; found with gdb and strace), which tripped the memory guard before the proof.
+        # Without them the peak stays within 130 MB of the search's start and the same optima are proven
+        # as fast. One presolve pass, not three: the branchy benchmark's open rows read as close or closer
+        # (inception_v3 on 32 devices 2.77 % open, mean of three runs, 3.30 % with three passes)
+        solver.parameters.keep_all_feasible_solutions_in_presolve = True
         solver.parameters.max_presolve_iterations = 1
         scale = self.mem_unit if self.minimise_memory else self.q
         # with tied weights whose groups are not encoded (``_tied_groups``) the objective only floors their

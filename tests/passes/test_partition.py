@@ -406,7 +406,7 @@ def test_time_the_coarsened_search_leaves_goes_to_every_node():
     # and once was not done at 40 s (fresh-clone CI, 2026-12-05; 6 s in eleven runs alone that hour, also
     # beside a busy core), so the limit leaves room: the search returns as soon as it is proven
     # the memory guard once stopped both searches here within 3 s (fresh-clone CI, 2026-12-06): CP-SAT's
-    # later presolve passes spiked the process by up to 690 MB (model.py now runs one); a stop says so
+    # presolve spiked the process by up to 690 MB (model.py, ``keep_all_feasible_solutions_in_presolve``)
     stops = []
     start = time.monotonic()
     res = partition(g, 8, bandwidth=1.25e9, time_limit=90,
