@@ -2,9 +2,10 @@
 
 CP-SAT's learned clauses grow with the time it is given: HF GPT-2 with a tied
 head on 64 devices took the planner's process to 349 MB after 30 s of search
-and to 0.8–1.5 GB after 60 s (four runs) on a 2-core machine (most of the
-peak above 725 MB was the presolve's dual reductions in its LNS workers, now
-off in ``model.py``: 723–725 MB at 60 s since). Its own ``max_memory_in_mb``
+and to 0.8–1.5 GB after 60 s (four runs) on a 2-core machine (its presolve's
+dual reductions, repeated in the LNS workers, and its later presolve passes
+are now off, ``model.py``: 723–725 MB at 60 s since, 1,121–1,249 MB the same
+day with them). Its own ``max_memory_in_mb``
 parameter did not stop it there (set to 300 MB, the same run reached 1.3 GB;
 or-tools issue 1944 calls it a known issue), and the planner promises at most
 1 GiB. So a thread polls the process's resident size while the search runs

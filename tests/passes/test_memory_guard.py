@@ -1,7 +1,7 @@
 """The memory guard that stops a CP-SAT search at the planner's memory limit (``memory_guard.py``)."""
 from __future__ import annotations
 
-import threading
+import math
 import time
 from pathlib import Path
 
@@ -99,25 +99,6 @@ def test_past_and_nested_planning_share_one_budget(monkeypatch):
 ENCODER_LM = Path(__file__).parent / "data" / "encoder_lm_4_devices.json"  # tests/fxpipe's EncoderLM, profiled
 
 
-def _peak_growth(run) -> float:
-    """MB the process grew by at most while ``run()`` ran (read every 2 ms from another thread)."""
-    start, peak, done = resident_mb(), [0.0], threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_mb())
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        run()
-    finally:
-        done.set()
-        watcher.join()
-    return peak[0] - start
-
-
 def test_cp_sat_presolve_does_not_spike_the_process():
     """The profile of tests/fxpipe's encoder LM (207 units) on 4 devices, split as that test does: with dual
     reductions in CP-SAT's presolve, an LNS worker's sub-model held 56 knapsack tables of 12.5 MB at once,
@@ -126,7 +107,7 @@ def test_cp_sat_presolve_does_not_spike_the_process():
     graph = CostGraph.load(ENCODER_LM)
     for _ in range(5):
         stops = []
-        grown = _peak_growth(lambda: partition(graph, 4, replication="none", time_limit=5,
-                                               progress=lambda line: stops.append(line) if "MB of memory" in line
-                                               else None))
-        assert not stops and grown < 300, (grown, stops)
+        with MemoryGuard(lambda: None, limit_mb=math.inf, poll_s=0.002) as watch:  # only its peak is read
+            partition(graph, 4, replication="none", time_limit=5,
+                      progress=lambda line: stops.append(line) if "MB of memory" in line else None)
+        assert not stops and watch.peak_mb - watch.start_mb < 300, (watch.peak_mb - watch.start_mb, stops)
