@@ -475,6 +475,44 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     return _searched_replicas(every, T, opts)
 
 
+def floor_applies(opts: CostOptions) -> bool:
+    """Whether ``replicas_floor`` covers these options: fxpipe's charges, any count, a flat network."""
+    return opts.cost_model == "fxpipe" and opts.replication == "any" and opts.gpus_per_node is None
+
+
+def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float, opts: CostOptions,
+                   span: float) -> np.ndarray:
+    """A lower bound on ``min_replicas`` of untied stages from each start point to each end point
+    (broadcasting: prefix sums of compute and weight bytes, and the cut at each point), under
+    ``floor_applies`` options, for a pass that only has to prove T infeasible (a bound): one that needs
+    more than K devices on these counts needs more on the exact ones. ``span``: at least
+    ``|c| + 2|p|/B_ar`` of every point (the totals).
+
+    The fewest count is ``max(ceil((C - a)/(T - a)), ceil(2A/(B·T)))`` where C > T, one replica below
+    (``_untied_replicas``); ``min_replicas`` then checks every stage whose ratio may round across a
+    whole number, which took most of its time on the whole-block Llama passes of
+    ``segment_plan.finer_bound``. Here the numerator is lowered and the denominator raised by a
+    margin far above any rounding of the sums (1e-9 of ``span``), so a count can only come out low,
+    by one where a ratio lies that close to a whole number, and nothing needs a check. ``C - a`` is the
+    difference of one term per point (``c - 2p/B_ar``), and so is ``T - a``: a dozen operations on the
+    full (start x end) arrays, a third of the exact count's."""
+    K = opts.devices
+    two_ar = 2.0 / opts.ar_bandwidth
+    c_start, p_start, c_end, p_end = (np.asarray(x, dtype=float) for x in (c_start, p_start, c_end, p_end))
+    margin = 1e-9 * (span + T)
+    e = (c_end - two_ar * p_end - margin) - (c_start - two_ar * p_start)  # C - a, lowered
+    d = (T + margin - two_ar * p_end) + two_ar * p_start  # T - a, raised
+    with np.errstate(divide="ignore", invalid="ignore"):
+        need = np.ceil(e / d)
+    over = c_end > c_start + T * (1.0 + 1e-6)  # one replica does not fit (its time is at least C)
+    # where a >= T (d <= 0) and C > T no count fits: from two on the time is a - (a - C)/r, above (a + C)/2
+    need = np.where(over, np.where(d > 0, np.maximum(need, 2.0), K + 1.0), 1.0)
+    keep = (1.0 - 1e-9) * 2.0 / (opts.bandwidth * T)  # each cut's 2A/(B·r) <= T, lowered
+    need = np.maximum(need, np.maximum(np.ceil(np.asarray(cut_start, dtype=float) * keep),
+                                       np.ceil(np.asarray(cut_end, dtype=float) * keep)))
+    return np.where(need <= K, need, K + 1).astype(np.int64)
+
+
 def _searched_replicas(every: List[np.ndarray], T: float, opts: CostOptions) -> np.ndarray:
     """``min_replicas`` by search (see there) on the broadcast columns ``every``."""
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from passes.costgraph import CostGraph
 from passes.partition import (anchors, branches, charged, node_floor, placed, retie, stage_count, wide_blocks,
                                wide_segments)
-from passes.partition.chain import PROVE_WITHIN, TOLERANCE, solve as chain_solve, unit_bottleneck
+from passes.partition.chain import PROVE_WITHIN, TOLERANCE, ChainSolver, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.memory_guard import past
@@ -327,7 +327,7 @@ def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     if ceiling <= floor * (1 + OPTIMAL_GAP):
         return None  # proven already
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, wide_segments.NARROW, floor=floor, ceiling=ceiling,
-                        bound_only=True)
+                        bound_only=True, floor_counts=True)
     return None if lower is None else lower[1].bound - lower[2]
 
 
@@ -367,7 +367,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     1.0249), so it bisects from the middle
     (``from_middle``; docs/benchmarks.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True, from_middle=True)
+                        bound_only=True, exact_wide=True, from_middle=True, floor_counts=True)
     if lower is None:
         return None
     _, found, margin = lower
@@ -542,14 +542,15 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
-                from_middle: bool = False):
+                from_middle: bool = False, floor_counts: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
     is then none);
     ``exact_wide``: search segments over ``wide_segments.LIMIT`` downsets as they are (``finer_bound``);
     ``from_middle``: the flat DP's first pass between ``floor`` and ``ceiling`` at the middle
-    (``chain.solve``);
+    (``chain.solve``); ``floor_counts``: the flat DP counts replicas from below (``chain.ChainSolver``), for
+    a search whose bound alone is kept (its plans need not meet the T of their pass);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -611,7 +612,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             return wide_blocks.better(graph, opts, first, units, found, fold_margin(units, folded))
         if wide_segments.too_wide(segs) and widen is None and not exact_wide and is_deep(graph, opts):
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
-        found = chain_solve(units, segs, opts, deadline, score, tolerance=tolerance or TOLERANCE, floor=floor,
+        solver = ChainSolver(units, segs, opts, floor_counts=True) if floor_counts else None
+        found = chain_solve(units, segs, opts, deadline, score, solver, tolerance=tolerance or TOLERANCE, floor=floor,
                             ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, from_middle=from_middle)
     if found is None:
         return None
