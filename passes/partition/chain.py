@@ -110,8 +110,8 @@ class ChainSolver:
         """``floor_counts``: untied stages count ``costmodel.replicas_floor`` replicas, not the exact fewest,
         where the options allow (``floor_applies``): for a search that keeps only its bound, since an
         infeasible pass still proves T (a feasible one may find a plan that does not meet T; it is
-        scored as it runs). On the 96-layer HF Llama's whole-block passes (``segment_plan.finer_bound``)
-        a pass took 3.0-3.2 s instead of 3.8-4.0."""
+        scored as it runs). On the 96-layer HF Llama's whole-block passes (``segment_plan.finer_bound``,
+        256 devices) a pass took 2.2-2.5 s instead of 3.8-4.5."""
         self.units, self.segs, self.opts = units, segments, opts
         self.shared_bytes = np.array([float(nb) for nb, _ in units.shared.values()])
         self.shared_users = np.array([len(users) for _, users in units.shared.values()])
@@ -884,7 +884,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
           plan_by: float = math.inf, trust_ceiling: bool = False,
-          settle_above: Optional[float] = None, from_middle: bool = False) -> Optional[ChainSolution]:
+          settle_above: Optional[float] = None) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -924,10 +924,6 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     plan is likely the optimum (``wide_blocks``: the coarse lattice's), so once a pass proves it within
     ``PROVE_WITHIN`` the next checks just under it, where one infeasible pass closes the search; the
     placed DPs' bracket plans are not, and a pass there mostly found a plan a hair faster.
-    ``from_middle``: with a ceiling, the first pass bisects the bracket too, rather than sitting
-    ``PROVE_WITHIN`` under the ceiling: for a relaxation known to lie well under the plans
-    (``segment_plan.finer_bound``), where the time left may hold one pass and only an infeasible one
-    proves anything.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -951,7 +947,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         elif best is None:
             return None
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
-        first_wide = wide and not from_middle
+        first_wide = wide
         while hi > lo * (1 + tolerance):
             if best is not None and time.monotonic() > settle_by and \
                     (settle_above is None or best.objective > hi * (1 + settle_above)):

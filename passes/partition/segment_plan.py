@@ -46,8 +46,9 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
-# on the 24-layer Llama its lattices take 0.5 s to build and a pass 1.5-6 s (quick and slow days on this
-# machine), and a pass cut off proves nothing
+# its lattices take 0.5 s to build and a pass 1-1.5 s on the 24-layer Llama, 2.2-3.2 s on the 96-layer
+# one (1.5-6 s on 24 layers before its counts came from below, quick and slow days on this machine),
+# and a pass cut off proves nothing
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
 # order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; the search
 # on merged blocks comes after ``finer_bound`` (``_merged_plan``). Not the chained search: ``paired`` holds
@@ -350,24 +351,25 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
                 exits: Sequence[anchors.Exit], floor: float, ceiling: float) -> Optional[float]:
     """A bound from ``relaxation``'s graph with the wide segments' weightless nodes kept where their
     lattice has at most ``segments.MAX_DOWNSETS`` downsets (freed only past it), searched between
-    ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), its first pass at the
-    middle; cut off, the highest T its passes proved infeasible (``floor`` if none); None where the
-    deadline passed before it began or a lattice is still too wide.
+    ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), its first pass
+    ``chain.PROVE_WITHIN`` under the plan; cut off, the highest T its passes proved infeasible (``floor``
+    if none); None where the deadline passed before it began or a lattice is still too wide.
 
     ``relaxation`` frees every weightless node of a segment over ``wide_segments.NARROW`` downsets, and
     that compute, a fifth of a Llama's, fills the slack of any stage: its bound stays near sum C / K.
     Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
-    the rotary tables, 27,228 downsets: freed), a DP pass takes 1.5-6 s and up to 0.4 GB here (10-16 s
-    before the pass's shortcuts, ``chain.ChainSolver._near``), so this runs with the time the plans
-    leave (``chain_plan``: right after the narrowed and paired searches, ``FINER_AFTER``): at
-    10 s one to four passes there, depending on the day. One infeasible pass is the answer: a first
-    pass 1 % under the plan (``chain.solve``'s default) is feasible on 32-512 devices, where the bound
-    run to its end stays over 1 % under the plan (64 devices: that pass at 1.028 x sum C / K, the bound
-    1.0249), so it bisects from the middle
-    (``from_middle``; docs/benchmarks.md)."""
+    the rotary tables, 27,228 downsets: freed); a DP pass, on replica counts from below
+    (``floor_counts``), takes 1-1.5 s on 24 layers and 2.2-3.2 s on 96 here, so this runs with the
+    time the plans leave (``chain_plan``: right after the narrowed and paired searches,
+    ``FINER_AFTER``), often one pass. One infeasible pass 1 % under the plan proves the plan within
+    1 %: on the 96-layer Llama this bound lies 0.3-0.6 % under the plans (128-512 devices, run to its
+    end), and at 10 s 256-1,024 devices went from 1.6-1.7 % open to 0.95-0.99 %. On the 24-layer one
+    it lies 1.0-2.8 % under (32, 256, 512 devices), where that pass is feasible and proves nothing;
+    a first pass between bound and plan instead (until this release) left those rows within 0.01 %
+    of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True, from_middle=True, floor_counts=True)
+                        bound_only=True, exact_wide=True, floor_counts=True)
     if lower is None:
         return None
     _, found, margin = lower
@@ -542,15 +544,14 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
-                from_middle: bool = False, floor_counts: bool = False):
+                floor_counts: bool = False):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
     is then none);
     ``exact_wide``: search segments over ``wide_segments.LIMIT`` downsets as they are (``finer_bound``);
-    ``from_middle``: the flat DP's first pass between ``floor`` and ``ceiling`` at the middle
-    (``chain.solve``); ``floor_counts``: the flat DP counts replicas from below (``chain.ChainSolver``), for
-    a search whose bound alone is kept (its plans need not meet the T of their pass);
+    ``floor_counts``: the flat DP counts replicas from below (``chain.ChainSolver``), for a search whose
+    bound alone is kept (its plans need not meet the T of their pass);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -614,7 +615,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         solver = ChainSolver(units, segs, opts, floor_counts=True) if floor_counts else None
         found = chain_solve(units, segs, opts, deadline, score, solver, tolerance=tolerance or TOLERANCE, floor=floor,
-                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, from_middle=from_middle)
+                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

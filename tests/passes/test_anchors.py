@@ -269,6 +269,38 @@ def llama() -> CostGraph:
     return CostGraph.load(LLAMA)
 
 
+def test_finer_bound_first_pass_proves_the_plan_within_one_percent(llama, monkeypatch):
+    """``finer_bound``'s first pass sits ``chain.PROVE_WITHIN`` under the plan, on replica counts from below
+    (``floor_counts``): one infeasible pass proves the plan within 1 %, which is all the time left holds
+    on a 96-layer Llama. Here one pass each: the 24-layer Llama on 64 devices, whose bound of this
+    relaxation lies 2.5 % over sum C / K, with a plan 2 % over it (the pass fails: the bound is its T)
+    and 5 % over (the pass finds a relaxed plan: nothing proven past the floor given)."""
+    K = 64
+    opts = CostOptions(devices=K)
+    exits = anchors.exits(llama, opts)
+    cones = branches.input_only_cones(anchors.anchored(llama, exits), opts)
+    ideal = llama.total_compute_s() / K
+    asked = []
+    real = chain.ChainSolver.devices_needed
+
+    def one_pass(self, T, deadline=math.inf):
+        if asked:
+            raise chain.DeadlineExceeded()
+        asked.append((T, self._floor_span is not None))
+        return real(self, T, deadline)
+
+    monkeypatch.setattr(chain.ChainSolver, "devices_needed", one_pass)
+    for over, proven in ((1.02, True), (1.05, False)):
+        asked.clear()
+        bound = segment_plan.finer_bound(llama, opts, math.inf, cones, exits, ideal, over * ideal)
+        T, floored = asked[0]
+        assert floored and T == pytest.approx(over * ideal / (1 + chain.PROVE_WITHIN), rel=1e-6)
+        if proven:
+            assert bound >= over * ideal / (1 + chain.PROVE_WITHIN) * (1 - 1e-6)
+        else:
+            assert ideal * (1 - 1e-6) <= bound <= ideal * (1 + 1e-6)
+
+
 def test_llama_rotary_reads_block_every_separator_until_anchored(llama):
     opts = CostOptions(devices=512)
     plain, _ = folded_units(llama, opts, keep_dead=True)

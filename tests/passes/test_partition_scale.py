@@ -464,23 +464,6 @@ def test_first_pass_under_a_known_plan_a_few_percent_above_the_bound(apart):
     assert found.bound >= top / (1 + PROVE_WITHIN)
 
 
-def test_first_pass_from_the_middle_bisects_the_bracket():
-    """``from_middle`` (``segment_plan.finer_bound``: a relaxation that lies well under the plans, where
-    the time left may hold a single pass): the first pass bisects between the bound and the caller's
-    plan, geometrically, rather than sitting 1 % under the plan, where that relaxation is feasible and
-    the pass proves nothing; the bisection then goes on as without it."""
-    from passes.partition.chain import solve
-
-    units, segs, opts, score, recording, asked = _recorded_chain()
-    best = solve(units, segs, opts, float("inf"), score)
-    top = best.objective * (1 - 1e-6)
-    lo = max(top / 1.2, sum(units.compute) / opts.devices)
-    assert top > lo * 1.02  # a bracket wider than the 1 % the old first pass sits under the plan
-    found = solve(units, segs, opts, float("inf"), score, recording, floor=top / 1.2, ceiling=top, from_middle=True)
-    assert asked[0] == pytest.approx(math.sqrt(lo * top), rel=1e-6)
-    assert len(asked) > 1 and found.bound >= best.bound * (1 - 1e-3)
-
-
 def test_first_pass_under_a_plan_within_one_percent_tries_just_above_the_bound():
     """Within ``PROVE_WITHIN`` of the bound the plan is proven close enough already; the first pass then
     tries the ladder's first rung above the bound, where the optimum often sits."""
