@@ -818,7 +818,7 @@ def _gathered(ends: tuple, points: tuple, which) -> tuple:
     """``_r``'s eight arguments for the pairs ``which`` (a slice or indices) of a segment: the start's then
     the end's columns (``points``: compute, weight bytes, shared users, cut per point) at the pairs'
     points (``ends``)."""
-    return tuple(x[e[which]] for e, cols in zip(ends, points) for x in cols)
+    return tuple(x[at] for e, cols in zip(ends, points) for at in (e[which],) for x in cols)  # each side's points once
 
 
 def stage_compute(ci, cj, two: bool) -> np.ndarray:
