@@ -488,14 +488,15 @@ def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float,
     more than K devices on these counts needs more on the exact ones. ``span``: at least
     ``|c| + 2|p|/B_ar`` of every point (the totals).
 
-    The fewest count is ``max(ceil((C - a)/(T - a)), ceil(2A/(B·T)))`` where C > T, one replica below
-    (``_untied_replicas``); ``min_replicas`` then checks every stage whose ratio may round across a
-    whole number, which took most of its time on the whole-block Llama passes of
-    ``segment_plan.finer_bound``. Here the numerator is lowered and the denominator raised by a
-    margin far above any rounding of the sums (1e-9 of ``span``), so a count can only come out low,
-    by one where a ratio lies that close to a whole number, and nothing needs a check. ``C - a`` is the
-    difference of one term per point (``c - 2p/B_ar``), and so is ``T - a``: a dozen operations on the
-    full (start x end) arrays, a third of the exact count's."""
+    The fewest count is ``max(ceil((C - a)/(T - a)), ceil(2A/(B·T)))`` where C > T, and one replica
+    (or the cuts' count) where C <= T (``_untied_replicas``); ``min_replicas`` then checks every stage
+    whose ratio may round across a whole number, which took most of its time on the whole-block
+    Llama passes of ``segment_plan.finer_bound``. Here every comparison leans the stage's way by a
+    margin far above any rounding of the sums (1e-9 of ``span``): the numerator lowered, the
+    denominator raised, C against T, the cuts' ratios. So a count can only come out low, where a
+    ratio lies within that margin of a whole number (or C of T), and nothing needs a check. ``C - a``
+    is the difference of one term per point (``c - 2p/B_ar``), and so is ``T - a``: a dozen operations
+    on the full (start x end) arrays, about a third of the exact count's time a stage (profiled)."""
     K = opts.devices
     two_ar = 2.0 / opts.ar_bandwidth
     c_start, p_start, c_end, p_end = (np.asarray(x, dtype=float) for x in (c_start, p_start, c_end, p_end))
@@ -504,7 +505,7 @@ def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float,
     d = (T + margin - two_ar * p_end) + two_ar * p_start  # T - a, raised
     with np.errstate(divide="ignore", invalid="ignore"):
         need = np.ceil(e / d)
-    over = c_end > c_start + T * (1.0 + 1e-6)  # one replica does not fit (its time is at least C)
+    over = c_end - margin > c_start + T  # one replica does not fit (its time is at least C)
     # where a >= T (d <= 0) and C > T no count fits: from two on the time is a - (a - C)/r, above (a + C)/2
     need = np.where(over, np.where(d > 0, np.maximum(need, 2.0), K + 1.0), 1.0)
     keep = (1.0 - 1e-9) * 2.0 / (opts.bandwidth * T)  # each cut's 2A/(B·r) <= T, lowered

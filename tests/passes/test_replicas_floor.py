@@ -63,9 +63,14 @@ def test_floor_at_the_all_reduce_term():
     T = 1e-2  # 2P/B_ar = 1e-2 for 1e7 bytes
     c_end, p_end = np.array([5e-3, 2e-2, 1e-2, 3e-2]), np.array([1e7, 1e7, 1e7, 2e7])
     want = min_replicas(c_end, p_end, 0.0, 0.0, T, opts)
-    got = replicas_floor(0.0, 0.0, 0.0, c_end, p_end, 0.0, T, opts, float(c_end.sum() + 2e-9 * p_end.sum()))
+    span = float(c_end.sum() + 2.0 * p_end.sum() / opts.ar_bandwidth)
+    got = replicas_floor(0.0, 0.0, 0.0, c_end, p_end, 0.0, T, opts, span)
     assert want.tolist() == [1, 65, 1, 65]
     assert got.tolist() == want.tolist()
+    c_end = T * (1 + np.array([-1e-12, 0.0, 1e-12, 1e-6]))  # compute a hair around T, no weights
+    want = min_replicas(c_end, 0.0, 0.0, 0.0, T, opts)
+    got = replicas_floor(0.0, 0.0, 0.0, c_end, 0.0, 0.0, T, opts, float(c_end.sum()))
+    assert want.tolist() == [1, 1, 2, 2] and (got <= want).all() and got[-1] == 2
 
 
 @pytest.mark.parametrize("K", [3, 8, 16])
