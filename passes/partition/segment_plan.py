@@ -115,18 +115,23 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     if opts.memory is not None:
         return None
     cones: List[branches.Cone] = []
-    found = searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
-                     settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                     quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads)
-    exits: List[anchors.Exit] = []
+    wide_path = opts.replication != "none" and opts.gpus_per_node is None
+    searching = wide_path and not plain and not bound_only and machine is None  # for plans, flat: the wide path
+    # each layer's read of the rotary tables, in its layer (``anchors.exits``); where there are such reads the
+    # table crosses every cut between the layers, so the graph as it is has no separator there and its
+    # segments never build: that search is skipped (it took 0.3-0.45 s to fail on the 96-layer Llama)
+    exits: List[anchors.Exit] = anchors.exits(graph, opts) if searching else []
+    found = None if exits else searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling,
+                                        machine=machine, settle_by=settle_by, bound_only=bound_only,
+                                        plan_by=plan_by, tolerance=tolerance, quiet=quiet, exact_cuts=exact_cuts,
+                                        chain_reads=chain_reads)
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
     wide: list = []  # the searches on narrowed and paired (and chained and merged, where the bound is dropped)
     # wide segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
     plan_graph = graph  # where plans are searched: ``graph``, or a restriction of it (``anchors.anchored``)
-    if found is None and opts.replication != "none" and opts.gpus_per_node is None:
+    if found is None and wide_path:
         # on a deep graph searched for plans (not a bracket, ``plain``), the rotary tables' reads too
-        deep = not plain and not bound_only and machine is None and is_deep(graph, opts)
-        exits = anchors.exits(graph, opts) if deep else []  # each layer's read of the rotary tables, in its layer
+        deep = searching and (bool(exits) or is_deep(graph, opts))
         plan_graph = anchors.anchored(graph, exits)
         cones = branches.input_only_cones(plan_graph, opts)  # an attention mask beside the embeddings
         found = searched(plan_graph, opts, deadline, cones, keep_dead=True) if cones or exits else None

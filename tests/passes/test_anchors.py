@@ -269,6 +269,24 @@ def llama() -> CostGraph:
     return CostGraph.load(LLAMA)
 
 
+def test_graph_with_rotary_reads_skips_the_search_that_cannot_build(llama, monkeypatch):
+    """Where layers read a table of the inputs (``anchors.exits``) that table crosses every cut between
+    them (``test_llama_rotary_reads_block_every_separator_until_anchored``), so the segment DP on the
+    graph as it is never builds: the wide path starts from the anchored graph at once."""
+    seen = []
+    real = segment_plan.searched
+
+    def spy(graph, *args, **kw):
+        seen.append(graph)
+        return real(graph, *args, **kw)
+
+    monkeypatch.setattr(segment_plan, "searched", spy)
+    res = partition(llama, 64, time_limit=4)
+    assert seen and all(g is not llama for g in seen)
+    assert res.method.startswith("segment DP")
+    assert res.bottleneck_s < uniform.best_layout(llama, CostOptions(devices=64))[0].bottleneck_s
+
+
 def test_finer_bound_first_pass_proves_the_plan_within_one_percent(llama, monkeypatch):
     """``finer_bound``'s first pass sits ``chain.PROVE_WITHIN`` under the plan, on replica counts from below
     (``floor_counts``): one infeasible pass proves the plan within 1 %, which is all the time left holds
