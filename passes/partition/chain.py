@@ -40,9 +40,9 @@ import numpy as np
 
 from passes.partition.coarsen import Units
 from passes.partition.heuristic import Solution
-from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_floor, cut_at, flat_bound, floor_applies, min_replicas,
-                                        partner_replicas, replicas_floor, stage_time_s, tied_floor_coeff, tied_floor_s,
-                                        tied_sync_s)
+from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_floor, closed_form_applies, cut_at,
+                                        flat_bound, min_replicas, partner_replicas, replicas_floor, stage_time_s,
+                                        tied_floor_coeff, tied_floor_s, tied_sync_s)
 from passes.partition.canon import Canon
 from passes.partition.memory_guard import past
 from passes.partition.offsets import count
@@ -108,7 +108,7 @@ class ChainSolver:
 
     def __init__(self, units: Units, segments: List[Segment], opts: CostOptions, floor_counts: bool = False) -> None:
         """``floor_counts``: untied stages count ``costmodel.replicas_floor`` replicas, not the exact fewest,
-        where the options allow (``floor_applies``): for a search that keeps only its bound, since an
+        where the options allow (``costmodel.closed_form_applies``): for a search that keeps only its bound, since an
         infeasible pass still proves T (a feasible one may find a plan that does not meet T; it is
         scored as it runs). On the 96-layer HF Llama's whole-block passes (``segment_plan.finer_bound``,
         256 devices) a pass took 2.2-2.5 s instead of 3.8-4.5."""
@@ -130,7 +130,7 @@ class ChainSolver:
         self.two = bool(units.bridged)
         # ``floor_counts``: where it applies, the span of every point's compute and bytes (``replicas_floor``)
         self._floor_span = float(np.sum(np.abs(units.compute)) + 2.0 * np.sum(np.abs(units.param_bytes))
-                                 / opts.ar_bandwidth) if floor_counts and floor_applies(opts) and not self.two \
+                                 / opts.ar_bandwidth) if floor_counts and closed_form_applies(opts) and not self.two \
             and not self.shared_bytes.size and opts.tied_replicas is None else None
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``

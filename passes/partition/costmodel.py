@@ -469,14 +469,15 @@ def min_replicas(compute, params, cut_in, cut_out, T: float, opts: CostOptions, 
     checked, and bisection settles what the fit missed.
     """
     every = np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in (compute, params, cut_in, cut_out, tied, partners)))
-    if opts.cost_model == "fxpipe" and opts.replication == "any" and opts.gpus_per_node is None \
-            and not every[4].any():
+    if closed_form_applies(opts) and not every[4].any():
         return _plain_replicas(every, cut_in, cut_out, T, opts)
     return _searched_replicas(every, T, opts)
 
 
-def floor_applies(opts: CostOptions) -> bool:
-    """Whether ``replicas_floor`` covers these options: fxpipe's charges, any count, a flat network."""
+def closed_form_applies(opts: CostOptions) -> bool:
+    """Whether the fewest count of an untied stage has a closed form under these options (fxpipe's charges,
+    any count, a flat network): ``min_replicas`` then answers by ``_plain_replicas``, and a bound pass
+    may count by ``replicas_floor``."""
     return opts.cost_model == "fxpipe" and opts.replication == "any" and opts.gpus_per_node is None
 
 
@@ -484,7 +485,7 @@ def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float,
                    span: float) -> np.ndarray:
     """A lower bound on ``min_replicas`` of untied stages from each start point to each end point
     (broadcasting: prefix sums of compute and weight bytes, and the cut at each point), under
-    ``floor_applies`` options, for a pass that only has to prove T infeasible (a bound): one that needs
+    ``closed_form_applies`` options, for a pass that only has to prove T infeasible (a bound): one that needs
     more than K devices on these counts needs more on the exact ones. ``span``: at least
     ``|c| + 2|p|/B_ar`` of every point (the totals).
 

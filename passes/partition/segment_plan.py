@@ -46,7 +46,7 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
-# its lattices take 0.5 s to build and a pass 1-1.5 s on the 24-layer Llama, 2.2-3.2 s on the 96-layer
+# its lattices take 0.5 s to build and a pass 0.5-1.5 s on the 24-layer Llama, 2.2-3.6 s on the 96-layer
 # one (1.5-6 s on 24 layers before its counts came from below, quick and slow days on this machine),
 # and a pass cut off proves nothing
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
@@ -119,7 +119,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     searching = wide_path and not plain and not bound_only and machine is None  # for plans, flat: the wide path
     # each layer's read of the rotary tables, in its layer (``anchors.exits``); where there are such reads the
     # table crosses every cut between the layers, so the graph as it is has no separator there and its
-    # segments never build: that search is skipped (it took 0.3-0.45 s to fail on the 96-layer Llama)
+    # segments never build: that search is skipped (it took 0.1-0.45 s to fail on the 96-layer Llama)
     exits: List[anchors.Exit] = anchors.exits(graph, opts) if searching else []
     found = None if exits else searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling,
                                         machine=machine, settle_by=settle_by, bound_only=bound_only,
@@ -365,7 +365,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
     the rotary tables, 27,228 downsets: freed); a DP pass, on replica counts from below
-    (``floor_counts``), takes 1-1.5 s on 24 layers and 2.2-3.2 s on 96 here, so this runs with the
+    (``floor_counts``), takes 0.5-1.5 s on 24 layers and 2.2-3.6 s on 96 here, so this runs with the
     time the plans leave (``chain_plan``: right after the narrowed and paired searches,
     ``FINER_AFTER``), often one pass. One infeasible pass 1 % under the plan proves the plan within
     1 %: on the 96-layer Llama this bound lies 0.3-0.6 % under the plans (128-512 devices, run to its
