@@ -182,10 +182,11 @@ def test_a_replica_moves_to_the_slow_stage():
 
 
 def test_polished_plans_are_plans_and_faster():
-    """Every answer is convex, keeps the stages, their replicas and every stage's work, leaves inputs and
-    outputs where they were, and is faster than the plan it started from; with replica moves too (ranks
-    then placed in stage order)."""
-    improved = 0
+    """Every answer is convex, keeps every stage's work, leaves inputs and outputs where they were, and is
+    faster than the plan it started from; without moves it keeps the stages, their replicas and ranks;
+    with moves the devices in all (ranks then placed in stage order), and where a stage was split, each
+    fixed node keeps its place among the others (stage order)."""
+    improved = split = 0
     for g, plan, replicas, opts in _cases(60):
         ranks = stage_ranks(replicas)
         for moves in (0, 2):
@@ -196,14 +197,47 @@ def test_polished_plans_are_plans_and_faster():
             assert (reps, placed) == (replicas, ranks) if moves == 0 or reps == replicas else \
                 placed == stage_ranks(reps) and sum(reps) == sum(replicas)
             improved += 1
-            assert is_convex(g, new) and set(new.values()) == set(plan.values())
+            assert is_convex(g, new) and set(new.values()) == set(range(len(reps)))
             fixed = [n for n, nd in g.nodes.items() if nd.is_input or nd.op == "output"]
-            assert all(new[n] == plan[n] for n in fixed)
+            if len(reps) == len(replicas):
+                assert all(new[n] == plan[n] for n in fixed)
+            else:
+                split += 1
+                assert moves and len(reps) > len(replicas)
+                assert all(new[a] <= new[b] for a in fixed for b in fixed if plan[a] < plan[b])
             working = {new[n] for n, nd in g.nodes.items() if not nd.is_input and nd.op != "output"}
-            assert working == set(range(len(replicas)))
+            assert working == set(range(len(reps)))
             assert evaluate(g, new, reps, opts, ranks=placed).bottleneck_s < \
                 evaluate(g, plan, replicas, opts, ranks=ranks).bottleneck_s
     assert improved >= 40  # random cuts are rarely the best; the search must find better ones
+
+
+def test_a_replicated_stage_splits_where_its_all_reduce_costs_more_than_a_boundary():
+    """Twelve 2 ms layers of 0.5 MB weights on 3 devices, planned as 6 layers on one device and 6 on two
+    (12 ms, and 6 ms + a 3 ms all-reduce): moving boundaries and replicas leaves a replicated stage (at
+    best 10.5 ms); splitting it gives three stages of four layers, 8 ms each, as the rounds alone cannot
+    (they keep the stage count)."""
+    g, start = _weighted_line([1] * 12, (7,))
+    for name in list(g.nodes)[1:-1]:
+        g.nodes[name] = dataclasses.replace(g.nodes[name], param_bytes=500_000)
+    opts, replicas = CostOptions(devices=3, bandwidth=1e9), [1, 2]
+    ranks = stage_ranks(replicas)
+    moved = polish._descended(polish._Graph(g), (start, replicas, ranks),
+                              evaluate(g, start, replicas, opts).bottleneck_s, opts, math.inf, 2, {})
+    assert len(moved[0][1]) == 2 and moved[1] >= 10.5e-3 - 1e-9  # no split: a stage of two replicas stays
+    kept = polish.polished(g, start, replicas, ranks, opts)
+    assert kept is None or kept[1] == replicas
+    assignment, reps, placed = polish.polished(g, start, replicas, ranks, opts, moves=2)
+    assert reps == [1, 1, 1] and placed == stage_ranks(reps) and is_convex(g, assignment)
+    assert evaluate(g, assignment, reps, opts).bottleneck_s == pytest.approx(8e-3)
+    ev = evaluate(g, start, replicas, opts)  # ``result`` says so
+    found = PartitionResult(assignment=start, replicas=replicas, stages=ev.stages, bottleneck_s=ev.bottleneck_s,
+                            options=opts, status="FEASIBLE", objective_s=ev.bottleneck_s, bound_s=7e-3,
+                            wall_s=0.0, units=len(g.nodes), method="segment DP")
+    lines = []
+    out = polish.result(g, found, math.inf, lines.append)
+    assert out.replicas == [1, 1, 1] and len(out.stages) == 3 and out.bottleneck_s == pytest.approx(8e-3)
+    assert out.method == "segment DP, boundaries polished, stages split" and "1 replicated stage split in two" in lines[0]
 
 
 def _line(n: int, seed: int) -> CostGraph:
