@@ -21,10 +21,10 @@ on consecutive ranks in stage order (a stage's ranks then shift by the
 devices moved before it, and the DP charges its all-reduce and links where
 they land): a boundary that cannot move for want of slack on either side
 may move once a replica changes stage (24 Llama layers: 128 devices 0.31 %
-faster, 256 devices 0.25 %). Where replicas may move, a replicated stage may
-then split in two (``_split``; its parts share its replicas), and the split
-plan is polished again and kept where it ends faster: a stage count the
-rounds cannot change, and an all-reduce fewer replicas pay less of.
+faster, 256 devices 0.25 %). Then a replicated stage may split in two
+(``_split``; its parts share its replicas, in counts the options allow), and
+the split plan is polished again and kept where it ends faster: a stage
+count the rounds cannot change, and an all-reduce fewer replicas pay less of.
 
 Windows of neighbouring boundaries never overlap (each takes under half of
 the stage between them), so any choice of points is a plan: stages stay
@@ -390,8 +390,8 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
              ) -> Optional[Tuple[Dict[str, int], List[int], List[List[int]]]]:
     """A faster plan (assignment, replicas, ranks) in the corridor (see the module docstring), or None
     where none is found before ``deadline``. ``moves``: see ``_round``; rounds that keep the replicas come
-    first, those that move them (slower) once neither order helps, then (where replicas may move) stages
-    split in two (``_split``), each split plan polished again and kept where it ends faster."""
+    first, those that move them (slower) once neither order helps, then (with ``moves``) stages split in
+    two (``_splits``), each split plan polished again and kept where it ends faster."""
     g = _Graph(graph)
     plan = (dict(assignment), list(replicas), [list(r) for r in ranks])
     start = evaluate(graph, plan[0], plan[1], opts, ranks=plan[2]).bottleneck_s
@@ -400,7 +400,7 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
     better = True
     while moves and better and time.monotonic() < deadline:  # until no split helps
         better = False
-        for j, first in _splits(g, plan, opts, moves):
+        for j, first in _splits(g, plan, opts):
             cut = _split(g, plan[0], plan[1], j, first) if time.monotonic() < deadline else None
             if cut is None:
                 continue
@@ -440,10 +440,12 @@ def _descended(g: _Graph, plan: Tuple[Dict[str, int], List[int], List[List[int]]
 
 
 def _splits(g: _Graph, plan: Tuple[Dict[str, int], List[int], List[List[int]]], opts: CostOptions,
-            moves: int) -> List[Tuple[int, int]]:
+            ) -> List[Tuple[int, int]]:
     """The splits to try on ``plan``: (stage, replicas of its first part) for each stage of two or more
-    replicas that ``_moves`` lets change (one replica, half, all but one to the first part), slowest
-    stage first.
+    replicas (one replica, half, all but one to the first part, where both parts' counts are allowed:
+    under ``pow2`` halves only), slowest stage first; none with a memory limit (the microbatches in
+    flight depend on every count), on a two-level machine whose stages do not sit on consecutive ranks
+    in stage order, or for a stage holding a tied weight (its sync depends on its group).
 
     Why: a replicated stage pays an all-reduce of its weights that two stages of fewer replicas each
     pay less of (one replica: none), and the rounds keep the stage count, so they cannot find that. On
@@ -451,16 +453,17 @@ def _splits(g: _Graph, plan: Tuple[Dict[str, int], List[int], List[List[int]]], 
     its 4.94 ms in the all-reduce: split into one replica and two, then another stage of two into two of
     one, the plan ran 0.3 % faster (4.944 -> 4.928 ms), within 1 % of the bound."""
     assignment, replicas, ranks = plan
-    tied = tied_weights(g.graph, assignment)
-    tied_stages = {j for group in tied for j in group}
     in_order = [list(r) for r in ranks] == topology.stage_ranks(replicas)
-    change = _moves(replicas, tied_stages, in_order, opts, moves)
+    if opts.memory is not None or (opts.gpus_per_node is not None and not in_order):
+        return []
+    tied_stages = {j for group in tied_weights(g.graph, assignment) for j in group}
+    allowed = set(opts.allowed_replicas())
     times = [s.time_s for s in evaluate(g.graph, assignment, replicas, opts, ranks=ranks).stages]
     out = []
     for j in sorted(range(len(replicas)), key=lambda j: -times[j]):
         r = replicas[j]
-        if r >= 2 and len(change[j]) > 1:
-            out += [(j, first) for first in sorted({1, r // 2, r - 1})]
+        if r >= 2 and j not in tied_stages:
+            out += [(j, first) for first in sorted({1, r // 2, r - 1}) if {first, r - first} <= allowed]
     return out
 
 

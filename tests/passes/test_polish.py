@@ -220,8 +220,17 @@ def test_a_replicated_stage_splits_where_its_all_reduce_costs_more_than_a_bounda
     g, start = _weighted_line([1] * 12, (7,))
     for name in list(g.nodes)[1:-1]:
         g.nodes[name] = dataclasses.replace(g.nodes[name], param_bytes=500_000)
-    opts, replicas = CostOptions(devices=3, bandwidth=1e9), [1, 2]
+    replicas = [1, 2]
     ranks = stage_ranks(replicas)
+    for opts in (CostOptions(devices=3, bandwidth=1e9), CostOptions(devices=3, bandwidth=1e9, replication="pow2")):
+        _split_three_ways(g, start, replicas, ranks, opts)
+    held = CostOptions(devices=3, bandwidth=1e9, memory=10**9)  # a memory limit: no split (in flight moves)
+    found = polish.polished(g, start, replicas, ranks, held, moves=2)
+    assert found is None or found[1] == replicas
+
+
+def _split_three_ways(g, start, replicas, ranks, opts):
+    """The rounds alone stay at 10.5 ms or more; ``polished`` with moves and ``result`` split to 8 ms."""
     moved = polish._descended(polish._Graph(g), (start, replicas, ranks),
                               evaluate(g, start, replicas, opts).bottleneck_s, opts, math.inf, 2, {})
     assert len(moved[0][1]) == 2 and moved[1] >= 10.5e-3 - 1e-9  # no split: a stage of two replicas stays
