@@ -351,3 +351,15 @@ def test_result_keeps_bound_ranks_and_replicas():
     assert out.bottleneck_s == evaluate(g, out.assignment, out.replicas, opts).bottleneck_s
     found.status = "OPTIMAL"
     assert polish.result(g, found, math.inf) is found
+
+
+def test_splits_stop_after_tries_that_do_not_help(monkeypatch):
+    """Ten stages of two replicas each, every stage as slow as any split would leave it (no weights,
+    equal work): the polish tries ``SPLIT_TRIES`` splits, not one per stage, then answers."""
+    g, start = _weighted_line([1] * 40, tuple(range(5, 41, 4)))
+    opts, replicas = CostOptions(devices=20), [2] * 10
+    calls = []
+    real = polish._descended
+    monkeypatch.setattr(polish, "_descended", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert polish.polished(g, start, replicas, stage_ranks(replicas), opts, moves=2) is None
+    assert len(calls) == 1 + polish.SPLIT_TRIES
