@@ -1076,3 +1076,31 @@ def test_a_search_begun_just_before_the_deadline_stops_after_folding(monkeypatch
     assert bool(built) == (slow == "segments")
     segment_plan.segment_dp(g, opts, math.inf, widen=lambda u: widened.append(u))
     assert widened  # in time, the units are widened
+
+
+def test_cpsat_after_an_unproven_segment_plan_leaves_the_polish_half_the_time(monkeypatch):
+    """After a segment DP plan that is not proven, CP-SAT on coarsened units runs until GENERAL_SHARE of
+    the time left; the rest is the polish's (``polish.result``, which splits replicated stages)."""
+    from passes.partition import driver
+
+    g = transformer_graph(4, seed=1)
+    opts = CostOptions(devices=8)
+    ev = evaluate(g, {n: 0 for n in g.nodes}, [8], opts)
+    unproven = driver.PartitionResult(assignment={n: 0 for n in g.nodes}, replicas=[8], stages=ev.stages,
+                                      bottleneck_s=ev.bottleneck_s, options=opts, status="FEASIBLE",
+                                      objective_s=ev.bottleneck_s, bound_s=ev.bottleneck_s / 2, wall_s=0.0,
+                                      units=1, method="segment DP")
+    given = []
+
+    def general(graph, fine, opts, start, deadline, *rest):
+        given.append((time.monotonic(), deadline))
+        raise InfeasibleError("stands for CP-SAT")
+
+    monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: unproven)
+    monkeypatch.setattr(driver, "_general", general)
+    deadline = time.monotonic() + 4.0
+    assert driver._searched_plan(g, None, opts, time.monotonic(), deadline, 4.0, 1, 600, "auto", None,
+                                 None) is unproven
+    (now, until), = given
+    assert until == pytest.approx(now + driver.GENERAL_SHARE * (deadline - now), abs=0.05)
+    assert until < deadline - 1.0
