@@ -884,7 +884,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           ladder: Sequence[float] = (), probe_within: float = math.inf, floor: float = 0.0,
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
           plan_by: float = math.inf, trust_ceiling: bool = False,
-          settle_above: Optional[float] = None) -> Optional[ChainSolution]:
+          settle_above: Optional[float] = None, loose: Optional[float] = None) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -924,6 +924,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     plan is likely the optimum (``wide_blocks``: the coarse lattice's), so once a pass proves it within
     ``PROVE_WITHIN`` the next checks just under it, where one infeasible pass closes the search; the
     placed DPs' bracket plans are not, and a pass there mostly found a plan a hair faster.
+    ``loose``: the tolerance once a pass has found a plan ``PROVE_WITHIN`` under the ceiling: the bound can
+    then no longer prove the caller's plan that close, and its remaining passes only raise a fallback
+    (``segment_plan.early_bound``, whose last passes the next bound needs the time of).
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -948,7 +951,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             return None
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
         first_wide = wide
-        while hi > lo * (1 + tolerance):
+        while hi > lo * (1 + (loose if loose is not None and hi * (1 + PROVE_WITHIN) < ceiling else tolerance)):
             if best is not None and time.monotonic() > settle_by and \
                     (settle_above is None or best.objective > hi * (1 + settle_above)):
                 break

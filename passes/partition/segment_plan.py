@@ -57,6 +57,10 @@ WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path'
 # where the chained plan scored best once its loose nodes were placed; 96 layers: the same plans)
 WIDE_UNBOUNDED = (wide_segments.narrowed, wide_segments.chained, wide_segments.merged, wide_segments.paired)  # where
 # the bound is dropped (``bound_kept``): no bound runs, and the chained plan is the quickest after the first
+EARLY_TOLERANCE = 3e-3  # where ``early_bound``'s bisection stops once its relaxation has a plan 1 % under the
+# first plan (the DP's own tolerance, 3e-4, until then): it can no longer prove that plan within 1 %, and stands
+# as the paired search's floor and where ``finer_bound`` proves nothing; on 96 Llama layers and 1,024 devices its
+# last four passes (0.45 s, which the finer pass needs) raised it 0.07 %
 SCORING_EVALUATIONS = 30  # evaluations' worth of time the wide path keeps back (``_scoring_reserve``)
 CONE_PIECES = (8, 16)  # a mask branch's plans, where not proven, in this many pieces in a chain, each count
 # in turn until one proves (``branches.contracted``): one piece made the branch's 0.36 ms run in one stage,
@@ -325,15 +329,15 @@ def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     plan rather than after all four: on a deep graph those searches take the whole limit and the
     relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
     searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
-    bounds the first plan within 0.28 %). None where the plan lies within ``OPTIMAL_GAP`` of a floor
-    (proven already) or the relaxation cannot run (past the deadline, or a lattice still too wide); cut
+    bounds the first plan within 0.28 %); its bisection stops at ``EARLY_TOLERANCE`` once the relaxation
+    runs 1 % under the plan. None where the plan lies within ``OPTIMAL_GAP`` of a floor (proven already) or the relaxation cannot run (past the deadline, or a lattice still too wide); cut
     off, the floor or what its passes proved."""
     floor = floors(graph, opts)
     ceiling = evaluate(graph, plan[0], plan[1], opts).bottleneck_s
     if ceiling <= floor * (1 + OPTIMAL_GAP):
         return None  # proven already
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, wide_segments.NARROW, floor=floor, ceiling=ceiling,
-                        bound_only=True, floor_counts=True)
+                        bound_only=True, floor_counts=True, loose=EARLY_TOLERANCE)
     return None if lower is None else lower[1].bound - lower[2]
 
 
@@ -549,7 +553,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
-                floor_counts: bool = False):
+                floor_counts: bool = False, loose: Optional[float] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
@@ -557,6 +561,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``exact_wide``: search segments over ``wide_segments.LIMIT`` downsets as they are (``finer_bound``);
     ``floor_counts``: the flat DP counts replicas from below (``chain.ChainSolver``), for a search whose
     bound alone is kept (its plans need not meet the T of their pass);
+    ``loose``: the flat DP's tolerance once a pass runs 1 % under ``ceiling`` (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -620,7 +625,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         solver = ChainSolver(units, segs, opts, floor_counts=True) if floor_counts else None
         found = chain_solve(units, segs, opts, deadline, score, solver, tolerance=tolerance or TOLERANCE, floor=floor,
-                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only)
+                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, loose=loose)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

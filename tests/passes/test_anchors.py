@@ -319,6 +319,46 @@ def test_finer_bound_first_pass_proves_the_plan_within_one_percent(llama, monkey
             assert ideal * (1 - 1e-6) <= bound <= ideal * (1 + 1e-6)
 
 
+def test_early_bound_bisects_coarsely_once_its_relaxation_runs_one_percent_under_the_plan(llama, monkeypatch):
+    """``early_bound``'s relaxation (24-layer Llama, 64 devices), bisected between the floors and a ceiling:
+    5 % over its optimum, a pass finds it feasible 1 % under the ceiling, and the bisection stops at
+    ``EARLY_TOLERANCE`` (fewer passes, a bound no higher than the fine one and within that of it); 0.5 %
+    over, no pass can, and it bisects to the DP's own tolerance as before."""
+    opts = CostOptions(devices=64)
+    exits = anchors.exits(llama, opts)
+    cones = branches.input_only_cones(anchors.anchored(llama, exits), opts)
+    floor = segment_plan.floors(llama, opts)
+    passes = []
+    real = chain.ChainSolver.devices_needed
+
+    def counted(self, T, deadline=math.inf):
+        out = real(self, T, deadline)
+        passes.append((T, out[0] <= opts.devices))
+        return out
+
+    monkeypatch.setattr(chain.ChainSolver, "devices_needed", counted)
+
+    def bisected(ceiling, loose):
+        passes.clear()
+        found = segment_plan._relaxed_dp(llama, opts, math.inf, cones, exits, wide_segments.NARROW, floor=floor,
+                                         ceiling=ceiling, bound_only=True, floor_counts=True, loose=loose)
+        _, solution, margin = found
+        hi = min(T for T, ok in passes if ok)
+        return solution.bound, hi, len(passes)
+
+    fine, hi, _ = bisected(math.inf, None)
+    assert hi <= fine * (1 + chain.TOLERANCE) * (1 + 1e-6)
+    for over, coarse in ((1.05, True), (1.005, False)):
+        exact, _, many = bisected(fine * over, None)
+        bound, hi, few = bisected(fine * over, segment_plan.EARLY_TOLERANCE)
+        assert bound <= exact * (1 + 1e-9)
+        if coarse:
+            assert hi * (1 + chain.PROVE_WITHIN) < fine * over and few < many
+            assert hi <= bound * (1 + segment_plan.EARLY_TOLERANCE) * (1 + 1e-6) and bound >= exact / 1.004
+        else:
+            assert (bound, few) == (exact, many) and hi <= bound * (1 + chain.TOLERANCE) * (1 + 1e-6)
+
+
 def test_llama_rotary_reads_block_every_separator_until_anchored(llama):
     opts = CostOptions(devices=512)
     plain, _ = folded_units(llama, opts, keep_dead=True)
