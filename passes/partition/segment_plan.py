@@ -330,8 +330,9 @@ def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
     searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
     bounds the first plan within 0.28 %); its bisection stops at ``EARLY_TOLERANCE`` once the relaxation
-    runs 1 % under the plan. None where the plan lies within ``OPTIMAL_GAP`` of a floor (proven already) or the relaxation cannot run (past the deadline, or a lattice still too wide); cut
-    off, the floor or what its passes proved."""
+    runs 1 % under the plan. None where the plan lies within ``OPTIMAL_GAP`` of a floor (proven already)
+    or the relaxation cannot run (past the deadline, or a lattice still too wide); cut off, the floor or
+    what its passes proved."""
     floor = floors(graph, opts)
     ceiling = evaluate(graph, plan[0], plan[1], opts).bottleneck_s
     if ceiling <= floor * (1 + OPTIMAL_GAP):
