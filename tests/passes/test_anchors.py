@@ -229,7 +229,8 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     def searched(*args, widen=None, **kw):  # the searches after the first only recorded, to keep this short
         out = real_searched(*args, widen=widen, **kw) if widen in (None, wide_segments.narrowed) else None
         calls.extend([widen.__name__] if widen is not None else [])
-        if widen is wide_segments.narrowed:
+        if widen is wide_segments.narrowed and out is not None:  # a later narrowed search (the mask in pieces,
+            # on the two-level machine's 4 s) may meet the deadline first: None, as the real one answers
             firsts.append(out[1].objective)
         elif widen is not None:
             brackets[widen.__name__] = (kw.get("floor", 0.0), kw.get("ceiling", math.inf))
