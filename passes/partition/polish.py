@@ -404,7 +404,9 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
     while moves and better and time.monotonic() < deadline:  # until no split helps
         better = False
         for j, first in _splits(g, plan, opts):
-            cut = _split(g, plan[0], plan[1], j, first) if time.monotonic() < deadline else None
+            if time.monotonic() >= deadline or failed >= SPLIT_TRIES:
+                break
+            cut = _split(g, plan[0], plan[1], j, first)
             if cut is None:
                 continue
             split = (cut[0], cut[1], topology.stage_ranks(cut[1]))
@@ -414,8 +416,6 @@ def polished(graph: CostGraph, assignment: Mapping[str, int], replicas: Sequence
                 plan, now, better, failed = found, t, True, 0
                 break
             failed += 1
-            if failed >= SPLIT_TRIES:
-                break
     return plan if now < start else None
 
 

@@ -46,7 +46,7 @@ DEEP = 600  # nodes above which a flat graph whose segments do not build, or are
 # ``wide_segments.py``): CP-SAT runs on every node up to there (``driver.FINE_CPSAT_MAX``) and did better on
 # inception_v3 (325 nodes) with the whole 10 s, and HF GPT-2 (536) keeps its wide mask pieces' lattices
 FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries ``finer_bound`` (not tuned):
-# its lattices take 0.5 s to build and a pass 0.5-1.5 s on the 24-layer Llama, 2.2-3.6 s on the 96-layer
+# its lattices take 0.5 s to build and a pass 0.5-1.5 s on the 24-layer Llama, 2.2-3.8 s on the 96-layer
 # one (1.5-6 s on 24 layers before its counts came from below, quick and slow days on this machine),
 # and a pass cut off proves nothing
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
@@ -370,12 +370,13 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     Kept, it runs only where a plan can run it. On the 24-layer HF Llama the attention blocks then
     have 3,220 downsets and 1.15 million stage pairs each (the first segment, with the embedding and
     the rotary tables, 27,228 downsets: freed); a DP pass, on replica counts from below
-    (``floor_counts``), takes 0.5-1.5 s on 24 layers and 2.2-3.6 s on 96 here, so this runs with the
+    (``floor_counts``), takes 0.5-1.5 s on 24 layers and 2.2-3.8 s on 96 here, so this runs with the
     time the plans leave (``chain_plan``: right after the narrowed and paired searches,
     ``FINER_AFTER``), often one pass. One infeasible pass 1 % under the plan proves the plan within
     1 %: on the 96-layer Llama this bound lies 0.3-0.6 % under the plans (128-512 devices, run to its
     end), and at 10 s 256-1,024 devices went from 1.6-1.7 % open to 0.95-0.99 %. On the 24-layer one
-    it lies 1.0-2.8 % under (32, 256, 512 devices), where that pass is feasible and proves nothing;
+    it lies 2.1-2.8 % under the plans on 256 and 512 devices (and lay 1.0 % under on 32 before the
+    polish split stages there), where that pass is feasible and proves nothing;
     a first pass between bound and plan instead (until this release) left those rows within 0.01 %
     of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,

@@ -343,7 +343,7 @@ def test_early_bound_bisects_coarsely_once_its_relaxation_runs_one_percent_under
         passes.clear()
         found = segment_plan._relaxed_dp(llama, opts, math.inf, cones, exits, wide_segments.NARROW, floor=floor,
                                          ceiling=ceiling, bound_only=True, floor_counts=True, loose=loose)
-        _, solution, margin = found
+        _, solution, _ = found
         hi = min(T for T, ok in passes if ok)
         return solution.bound, hi, len(passes)
 
