@@ -106,9 +106,12 @@ def partition(graph: CostGraph, devices: int, *, time_limit: float = 60.0, worke
     with planning() as budget:  # the searches stop once they have grown the process by LIMIT_MB
         fine = build_units(graph, opts, [[n] for n in model_nodes(graph, opts)])
         _check_devices(fine, opts)
+        until = _searches_until(fine, opts, start, deadline)
         try:
-            found = _searched_plan(graph, fine, opts, start, _searches_until(fine, opts, start, deadline), time_limit,
-                                   workers, coarsen_above, solver, downset_limit, progress)
+            # the bound pass that can prove the plan within 1 % may run into the polish's time (``chain_plan``),
+            # not into the time of the searches under 1f1b-stash's rule (``_searches_until``)
+            found = _searched_plan(graph, fine, opts, start, until, time_limit, workers, coarsen_above, solver,
+                                   downset_limit, progress, prove_by=polish_by if until >= deadline else until)
         except InfeasibleError:
             found = _uniform_only(graph, opts, start)
             if found is None:
@@ -240,12 +243,13 @@ def _uniform_result(graph: CostGraph, opts: CostOptions, best, status: str, boun
 
 def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
                    time_limit: float, workers: int, coarsen_above: int, solver: str,
-                   downset_limit: Optional[int], progress) -> PartitionResult:
-    """``partition``'s search: the segment DP, then the downset DP or CP-SAT (see ``partition``)."""
+                   downset_limit: Optional[int], progress, prove_by: Optional[float] = None) -> PartitionResult:
+    """``partition``'s search: the segment DP, then the downset DP or CP-SAT (see ``partition``);
+    ``prove_by``: see ``segment_plan.chain_plan``."""
     if opts.gpus_per_node is not None:
         return _placed(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
                        progress)
-    chained = chain_plan(graph, opts, start, deadline) if solver == "auto" else None
+    chained = chain_plan(graph, opts, start, deadline, prove_by=prove_by) if solver == "auto" else None
     if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
         return chained
     if chained is not None:  # CP-SAT on coarsened units after the segment DP's plan: a share of the time left,

@@ -75,7 +75,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
            keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False,
-           bound_kept: bool = True) -> Optional[PartitionResult]:
+           bound_kept: bool = True, prove_by: Optional[float] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -115,6 +115,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     ``bound_kept``: False for a caller that drops the bound (``driver._flat_wide`` scores the plan on a
     two-level machine, where the flat bound does not hold): the wide path then spends no time on
     ``early_bound`` (on nodes of 8 it made the 24-layer Llama's 64- and 256-device plans 0.25 and 0.16 % slower).
+    ``prove_by``: a time after ``deadline`` until which the wide path's pass of ``finer_bound`` 1 % under
+    the best plan may run (the caller's time for what follows, ``driver.partition``'s polish): that
+    one pass decides whether the plan is proven within 1 %, and on the 96-layer Llama it takes
+    2.2-3.8 s of the 3.5-4 s the plans leave, so a slower hour cut it off (1,024 devices: 3.4 % open
+    instead of 0.99 %).
     """
     if opts.memory is not None:
         return None
@@ -144,7 +149,9 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
             # bound is dropped) one chain or the block whole (``wide_segments.py``); after the first, the
             # relaxation's bound under its plan (``early_bound``), the others then improve the plan (the
             # order: ``WIDE_SEARCHES``, ``WIDE_UNBOUNDED``)
-            deadline -= _scoring_reserve(graph, opts)
+            reserve = _scoring_reserve(graph, opts)
+            deadline -= reserve
+            prove_by = deadline if prove_by is None else max(deadline, prove_by - reserve)
             for widen in WIDE_SEARCHES if bound_kept else WIDE_UNBOUNDED:
                 # where the bound is kept, the second search bisects between the relaxation's bound and the
                 # first plan (``chain.solve``'s bracket; no plan where none is faster): on the 96-layer Llama
@@ -217,7 +224,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
         # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
-        bound = _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored)
+        bound = _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored, prove_by)
         scored += [finish(evaluate(graph, *p, judge), *p) for p in _merged_plan(plan_graph, opts, deadline, cones)]
     if cones or masks:
         _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
@@ -248,13 +255,14 @@ def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cone
 
 
 def _finer(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-           exits: Sequence[anchors.Exit], bound: float, scored: list) -> float:
+           exits: Sequence[anchors.Exit], bound: float, scored: list, prove_by: float) -> float:
     """``finer_bound`` under the best plan in ``scored`` where that is not proven within ``bound`` and
-    ``FINER_AFTER`` seconds are left; else (or cut off before its first pass) ``bound``."""
+    ``FINER_AFTER`` seconds are left (its first pass may then run until ``prove_by``, the rest until
+    ``deadline``); else (or cut off before its first pass) ``bound``."""
     best = min(e.bottleneck_s for e, _, _ in scored)
     if best <= bound * (1 + OPTIMAL_GAP) or deadline - time.monotonic() <= FINER_AFTER:
         return bound
-    finer = finer_bound(graph, opts, deadline, cones, exits, bound, best)
+    finer = finer_bound(graph, opts, deadline, cones, exits, bound, best, prove_by)
     return max(bound, finer if finer is not None else 0.0)
 
 
@@ -329,8 +337,9 @@ def early_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     plan rather than after all four: on a deep graph those searches take the whole limit and the
     relaxation came too late to run (96-layer HF Llama, 10 s, 64 devices: narrowed, merged and chained
     searches 3.3, 2.3 and 2 s, the relaxation cut off, 2.56 % open; bracketed it takes 3.2 s there and
-    bounds the first plan within 0.28 %); its bisection stops at ``EARLY_TOLERANCE`` once the relaxation
-    runs 1 % under the plan. None where the plan lies within ``OPTIMAL_GAP`` of a floor (proven already)
+    bounds the first plan within 0.28 %); once the relaxation runs 1 % under the plan, its next pass sits
+    ``EARLY_TOLERANCE`` above the floors and its bisection stops at that tolerance (``chain.solve``'s
+    ``loose``). None where the plan lies within ``OPTIMAL_GAP`` of a floor (proven already)
     or the relaxation cannot run (past the deadline, or a lattice still too wide); cut off, the floor or
     what its passes proved."""
     floor = floors(graph, opts)
@@ -358,11 +367,13 @@ def relaxation(graph: CostGraph, opts: CostOptions, deadline: float, cones: List
 
 
 def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-                exits: Sequence[anchors.Exit], floor: float, ceiling: float) -> Optional[float]:
+                exits: Sequence[anchors.Exit], floor: float, ceiling: float,
+                prove_by: float = -math.inf) -> Optional[float]:
     """A bound from ``relaxation``'s graph with the wide segments' weightless nodes kept where their
     lattice has at most ``segments.MAX_DOWNSETS`` downsets (freed only past it), searched between
     ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), its first pass
-    ``chain.PROVE_WITHIN`` under the plan; cut off, the highest T its passes proved infeasible (``floor``
+    ``chain.PROVE_WITHIN`` under the plan, which may run until ``prove_by`` where that is later than
+    ``deadline``; cut off, the highest T its passes proved infeasible (``floor``
     if none); None where the deadline passed before it began or a lattice is still too wide.
 
     ``relaxation`` frees every weightless node of a segment over ``wide_segments.NARROW`` downsets, and
@@ -380,7 +391,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     a first pass between bound and plan instead (until this release) left those rows within 0.01 %
     of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True, floor_counts=True)
+                        bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by)
     if lower is None:
         return None
     _, found, margin = lower
@@ -555,7 +566,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
-                floor_counts: bool = False, loose: Optional[float] = None):
+                floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
@@ -564,6 +575,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``floor_counts``: the flat DP counts replicas from below (``chain.ChainSolver``), for a search whose
     bound alone is kept (its plans need not meet the T of their pass);
     ``loose``: the flat DP's tolerance once a pass runs 1 % under ``ceiling`` (``chain.solve``);
+    ``prove_by``: the flat DP's pass 1 % under ``ceiling`` may run until then (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
@@ -627,7 +639,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
             return None  # no pass in time, nor a plan to start from: the caller narrows (``wide_segments``)
         solver = ChainSolver(units, segs, opts, floor_counts=True) if floor_counts else None
         found = chain_solve(units, segs, opts, deadline, score, solver, tolerance=tolerance or TOLERANCE, floor=floor,
-                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, loose=loose)
+                            ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, loose=loose,
+                            prove_by=prove_by)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

@@ -15,7 +15,7 @@ import pytest
 
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, is_convex, partition, uniform
-from passes.partition import anchors, branches, chain, segment_plan, wide_segments
+from passes.partition import anchors, branches, chain, polish, segment_plan, wide_segments
 from passes.partition.chain import solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import to_nodes
 from passes.partition.segments import _Lattices, build_segments, folded_units, separators
@@ -224,7 +224,7 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     calls, got = [], []
     real_searched, real_early = segment_plan.searched, segment_plan.early_bound
 
-    firsts, brackets = [], {}
+    firsts, brackets, times = [], {}, []
 
     def searched(*args, widen=None, **kw):  # the searches after the first only recorded, to keep this short
         out = real_searched(*args, widen=widen, **kw) if widen in (None, wide_segments.narrowed) else None
@@ -241,8 +241,9 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
         got.append(real_early(*args))
         return got[-1]
 
-    def finer(graph, opts, deadline, cones, exits, floor, ceiling):
+    def finer(graph, opts, deadline, cones, exits, floor, ceiling, prove_by=-math.inf):
         calls.append("finer")
+        times.append((deadline, prove_by))
         got.append(floor + 0.25 * (ceiling - floor))  # what its passes might prove
         return got[-1]
 
@@ -257,6 +258,9 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     assert "relaxation" not in calls
     # the paired search bisects between that bound and the first plan
     assert brackets["paired"] == (got[0], firsts[0]) and got[0] < firsts[0] < math.inf
+    # the finer bound's pass 1 % under the plan may run into the polish's time (``chain_plan``'s prove_by)
+    (deadline, prove_by), = times
+    assert prove_by - deadline == pytest.approx(polish.reserve(8), abs=1e-9)
     calls.clear()
     brackets.clear()
     res = partition(llama, 64, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)

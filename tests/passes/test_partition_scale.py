@@ -1104,3 +1104,83 @@ def test_cpsat_after_an_unproven_segment_plan_leaves_the_polish_half_the_time(mo
     (now, until), = given
     assert until == pytest.approx(now + driver.GENERAL_SHARE * (deadline - now), abs=0.05)
     assert until < deadline - 1.0
+
+
+def test_proving_pass_may_run_until_prove_by_and_the_others_until_the_deadline():
+    """Under a caller's plan far above the bound, ``chain.solve``'s first pass sits ``PROVE_WITHIN`` under
+    it: one infeasible pass there proves the plan within 1 %, so it may run until ``prove_by`` (the
+    96-layer Llama's finer bound on 1,024 devices: that pass takes 3-4 s of the 3.5 the plans leave);
+    every later pass, and every pass without ``prove_by``, stops at the deadline."""
+    from passes.partition.chain import PROVE_WITHIN, SLACK, solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    deadlines = []
+
+    class Deadlines(type(recording)):
+        def devices_needed(self, T, deadline=float("inf")):
+            deadlines.append(deadline)
+            return super().devices_needed(T, deadline)
+
+    plain = solve(units, segs, opts, float("inf"), score)
+    ideal = sum(units.compute) / opts.devices
+    deadline = time.monotonic() + 600.0
+    for prove_by, first in ((deadline + 60.0, deadline + 60.0), (None, deadline)):
+        asked.clear()
+        deadlines.clear()
+        extra = {} if prove_by is None else {"prove_by": prove_by}
+        found = solve(units, segs, opts, deadline, score, Deadlines(units, segs, opts), floor=ideal,
+                      ceiling=plain.objective * 1.05, **extra)
+        assert asked[0] == pytest.approx(plain.objective * 1.05 / (1 + PROVE_WITHIN) * (1 + SLACK), rel=1e-12)
+        assert deadlines[0] == first and len(deadlines) > 1 and set(deadlines[1:]) == {deadline}
+        assert found.objective == pytest.approx(plain.objective, rel=1e-3)
+
+
+def test_loose_search_tries_just_above_its_bound_after_its_first_plan():
+    """With ``loose`` (``segment_plan.early_bound``: a fallback bound once the relaxation runs 1 % under the
+    plan), the pass after the first plan sits ``loose`` above the bound: where it finds a plan the search
+    ends there (the 24-layer Llama's relaxation never rose above the floors it starts from, and halving
+    the bracket down to them took five passes); where it fails, the bound rises by that much and the
+    bisection goes on, ending within ``loose`` and never above what the fine search proves."""
+    from passes.partition.chain import PROVE_WITHIN, SLACK, solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    plain = solve(units, segs, opts, float("inf"), score)
+    ideal = sum(units.compute) / opts.devices
+    loose = 3e-3
+    assert plain.bound > ideal * (1 + 2 * loose)  # so that the pass just above sum C / K fails
+    for floor, ends in ((plain.bound * (1 - loose / 3), True), (ideal, False)):
+        asked.clear()
+        found = solve(units, segs, opts, float("inf"), score, recording, floor=floor,
+                      ceiling=plain.objective * 1.05, loose=loose)
+        lo = max(ideal, floor) * (1 - 1e-9)
+        assert asked[0] == pytest.approx(plain.objective * 1.05 / (1 + PROVE_WITHIN) * (1 + SLACK), rel=1e-12)
+        assert asked[1] == pytest.approx(lo * (1 + loose) * (1 + SLACK), rel=1e-12)
+        assert found.bound <= plain.bound * (1 + 1e-9)
+        if ends:
+            assert len(asked) == 2 and found.bound == pytest.approx(lo)
+        else:
+            assert len(asked) > 2 and found.bound >= lo * (1 + loose) * (1 - 1e-12)
+            assert found.objective <= found.bound * (1 + loose) * (1 + 1e-9)
+
+
+def test_partition_lets_the_proving_pass_run_into_the_polish_time(monkeypatch):
+    """``partition`` gives the segment DP the polish's time for its pass that can prove the plan within 1 %
+    (``chain_plan``'s ``prove_by``: the searches' deadline plus ``polish.reserve``); under 1f1b-stash
+    with tied weights, whose searches stop early for the ones under the stash rule, no more than their
+    own deadline."""
+    from passes.partition import driver, polish
+
+    given = []
+    real = driver.chain_plan
+
+    def spy(graph, opts, start, deadline, **kw):
+        given.append((deadline, kw.get("prove_by")))
+        return real(graph, opts, start, deadline, **kw)
+
+    monkeypatch.setattr(driver, "chain_plan", spy)
+    partition(transformer_graph(4, seed=1, tied=False), 8, time_limit=5.0)
+    (deadline, prove_by), = given
+    assert prove_by - deadline == pytest.approx(polish.reserve(5.0), abs=1e-9)
+    given.clear()
+    partition(transformer_graph(4, seed=1, tied=True), 8, time_limit=5.0, schedule="1f1b-stash")
+    assert given and given[0][1] == given[0][0]
