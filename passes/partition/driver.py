@@ -249,7 +249,8 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     if opts.gpus_per_node is not None:
         return _placed(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
                        progress)
-    chained = chain_plan(graph, opts, start, deadline, prove_by=prove_by) if solver == "auto" else None
+    chained = chain_plan(graph, opts, start, deadline, prove_by=prove_by, progress=progress) \
+        if solver == "auto" else None
     if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
         return chained
     if chained is not None:  # CP-SAT on coarsened units after the segment DP's plan: a share of the time left,

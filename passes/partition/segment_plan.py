@@ -75,7 +75,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
            keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False,
-           bound_kept: bool = True, prove_by: Optional[float] = None) -> Optional[PartitionResult]:
+           bound_kept: bool = True, prove_by: Optional[float] = None,
+           progress: Optional[Callable[[str], None]] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
     Not used with a memory limit (not modelled there). Replication ``none`` on
@@ -120,6 +121,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     one pass decides whether the plan is proven within 1 %, and on the 96-layer Llama it takes
     2.2-3.8 s of the 3.5-4 s the plans leave, so a slower hour cut it off (1,024 devices: 3.4 % open
     instead of 0.99 %).
+    ``progress``: called with a line for each plan and bound of the wide path (its searches take seconds).
     """
     if opts.memory is not None:
         return None
@@ -161,8 +163,12 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                 near = dict(floor=early or 0.0, ceiling=wide[0][1].objective) if wide and bound_kept else {}
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen, **near)
                 wide += [f] if f is not None else []
+                if f is not None and f[0] is not None:
+                    _said(progress, start, f"{widen.__name__} blocks: plan {f[1].objective * 1e3:.4g} ms")
                 if bound_kept and early is None and f is not None and f[0] is not None:
                     early = early_bound(graph, opts, deadline, cones, exits, f[0])  # under the first plan
+                    if early is not None:
+                        _said(progress, start, f"bound {early * 1e3:.4g} ms (the blocks' weightless nodes free)")
             found = wide[0] if wide else None
     if found is None:
         return None
@@ -224,7 +230,13 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
         # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
-        bound = _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored, prove_by)
+        before = max(bound, floor_s)
+        bound = _finer(graph, opts, deadline, cones, exits, before, scored, prove_by,
+                       lambda line: _said(progress, start, line))
+        if bound > before:
+            best = min(e.bottleneck_s for e, _, _ in scored)
+            _said(progress, start, f"bound {bound * 1e3:.4g} ms (the blocks whole), {best * 1e3:.4g} ms planned, "
+                                   f"gap {100 * (1 - bound / best):.2f} %")
         scored += [finish(evaluate(graph, *p, judge), *p) for p in _merged_plan(plan_graph, opts, deadline, cones)]
     if cones or masks:
         _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
@@ -246,6 +258,12 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     return result
 
 
+def _said(progress: Optional[Callable[[str], None]], start: float, line: str) -> None:
+    """``line`` to ``progress`` (if given) as the planner's progress line, with the seconds since ``start``."""
+    if progress is not None:
+        progress(f"partition: segment DP, {time.monotonic() - start:.1f} s: {line}")
+
+
 def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]) -> list:
     """The plan (in a list; empty if none in time) of the search with every wide segment one unit
     (``wide_segments.merged``): on a first profile of the 24-layer HF Llama the fastest on 512 devices,
@@ -255,13 +273,16 @@ def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cone
 
 
 def _finer(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-           exits: Sequence[anchors.Exit], bound: float, scored: list, prove_by: float) -> float:
+           exits: Sequence[anchors.Exit], bound: float, scored: list, prove_by: float,
+           say: Callable[[str], None] = lambda line: None) -> float:
     """``finer_bound`` under the best plan in ``scored`` where that is not proven within ``bound`` and
     ``FINER_AFTER`` seconds are left (its first pass may then run until ``prove_by``, the rest until
-    ``deadline``); else (or cut off before its first pass) ``bound``."""
+    ``deadline``); else (or cut off before its first pass) ``bound``. ``say``: a progress line as it starts."""
     best = min(e.bottleneck_s for e, _, _ in scored)
     if best <= bound * (1 + OPTIMAL_GAP) or deadline - time.monotonic() <= FINER_AFTER:
         return bound
+    say(f"bound with the blocks whole, a pass of seconds 1 % under {best * 1e3:.4g} ms first, then bisecting "
+        "until the limit")
     finer = finer_bound(graph, opts, deadline, cones, exits, bound, best, prove_by)
     return max(bound, finer if finer is not None else 0.0)
 

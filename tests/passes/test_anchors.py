@@ -252,7 +252,8 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     monkeypatch.setattr(segment_plan, "finer_bound", finer)
     monkeypatch.setattr(segment_plan, "relaxation", lambda *a, **k: calls.append("relaxation"))
     monkeypatch.setattr(segment_plan, "FINER_AFTER", 0.0)
-    res = partition(llama, 64, time_limit=8)  # 4 s left no time for finer in a slow hour (2026-12-04)
+    lines = []
+    res = partition(llama, 64, time_limit=8, progress=lines.append)  # 4 s left no time for finer in a slow hour
     assert calls[:5] == ["narrowed", "early", "paired", "finer", "merged"] and "chained" not in calls
     assert got[0] is not None and got[1] * (1 - 1e-12) <= res.bound_s <= res.bottleneck_s
     assert "relaxation" not in calls
@@ -261,6 +262,11 @@ def test_wide_path_bounds_its_first_plan_before_the_other_searches(llama, monkey
     # the finer bound's pass 1 % under the plan may run into the polish's time (``chain_plan``'s prove_by)
     (deadline, prove_by), = times
     assert prove_by - deadline == pytest.approx(polish.reserve(8), abs=1e-9)
+    # each plan and bound as it comes (seconds each on a deep graph), on the CLI's progress line
+    said = [line.split(": ", 2)[-1] for line in lines if line.startswith("partition: segment DP, ")]
+    assert said[:2] == [f"narrowed blocks: plan {firsts[0] * 1e3:.4g} ms",
+                        f"bound {got[0] * 1e3:.4g} ms (the blocks' weightless nodes free)"]
+    assert said[2].startswith("bound with the blocks whole") and said[3].startswith(f"bound {got[1] * 1e3:.4g} ms")
     calls.clear()
     brackets.clear()
     res = partition(llama, 64, time_limit=4, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10)
