@@ -930,7 +930,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     (``segment_plan.early_bound``, whose last passes the next bound needs the time of); the next pass then
     sits ``loose`` above the bound, where a plan ends the search (the relaxation under a 24-layer Llama's
     plans on 8-1,024 devices, and under the 96-layer one's on 512 and 1,024, rose nowhere above the
-    closed-form floors it starts from: its passes halving the bracket down to them took 0.5-0.9 s).
+    closed-form floors it starts from: its passes halving the bracket down to them took up to 0.9 s).
     ``prove_by``: where later than ``deadline``, when the pass ``PROVE_WITHIN`` under the ceiling is cut
     off (the one that can prove the caller's plan that close; the later passes stop at ``deadline``).
     """

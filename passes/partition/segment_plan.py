@@ -119,8 +119,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     ``prove_by``: a time after ``deadline`` until which the wide path's pass of ``finer_bound`` 1 % under
     the best plan may run (the caller's time for what follows, ``driver.partition``'s polish): that
     one pass decides whether the plan is proven within 1 %, and on the 96-layer Llama it takes
-    2.2-3.8 s of the 3.5-4 s the plans leave, so a slower hour cut it off (1,024 devices: 3.4 % open
-    instead of 0.99 %).
+    2.2-4.4 s (by the hour) of the 3.8-3.9 s the plans left it, so a slower hour cut it off (1,024
+    devices: 3.4 % open instead of 0.99 %).
     ``progress``: called with a line for each plan and bound of the wide path (its searches take seconds).
     """
     if opts.memory is not None:
