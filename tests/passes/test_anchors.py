@@ -446,3 +446,21 @@ def test_small_llama_takes_the_wide_path():
     assert not segment_plan.is_deep(gpt2, opts)
     res = partition(g, 32, time_limit=10)
     assert res.status == "OPTIMAL" and res.method.startswith("segment DP"), (res.status, res.gap, res.method)
+
+
+def test_without_guards_drops_exports_metadata_checks_and_nothing_else(llama):
+    """The benchmark's ``--drop-guards`` (``tools.bench.partition_scale.without_guards``): the bundled
+    24-layer Llama profile predates capture erasing export's ``_assert_tensor_metadata`` checks, and
+    holds 100 of them, leaves that nothing reads; without them the graph is what a capture made now
+    would profile, every other node and edge as it was."""
+    from tools.bench.partition_scale import GUARD, without_guards
+
+    lean = without_guards(llama)
+    dropped = set(llama.nodes) - set(lean.nodes)
+    succ = llama.successors()
+    assert len(dropped) == 100 and all(llama.nodes[n].target == GUARD and not succ[n] for n in dropped)
+    assert not any(node.target == GUARD for node in lean.nodes.values())
+    assert all(lean.nodes[n] is llama.nodes[n] for n in lean.nodes) and list(lean.nodes) == \
+        [n for n in llama.nodes if n not in dropped]
+    assert lean.edges == [(u, v) for u, v in llama.edges if u not in dropped and v not in dropped]
+    assert lean.param_sizes == llama.param_sizes and without_guards(lean) is lean
