@@ -450,7 +450,8 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     masks = enumerate_downsets(fine, max(limit, min(CHEAP_CUTS_CAP * limit, CHEAP_CUTS_WORK // len(fine))),
                                deadline) if solver == "auto" else None  # once, for both DPs below
     small = masks is not None and len(masks) <= limit and opts.memory is None and not fine.shared
-    chained = _placed_chain(graph, opts, start, start + EXACT_ROOM * (deadline - start) if small else deadline) \
+    chained = _placed_chain(graph, opts, start, start + EXACT_ROOM * (deadline - start) if small else deadline,
+                            progress) \
         if solver == "auto" else None
     if chained is None and solver == "auto" and segment_plan.is_deep(graph, opts):
         chained = _flat_wide(graph, opts, start, start + WIDE_SHARE * (deadline - start))
@@ -490,7 +491,8 @@ def _flat_wide(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     return result
 
 
-def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float) -> Optional[PartitionResult]:
+def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
+                  progress: Optional[Callable[[str], None]] = None) -> Optional[PartitionResult]:
     """The segment DP that knows node boundaries (``placed.py``) where it applies, else the flat bracket
     (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
@@ -510,6 +512,14 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     optimum where stages are replicated across nodes. The bracket's plan, or the uniform layout
     where that is faster, is the ceiling the charged DP's first pass tries to prove within 1 %
     (``_bracketed``)."""
+    shown: list = []  # the (plan, bound) last shown: a phase that changed neither says nothing
+
+    def say(label: str, found: Optional[PartitionResult]) -> Optional[PartitionResult]:
+        if found is not None and (not shown or shown[-1] != (found.bottleneck_s, found.bound_s)):
+            shown.append((found.bottleneck_s, found.bound_s))
+            _said_placed(progress, start, label, found)
+        return found
+
     if not (placed.supports(opts) and opts.gpus_per_node < opts.devices):
         return _bracketed(graph, opts, start, deadline)
     if opts.cost_model == "fxpipe" and opts.replication == "any":
@@ -518,12 +528,13 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         found = chain_plan(graph, opts, start, deadline, bound_only=True,
                            plan_by=start + PLAN_SHARE * (deadline - start), chain_reads=True,
                            settle_by=start + BOUND_SHARE * (deadline - start))
+        say("interval DP", found)
         if found is not None and found.replicas:
-            return _resumed(graph, opts, start, deadline, found)
+            return say("resumed", _resumed(graph, opts, start, deadline, found))
         if found is None:
             return found
         bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=found.bound_s)
-        return found if bracket is None else _better(found, bracket)
+        return say("flat bracket", found if bracket is None else _better(found, bracket))
     floor, floored = 0.0, None
     hand = uniform.best_layout(graph, opts)  # the charged DP's ceiling, if nothing beats it (``_bracketed``)
     if opts.cost_model == "fxpipe" and opts.replication == "pow2":
@@ -536,7 +547,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
         if floored is not None:  # searched on the flat model, scored and bounded on this machine
             floored = dataclasses.replace(floored, options=opts)
         if floored is not None and floored.replicas and floored.status == "OPTIMAL":
-            return floored
+            return say("node-floor DP", floored)
         # every pow2 plan is an ``any`` plan charged the same, so the interval DP's bound holds here too,
         # at a fraction of the charged DP's cost per pass and far above the flat bracket's on many nodes
         share = time.monotonic() + RELAXED_SHARE * (deadline - time.monotonic())
@@ -547,13 +558,26 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     bracket = _bracketed(graph, opts, start, deadline, plain=True, floor=floor, hand=hand)
     if floored is not None and floored.replicas:  # its plan, scored placed, is a candidate too
         bracket = floored if bracket is None else _better(bracket, floored)
+    say("flat bracket", bracket)
     if bracket is not None and bracket.status == "OPTIMAL":
         return bracket
     share = POW2_SHARE if opts.replication == "pow2" else CHARGED_SHARE
     exact = chain_plan(graph, opts, start, time.monotonic() + share * (deadline - time.monotonic()),
                        *((bracket.bound_s, bracket.bottleneck_s) if bracket is not None else ()),
                        chain_reads=_chains(opts))
-    return _finer(graph, opts, start, deadline, _cuts_exact(graph, opts, start, deadline, _merged(bracket, exact)))
+    charged = say("charged DP", _merged(bracket, exact))
+    return say("finer passes", _finer(graph, opts, start, deadline,
+                                      say("exact cuts", _cuts_exact(graph, opts, start, deadline, charged))))
+
+
+def _said_placed(progress: Optional[Callable[[str], None]], start: float, label: str,
+                 found: Optional[PartitionResult]) -> Optional[PartitionResult]:
+    """``found``, after a progress line for it (a two-level search's phases take seconds each)."""
+    if progress is not None and found is not None:
+        plan = f"plan {found.bottleneck_s * 1e3:.4g} ms, " if found.replicas else ""
+        progress(f"partition: two-level segment DP, {time.monotonic() - start:.1f} s: {label}: {plan}"
+                 f"bound {found.bound_s * 1e3:.4g} ms" + (f", gap {100 * found.gap:.2f} %" if found.replicas else ""))
+    return found
 
 
 def _resumed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 import random
+import re
 import time
 
 import numpy as np
@@ -1184,3 +1185,20 @@ def test_partition_lets_the_proving_pass_run_into_the_polish_time(monkeypatch):
     given.clear()
     partition(transformer_graph(4, seed=1, tied=True), 8, time_limit=5.0, schedule="1f1b-stash")
     assert given and given[0][1] == given[0][0]
+
+
+@pytest.mark.parametrize("cost_model,replication", [("pipedream", "any"), ("fxpipe", "any"), ("fxpipe", "pow2")])
+def test_two_level_search_shows_each_phase_that_changed_the_answer(cost_model, replication):
+    """On a two-level machine the segment DP's phases (flat bracket, charged or interval DP, ...) take
+    seconds each on deep graphs: each one that changed the plan or the bound prints a progress line with
+    both, no phase repeats the line before it, and the last line's bound is the answer's (the polish that
+    may follow moves the plan alone)."""
+    lines = []
+    res = partition(transformer_graph(4, seed=2, tied=False), 8, time_limit=5.0, gpus_per_node=2,
+                    intra_bandwidth=1e10, bandwidth=1.25e9, cost_model=cost_model, replication=replication,
+                    progress=lines.append)
+    shown = [line.split(": ", 3)[-1] for line in lines if line.startswith("partition: two-level segment DP, ")]
+    assert shown and all(a != b for a, b in zip(shown, shown[1:]))
+    assert all(re.fullmatch(r"plan [0-9.e+-]+ ms, bound [0-9.e+-]+ ms, gap [0-9.]+ %", s) for s in shown)
+    last_bound = float(re.search(r"bound ([0-9.e+-]+) ms", shown[-1]).group(1))
+    assert last_bound == pytest.approx(res.bound_s * 1e3, rel=1e-3)
