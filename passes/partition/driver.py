@@ -511,7 +511,7 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     all-reduce floored at the nodes it must touch (``node_floor.py``), far closer to the placed
     optimum where stages are replicated across nodes. The bracket's plan, or the uniform layout
     where that is faster, is the ceiling the charged DP's first pass tries to prove within 1 %
-    (``_bracketed``)."""
+    (``_bracketed``). ``progress``: a line for each phase that changed the plan or the bound."""
     shown: list = []  # the (plan, bound) last shown: a phase that changed neither says nothing
 
     def say(label: str, found: Optional[PartitionResult]) -> Optional[PartitionResult]:
