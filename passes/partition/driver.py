@@ -571,13 +571,12 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
 
 
 def _said_placed(progress: Optional[Callable[[str], None]], start: float, label: str,
-                 found: Optional[PartitionResult]) -> Optional[PartitionResult]:
-    """``found``, after a progress line for it (a two-level search's phases take seconds each)."""
-    if progress is not None and found is not None:
-        plan = f"plan {found.bottleneck_s * 1e3:.4g} ms, " if found.replicas else ""
-        progress(f"partition: two-level segment DP, {time.monotonic() - start:.1f} s: {label}: {plan}"
-                 f"bound {found.bound_s * 1e3:.4g} ms" + (f", gap {100 * found.gap:.2f} %" if found.replicas else ""))
-    return found
+                 found: PartitionResult) -> None:
+    """A progress line for ``found`` after the phase ``label`` (a two-level search's phases take seconds each)."""
+    plan = f"plan {found.bottleneck_s * 1e3:.4g} ms, " if found.replicas else ""
+    gap = f", gap {100 * found.gap:.2f} %" if found.replicas else ""
+    segment_plan.said(progress, start, f"{label}: {plan}bound {found.bound_s * 1e3:.4g} ms{gap}",
+                      "two-level segment DP")
 
 
 def _resumed(graph: CostGraph, opts: CostOptions, start: float, deadline: float,

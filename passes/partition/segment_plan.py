@@ -164,11 +164,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                 f = searched(plan_graph, opts, deadline, cones, keep_dead=True, widen=widen, **near)
                 wide += [f] if f is not None else []
                 if f is not None and f[0] is not None:
-                    _said(progress, start, f"{widen.__name__} blocks: plan {f[1].objective * 1e3:.4g} ms")
+                    said(progress, start, f"{widen.__name__} blocks: plan {f[1].objective * 1e3:.4g} ms")
                 if bound_kept and early is None and f is not None and f[0] is not None:
                     early = early_bound(graph, opts, deadline, cones, exits, f[0])  # under the first plan
                     if early is not None:
-                        _said(progress, start, f"bound {early * 1e3:.4g} ms (the blocks' weightless nodes free)")
+                        said(progress, start, f"bound {early * 1e3:.4g} ms (the blocks' weightless nodes free)")
             found = wide[0] if wide else None
     if found is None:
         return None
@@ -230,13 +230,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
         # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
-        before = max(bound, floor_s)
-        bound = _finer(graph, opts, deadline, cones, exits, before, scored, prove_by,
-                       lambda line: _said(progress, start, line))
-        if bound > before:
-            best = min(e.bottleneck_s for e, _, _ in scored)
-            _said(progress, start, f"bound {bound * 1e3:.4g} ms (the blocks whole), {best * 1e3:.4g} ms planned, "
-                                   f"gap {100 * (1 - bound / best):.2f} %")
+        bound = _finer(graph, opts, deadline, cones, exits, max(bound, floor_s), scored, prove_by,
+                       lambda line: said(progress, start, line))
         scored += [finish(evaluate(graph, *p, judge), *p) for p in _merged_plan(plan_graph, opts, deadline, cones)]
     if cones or masks:
         _in_pieces(graph, plan_graph if cones else graph, opts, deadline, cones or masks, scored,
@@ -258,10 +253,11 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     return result
 
 
-def _said(progress: Optional[Callable[[str], None]], start: float, line: str) -> None:
-    """``line`` to ``progress`` (if given) as the planner's progress line, with the seconds since ``start``."""
+def said(progress: Optional[Callable[[str], None]], start: float, line: str, search: str = "segment DP") -> None:
+    """``line`` to ``progress`` (if given) as the planner's progress line of ``search``, with the seconds since
+    ``start`` (``driver._placed_chain``'s phases too)."""
     if progress is not None:
-        progress(f"partition: segment DP, {time.monotonic() - start:.1f} s: {line}")
+        progress(f"partition: {search}, {time.monotonic() - start:.1f} s: {line}")
 
 
 def _merged_plan(plan_graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"]) -> list:
@@ -277,14 +273,19 @@ def _finer(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["br
            say: Callable[[str], None] = lambda line: None) -> float:
     """``finer_bound`` under the best plan in ``scored`` where that is not proven within ``bound`` and
     ``FINER_AFTER`` seconds are left (its first pass may then run until ``prove_by``, the rest until
-    ``deadline``); else (or cut off before its first pass) ``bound``. ``say``: a progress line as it starts."""
+    ``deadline``); else (or cut off before its first pass) ``bound``. ``say``: a progress line as it starts
+    and, where it raised the bound, one with the gap."""
     best = min(e.bottleneck_s for e, _, _ in scored)
     if best <= bound * (1 + OPTIMAL_GAP) or deadline - time.monotonic() <= FINER_AFTER:
         return bound
     say(f"bound with the blocks whole, a pass of seconds 1 % under {best * 1e3:.4g} ms first, then bisecting "
         "until the limit")
     finer = finer_bound(graph, opts, deadline, cones, exits, bound, best, prove_by)
-    return max(bound, finer if finer is not None else 0.0)
+    if finer is None or finer <= bound:
+        return bound
+    say(f"bound {finer * 1e3:.4g} ms (the blocks whole), {best * 1e3:.4g} ms planned, "
+        f"gap {100 * (1 - finer / best):.2f} %")
+    return finer
 
 
 def _scoring_reserve(graph: CostGraph, opts: CostOptions) -> float:
