@@ -10,8 +10,10 @@ Units: seconds, bytes.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -21,6 +23,7 @@ import networkx as nx
 from passes.errors import FxpipeError
 
 SCHEMA = "fxpipe-profile/1"
+GZIP_MAGIC = b"\x1f\x8b"  # a gzip file's first two bytes: ``load`` decompresses such a profile
 
 
 class ProfileFormatError(FxpipeError):
@@ -134,14 +137,20 @@ class CostGraph:
         return graph
 
     def save(self, path: Union[str, Path]) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+        """Write the profile as JSON; gzip-compressed where ``path`` ends in ``.gz`` (a deep model's profile
+        shrinks about twelvefold, and ``load`` reads either)."""
+        text = json.dumps(self.to_json(), indent=1)
+        if str(path).endswith(".gz"):
+            Path(path).write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))  # mtime 0: same bytes each time
+        else:
+            Path(path).write_text(text)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "CostGraph":
         """Load a JSON profile, or a PipeDream ``graph.txt`` (by content); a damaged file (truncated,
         hand-edited, not a profile) is one clear error."""
         path = _existing(path)
-        text = path.read_text()
+        text = _profile_text(path)
         try:
             if text.lstrip().startswith("{"):
                 return cls.from_json(json.loads(text), source=str(path))
@@ -228,6 +237,24 @@ def _existing(path: Union[str, Path]) -> Path:
     return path
 
 
+def _profile_text(path: Path) -> str:
+    """A profile file's text, decompressed where it is gzip; a binary or damaged file is a clear error
+    (read as text it raised a bare ``UnicodeDecodeError``)."""
+    raw = path.read_bytes()
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise FxpipeError(f"{path} is a damaged gzip file ({exc}); write the profile again with "
+                              "`fxpipe profile MODEL -o FILE` (a name ending in .gz compresses it)") from exc
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FxpipeError(f"{path} is not a profile fxpipe can read (binary, neither JSON nor PipeDream's "
+                          f"graph.txt: {exc}); write it again with `fxpipe profile MODEL -o FILE` or pass "
+                          "the model itself") from exc
+
+
 def _natural_key(name: str) -> Tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
@@ -235,4 +262,4 @@ def _natural_key(name: str) -> Tuple:
 def load_pipedream(path: Union[str, Path]) -> CostGraph:
     """Read a PipeDream profiler ``graph.txt``."""
     path = _existing(path)
-    return from_pipedream_text(path.read_text(), source=str(path))
+    return from_pipedream_text(_profile_text(path), source=str(path))

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
                         "timed in wall time)")
     add_precision_option(p)
     p.add_argument("--top", type=at_least(1), default=None, help="show only the N nodes with the largest forward+backward")
-    p.add_argument("-o", "--output", help="write the profile JSON here (input of `fxpipe plan`)")
+    p.add_argument("-o", "--output", help="write the profile JSON here (input of `fxpipe plan`); a name ending in .gz compresses it")
     p.set_defaults(func=run)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from passes.capture import capture
 from passes.costgraph import CostGraph, ProfileFormatError, SCHEMA, load_pipedream
+from passes.errors import FxpipeError
 from passes.profile import profile, to_cost_graph
 from tests.models import example
 from tests.passes.test_profile import one_thread  # noqa: F401 - autouse fixture: stable timing under load
@@ -74,3 +75,28 @@ def test_every_pipedream_profile_loads_and_round_trips(tmp_path, path):
     out = tmp_path / "g.json"
     graph.save(out)
     assert CostGraph.load(out) == graph
+
+
+def test_a_profile_saved_as_gz_is_compressed_and_loads_back(tmp_path):
+    graph = load_pipedream(PROFILES / "vgg16.txt")
+    plain, packed = tmp_path / "g.json", tmp_path / "g.json.gz"
+    graph.save(plain)
+    graph.save(packed)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"  # gzip, not JSON text
+    assert packed.stat().st_size < plain.stat().st_size / 4
+    assert CostGraph.load(packed) == graph
+    graph.save(tmp_path / "again.json.gz")
+    assert (tmp_path / "again.json.gz").read_bytes() == packed.read_bytes()  # no timestamp inside
+
+
+def test_a_binary_or_damaged_profile_is_one_clear_error(tmp_path):
+    binary = tmp_path / "weights.json"
+    binary.write_bytes(bytes(range(128, 256)))
+    with pytest.raises(FxpipeError, match=r"weights\.json is not a profile fxpipe can read \(binary"):
+        CostGraph.load(binary)
+    packed = tmp_path / "g.json.gz"
+    load_pipedream(PROFILES / "vgg16.txt").save(packed)
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(packed.read_bytes()[:200])
+    with pytest.raises(FxpipeError, match=r"cut\.json\.gz is a damaged gzip file"):
+        CostGraph.load(cut)
