@@ -464,3 +464,22 @@ def test_without_guards_drops_exports_metadata_checks_and_nothing_else(llama):
         [n for n in llama.nodes if n not in dropped]
     assert lean.edges == [(u, v) for u, v in llama.edges if u not in dropped and v not in dropped]
     assert lean.param_sizes == llama.param_sizes and without_guards(lean) is lean
+
+
+@pytest.mark.parametrize("label", ["hf-mistral", "hf-qwen2", "hf-phi3", "hf-gpt-neox", "hf-gemma"])
+def test_bundled_hf_families_plan_on_the_wide_path_against_their_uniform_layout(label):
+    """The benchmark's ``--hf-family`` profiles (gzip-compressed, captured after capture began erasing
+    export's metadata checks): 24 blocks that the uniform layout counts (GPT-NeoX names them
+    ``gpt_neox.layers``), no such checks, and a plan on 8 devices from the segment DP's wide path that is
+    convex, uses every device, lies between sum C / K and its own time, and beats the uniform layout."""
+    from tools.bench import partition_scale as bench
+
+    graph = CostGraph.load(bench.BUNDLED / f"{label}-24-profile.json.gz")
+    blocks = {bench._block_of(node) for node in graph.nodes.values()} - {None}
+    assert blocks == set(range(24))
+    assert not any(node.target == bench.GUARD for node in graph.nodes.values())
+    res = partition(graph, 8, time_limit=3)
+    assert res.method.startswith("segment DP") and is_convex(graph, res.assignment) and sum(res.replicas) == 8
+    assert graph.total_compute_s() / 8 * (1 - 1e-9) <= res.bound_s <= res.bottleneck_s
+    uniform_s, _ = bench.megatron_layout(graph, res.options)
+    assert res.bottleneck_s < uniform_s

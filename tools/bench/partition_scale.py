@@ -24,6 +24,7 @@ with the last), each of the PP stages replicated DP times, scored by
         [--hf-gpt2]   # also HF GPT-2, 12 layers, tied and untied head (bundled; --reprofile needs transformers)
         [--hf-llama]  # also HF Llama, 24 layers (bundled; likewise)
         [--hf-llama-96]  # also the same HF Llama with 96 layers (bundled; likewise)
+        [--hf-family]  # also HF Mistral, Qwen2, Phi3, GPT-NeoX and Gemma, 24 layers (bundled; likewise)
         [--reprofile [--device cpu|cuda]]   # profile the models here (cached in fxpipe-out/) instead
         [--profiles DIR]   # read (with --reprofile: make) the profiles in DIR, e.g. tools/bench/data/h100
         [--drop-guards]   # the HF profiles without export's ``_assert_tensor_metadata`` nodes (see below)
@@ -39,6 +40,15 @@ layers, 4 heads over 2 key-value heads, context 64; batch 4), captured through e
 once. Every layer reads the rotary tables computed once from the positions (``anchors.py``) and
 runs its query, key and value projections side by side, a segment too wide for the exact lattice
 (``wide_segments.py``). ``--hf-llama-96``: the same config with 96 layers (5,721 nodes).
+
+HF families (``--hf-family``): MistralForCausalLM, Qwen2ForCausalLM, Phi3ForCausalLM,
+GPTNeoXForCausalLM and GemmaForCausalLM, each with the 24-layer Llama's tiny config (GPT-NeoX
+without key-value heads of its own, Gemma with head size 16), captured through export after capture
+began erasing the metadata checks, profiled once and bundled gzip-compressed. What sets them apart
+for the planner: Phi3 projects query, key and value in one weight and gate and up in another, GPT-NeoX
+runs attention and MLP side by side from one residual (and rotates a quarter of each head), Gemma
+ties its head to the embedding and scales it, Qwen2 adds biases to the projections, Mistral is
+Llama's graph.
 
 The bundled HF GPT-2 and 24-layer Llama profiles were captured before fxpipe's capture began
 erasing export's ``_assert_tensor_metadata`` checks (``passes/capture.py``), so they hold those
@@ -160,8 +170,41 @@ def hf_llama(layers: int = 24) -> Optional[CostGraph]:
         return None
 
 
+# row label -> (transformers model type, its class, config keywords besides ``hf_llama``'s): the Llama-like
+# families people train, 24 layers each at the same tiny width (``--hf-family``)
+FAMILY: Dict[str, Tuple[str, str, Dict[str, object]]] = {
+    "hf-mistral": ("mistral", "MistralForCausalLM", {}),
+    "hf-qwen2": ("qwen2", "Qwen2ForCausalLM", {}),
+    "hf-phi3": ("phi3", "Phi3ForCausalLM", {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0}),
+    "hf-gpt-neox": ("gpt_neox", "GPTNeoXForCausalLM", {"num_key_value_heads": None}),  # None: not an option there
+    "hf-gemma": ("gemma", "GemmaForCausalLM", {"head_dim": 16}),
+}
+
+
+def hf_family(label: str) -> Optional[CostGraph]:
+    """The 24-layer profile of ``FAMILY[label]`` (bundled gzip-compressed; see the module docstring);
+    None without transformers where it is not bundled."""
+    model_type, cls, extra = FAMILY[label]
+
+    def build():
+        import torch
+        import transformers
+
+        options = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=24,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+        options.update(extra)
+        options = {k: v for k, v in options.items() if v is not None}
+        config = transformers.AutoConfig.for_model(model_type, **options)
+        return getattr(transformers, cls)(config), torch.randint(0, 512, (4, 64))
+
+    try:
+        return _profiled(PROFILES / f"{label}-24-profile.json.gz", build)
+    except ImportError:
+        return None
+
+
 def _block_of(node: CostNode) -> Optional[int]:
-    m = re.match(r"(?:blocks|transformer\.h|model\.layers)\.(\d+)(\.|$)", node.module_path)
+    m = re.match(r"(?:blocks|transformer\.h|model\.layers|gpt_neox\.layers)\.(\d+)(\.|$)", node.module_path)
     return int(m.group(1)) if m else None
 
 
@@ -241,7 +284,8 @@ def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -
     and ``intra_bandwidth``, ``cost_model``, ``replication``); the uniform layout is scored under the
     same ones.
     """
-    graph = hf_gpt2(HF[depth]) if depth in HF else hf_llama(LLAMAS[depth]) if depth in LLAMAS else deep_gpt(int(depth))
+    graph = hf_gpt2(HF[depth]) if depth in HF else hf_llama(LLAMAS[depth]) if depth in LLAMAS \
+        else hf_family(depth) if depth in FAMILY else deep_gpt(int(depth))
     graph = without_guards(graph) if DROP_GUARDS else graph
     extra = {k: v for k, v in machine.items() if v is not None}
     start = time.monotonic()
@@ -277,6 +321,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-gpt2", action="store_true", help="also HF GPT-2 (12 layers), tied and untied head")
     ap.add_argument("--hf-llama", action="store_true", help="also HF Llama (24 layers, rotary, grouped-query attention)")
     ap.add_argument("--hf-llama-96", action="store_true", help="also the same HF Llama with 96 layers")
+    ap.add_argument("--hf-family", action="store_true",
+                    help="also HF Mistral, Qwen2, Phi3, GPT-NeoX and Gemma (24 layers, --hf-llama's tiny width)")
     ap.add_argument("--reprofile", action="store_true",
                     help="profile the models on this machine (cached in fxpipe-out/), not the bundled profiles")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where --reprofile measures")
@@ -317,6 +363,11 @@ def main(argv=None) -> int:
             print(f"{label} rows skipped: transformers is not installed", file=sys.stderr)
         elif wanted:
             depths.append(label)
+    if args.hf_family:
+        found = [label for label in FAMILY if hf_family(label) is not None]
+        if not found:
+            print("HF family rows skipped: transformers is not installed", file=sys.stderr)
+        depths += found
     rows = []
     for depth in depths:
         for k in (int(x) for x in args.devices.split(",")):
