@@ -13,8 +13,8 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from passes.costgraph import CostGraph
-from passes.partition import (anchors, branches, charged, node_floor, placed, retie, stage_count, wide_blocks,
-                               wide_segments)
+from passes.partition import (anchors, branches, charged, node_floor, placed, retie, side_chains, stage_count,
+                               wide_blocks, wide_segments)
 from passes.partition.chain import PROVE_WITHIN, TOLERANCE, ChainSolver, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
@@ -49,6 +49,10 @@ FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries
 # its lattices take 0.5 s to build and a pass 0.5-1.5 s on the 24-layer Llama, 2.2-3.8 s on the 96-layer
 # one (1.5-6 s on 24 layers before its counts came from below, quick and slow days on this machine),
 # and a pass cut off proves nothing
+SHRINK_TO = wide_segments.LIMIT  # downsets ``finer_bound`` brings a segment too wide for its lattice to, freeing
+# its side chains (``side_chains.py``): on HF Phi3 (24 layers, 128 devices, 10 s) 7.84 % open with every weightless
+# node freed, 5.96 / 3.05 / 2.77 % at 1,000 / 2,000 / 3,000, and at 4,000 the searches stopped at the planning
+# memory budget; 2,000 keeps a pass near the Llama's (3,221 a block, not shrunk)
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
 # order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; the search
 # on merged blocks comes after ``finer_bound`` (``_merged_plan``). Not the chained search: ``paired`` holds
@@ -413,7 +417,8 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     a first pass between bound and plan instead (until this release) left those rows within 0.01 %
     of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by)
+                        bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by,
+                        shrink_to=min(SHRINK_TO, MAX_DOWNSETS // 2))
     if lower is None:
         return None
     _, found, margin = lower
@@ -445,7 +450,7 @@ def proven_above(graph: CostGraph, opts: CostOptions, deadline: float, cones: Li
 
 
 def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["branches.Cone"],
-                exits: Sequence[anchors.Exit], limit: Optional[int], **search):
+                exits: Sequence[anchors.Exit], limit: Optional[int], shrink_to: Optional[int] = None, **search):
     """``segment_dp``'s answer (``search``: its options) on ``graph`` with every cone node but its exit
     free, every anchored exit free in its anchor's stage and, where ``limit`` is given, the weightless
     nodes of segments of more than ``limit`` downsets free (none where no segment has that many), their
@@ -453,7 +458,12 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     search, at two limits."""
     held = anchors.relaxed(graph, list(exits))
     loose = branches.relaxed(held, cones)
-    widened = wide_segments.relaxed(loose, opts, limit=limit, deadline=deadline) if limit is not None else None
+    if limit is None:
+        widened = None
+    elif shrink_to is not None:  # only the side chains that make a segment wide (``side_chains.py``)
+        widened = side_chains.shrunk(loose, opts, limit, shrink_to, deadline)
+    else:
+        widened = wide_segments.relaxed(loose, opts, limit=limit, deadline=deadline)
     relaxed_graph, freed = widened if widened is not None else (loose, [])
     return segment_dp(relaxed_graph, opts, deadline,
                       hidden=lambda units: branches.hidden_compute(held, units, cones)

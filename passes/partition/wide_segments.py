@@ -36,7 +36,10 @@ compute, no cut larger), and such nodes fold into their producers
 (``segments.folded_units``). The compute taken off still counts in the
 devices of every prefix holding a unit that runs after it (``branches.forced_compute``):
 the bound gives up how it splits between stages, which on the Llama is about
-a fifth of the compute, so the bound rarely rises above sum C / K.
+a fifth of the compute, so the bound rarely rises above sum C / K
+(``segment_plan.finer_bound`` keeps a segment whole up to
+``segments.MAX_DOWNSETS`` and past it frees only the side chains that make it
+wide, ``side_chains.py``).
 """
 from __future__ import annotations
 
@@ -76,11 +79,16 @@ def relaxed(graph: CostGraph, opts: CostOptions, limit: int = NARROW,
         return None
     freed = [name for run in runs for u in run[:-1] for name in units.members[u]
              if not graph.nodes[name].params and graph.nodes[name].param_bytes == 0]
+    return free_nodes(graph, freed), freed
+
+
+def free_nodes(graph: CostGraph, names: List[str]) -> CostGraph:
+    """``graph`` with ``names`` costing nothing and sending nothing (they then fold into their producers)."""
     nodes = dict(graph.nodes)
-    for name in freed:
+    for name in names:
         nodes[name] = dataclasses.replace(nodes[name], fwd_s=0.0, bwd_s=0.0, out_bytes=0)
     return CostGraph(nodes=nodes, edges=list(graph.edges), info=dict(graph.info),
-                     param_sizes=dict(graph.param_sizes)), freed
+                     param_sizes=dict(graph.param_sizes))
 
 
 def too_wide(segments: List[Segment]) -> bool:
