@@ -37,8 +37,11 @@ from passes.partition.memory_guard import past
 from passes.partition.segments import folded_units
 from passes.partition.wide_segments import free_nodes, relaxed, wide_runs
 
-COUNT_CAP = 8  # lattices are counted up to this many times the limit; a wider one is freed whole (a
-# segment of the first layer's embedding and tables has millions, and counting them took seconds)
+COUNT_CAP = 5  # lattices are counted up to this many times the limit (20,000: GPT-NeoX's 17,401 fit); a wider
+# one is freed whole. The 24-layer Llama's first segment (embedding, tables, 27,228 downsets) then costs 0.09 s
+# where at 8x its chains were tried, 0.9 s of the time of the bound pass that decides its 96-layer rows
+MAX_UNITS = 256  # a longer segment is freed whole uncounted: HF Gemma's graph has no separator after the
+# embedding (one segment of 1,517 units), and counting it to the cap took 0.5 s for nothing
 
 
 def shrunk(graph: CostGraph, opts: CostOptions, limit: int, target: int,
@@ -61,10 +64,13 @@ def shrunk(graph: CostGraph, opts: CostOptions, limit: int, target: int,
         if key not in chosen:
             if past(deadline):
                 return None
-            chosen[key] = _choose(local, names, graph, limit * COUNT_CAP, target, deadline)
+            chosen[key] = None if len(run) > MAX_UNITS else \
+                _choose(local, names, graph, limit * COUNT_CAP, target, deadline)
         picked = range(len(run) - 1) if chosen[key] is None else sorted(chosen[key])
         freed += [n for k in picked for n in names[k] if _weightless(graph, n)]
     out = free_nodes(graph, freed)
+    if all(keep is None for keep in chosen.values()):  # every wide segment freed whole: ``relaxed``'s answer
+        return out, freed
     again, _ = folded_units(out, opts, keep_dead=True)
     still = wide_runs(again, limit, deadline)
     if still is None:

@@ -100,3 +100,18 @@ def test_bundled_phi3_proven_on_32_devices():
     res = partition(graph, 32, time_limit=10)
     assert res.gap <= 0.01, (res.gap, res.bottleneck_s, res.bound_s)
     assert graph.total_compute_s() / 32 <= res.bound_s <= res.bottleneck_s
+
+
+def test_a_segment_longer_than_max_units_is_freed_whole_uncounted(monkeypatch):
+    """HF Gemma's graph is one segment of 1,517 units: counting it is time spent for nothing, so a
+    segment longer than ``MAX_UNITS`` is freed whole, as ``relaxed`` frees it, and never counted."""
+    g, opts = wide_graph(0), _opts(2)
+    monkeypatch.setattr(side_chains, "MAX_UNITS", 5)  # the run has 10 units
+
+    def no_count(*a, **k):
+        raise AssertionError("counted")
+
+    monkeypatch.setattr(side_chains, "downset_count", no_count)
+    out, freed = side_chains.shrunk(g, opts, limit=40, target=20)
+    loose, every = wide_segments.relaxed(g, opts, limit=40)
+    assert sorted(freed) == sorted(every) and out == loose
