@@ -455,7 +455,8 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     free, every anchored exit free in its anchor's stage and, where ``limit`` is given, the weightless
     nodes of segments of more than ``limit`` downsets free (none where no segment has that many), their
     compute given the units as ``Units.hidden``: the relaxation ``relaxation`` and ``finer_bound``
-    search, at two limits."""
+    search, at two limits; with ``shrink_to`` (``finer_bound``) only the side chains that bring each
+    such segment to that many downsets are freed (``side_chains.shrunk``)."""
     held = anchors.relaxed(graph, list(exits))
     loose = branches.relaxed(held, cones)
     if limit is None:

@@ -40,8 +40,8 @@ from passes.partition.wide_segments import free_nodes, relaxed, wide_runs
 COUNT_CAP = 5  # lattices are counted up to this many times the limit (20,000: GPT-NeoX's 17,401 fit); a wider
 # one is freed whole. The 24-layer Llama's first segment (embedding, tables, 27,228 downsets) then costs 0.09 s
 # where at 8x its chains were tried, 0.9 s of the time of the bound pass that decides its 96-layer rows
-MAX_UNITS = 256  # a longer segment is freed whole uncounted: HF Gemma's graph has no separator after the
-# embedding (one segment of 1,517 units), and counting it to the cap took 0.5 s for nothing
+MAX_UNITS = 256  # a longer segment is freed whole uncounted: HF Gemma's graph has no separator at all once
+# its rotary reads are anchored (one segment of 1,517 units), and counting it to the cap took 0.5 s for nothing
 
 
 def shrunk(graph: CostGraph, opts: CostOptions, limit: int, target: int,

@@ -47,8 +47,8 @@ without key-value heads of its own, Gemma with head size 16), captured through e
 began erasing the metadata checks, profiled once and bundled gzip-compressed. What sets them apart
 for the planner: Phi3 projects query, key and value in one weight and gate and up in another, GPT-NeoX
 runs attention and MLP side by side from one residual (and rotates a quarter of each head), Gemma
-ties its head to the embedding and scales it, Qwen2 adds biases to the projections, Mistral is
-Llama's graph.
+ties its head to the embedding and scales the embedding's output, Qwen2 adds biases to the
+projections, Mistral is Llama's graph but for its sliding-window mask (7 more nodes).
 
 The bundled HF GPT-2 and 24-layer Llama profiles were captured before fxpipe's capture began
 erasing export's ``_assert_tensor_metadata`` checks (``passes/capture.py``), so they hold those
