@@ -51,8 +51,8 @@ FINER_AFTER = 2.0  # seconds left after the plans from which the wide path tries
 # and a pass cut off proves nothing
 SHRINK_TO = wide_segments.LIMIT  # downsets ``finer_bound`` brings a segment too wide for its lattice to, freeing
 # its side chains (``side_chains.py``): on HF Phi3 (24 layers, 128 devices, 10 s) 7.84 % open with every weightless
-# node freed, 5.96 / 3.05 / 2.77 % at 1,000 / 2,000 / 3,000, and at 4,000 the searches stopped at the planning
-# memory budget; 2,000 keeps a pass near the Llama's (3,221 a block, not shrunk)
+# node freed; a prototype of it read 5.96 / 3.05 / 2.77 % at 1,000 / 2,000 / 3,000, and at 4,000 its searches stopped
+# at the planning memory budget; 2,000 keeps a pass near the Llama's (3,221 a block, not shrunk)
 WIDE_SEARCHES = (wide_segments.narrowed, wide_segments.paired)  # the wide path's plans where the bound is kept, in
 # order: the first is the quickest, and the relaxation's bound (``early_bound``) runs under its plan; the search
 # on merged blocks comes after ``finer_bound`` (``_merged_plan``). Not the chained search: ``paired`` holds
@@ -396,7 +396,9 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
                 exits: Sequence[anchors.Exit], floor: float, ceiling: float,
                 prove_by: float = -math.inf) -> Optional[float]:
     """A bound from ``relaxation``'s graph with the wide segments' weightless nodes kept where their
-    lattice has at most ``segments.MAX_DOWNSETS`` downsets (freed only past it), searched between
+    lattice has at most ``segments.MAX_DOWNSETS`` downsets, and past it only the side chains freed that
+    bring it to ``SHRINK_TO`` (``side_chains.shrunk``; a segment past ``side_chains.COUNT_CAP`` times
+    the limit, as the Llama's first one, freed whole), searched between
     ``floor`` (a bound already proven) and ``ceiling`` (the best plan's time), its first pass
     ``chain.PROVE_WITHIN`` under the plan, which may run until ``prove_by`` where that is later than
     ``deadline``; cut off, the highest T its passes proved infeasible (``floor``
@@ -418,7 +420,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
                         bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by,
-                        shrink_to=min(SHRINK_TO, MAX_DOWNSETS // 2))
+                        shrink_to=min(SHRINK_TO, MAX_DOWNSETS // 2))  # under the limit where that is set low
     if lower is None:
         return None
     _, found, margin = lower

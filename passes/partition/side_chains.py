@@ -35,7 +35,7 @@ from passes.partition.costmodel import CostOptions
 from passes.partition.downsets import downsets_from
 from passes.partition.memory_guard import past
 from passes.partition.segments import folded_units
-from passes.partition.wide_segments import free_nodes, relaxed, wide_runs
+from passes.partition.wide_segments import free_nodes, relaxed, weightless, wide_runs
 
 COUNT_CAP = 5  # lattices are counted up to this many times the limit (20,000: GPT-NeoX's 17,401 fit); a wider
 # one is freed whole. The 24-layer Llama's first segment (embedding, tables, 27,228 downsets) then costs 0.09 s
@@ -67,7 +67,7 @@ def shrunk(graph: CostGraph, opts: CostOptions, limit: int, target: int,
             chosen[key] = None if len(run) > MAX_UNITS else \
                 _choose(local, names, graph, limit * COUNT_CAP, target, deadline)
         picked = range(len(run) - 1) if chosen[key] is None else sorted(chosen[key])
-        freed += [n for k in picked for n in names[k] if _weightless(graph, n)]
+        freed += [n for k in picked for n in names[k] if weightless(graph, n)]
     out = free_nodes(graph, freed)
     if all(keep is None for keep in chosen.values()):  # every wide segment freed whole: ``relaxed``'s answer
         return out, freed
@@ -78,17 +78,12 @@ def shrunk(graph: CostGraph, opts: CostOptions, limit: int, target: int,
     return relaxed(graph, opts, limit, deadline) if still else (out, freed)
 
 
-def _weightless(graph: CostGraph, name: str) -> bool:
-    node = graph.nodes[name]
-    return not node.params and node.param_bytes == 0
-
-
 def _choose(local: List[List[int]], names: List[List[str]], graph: CostGraph, cap: int, target: int,
             deadline: float) -> Optional[Set[int]]:
     """The local units to free in one segment (``local[v]``: v's predecessors inside it): chains, the
     best log-shrink of the downset count per second of compute first, until at most ``target``; None
     (free every weightless unit) where the count passes ``cap`` or no chain brings it down."""
-    free = [all(_weightless(graph, n) for n in members) for members in names]
+    free = [all(weightless(graph, n) for n in members) for members in names]
     cost = {tuple(chain): sum(graph.nodes[n].compute_s for k in chain for n in names[k])
             for chain in chains(local, free)}
     removed: Set[int] = set()

@@ -77,9 +77,14 @@ def relaxed(graph: CostGraph, opts: CostOptions, limit: int = NARROW,
     runs = wide_runs(units, limit, deadline)
     if not runs:
         return None
-    freed = [name for run in runs for u in run[:-1] for name in units.members[u]
-             if not graph.nodes[name].params and graph.nodes[name].param_bytes == 0]
+    freed = [name for run in runs for u in run[:-1] for name in units.members[u] if weightless(graph, name)]
     return free_nodes(graph, freed), freed
+
+
+def weightless(graph: CostGraph, name: str) -> bool:
+    """Whether node ``name`` holds no weight: a relaxation may make it free (``relaxed``, ``side_chains``)."""
+    node = graph.nodes[name]
+    return not node.params and node.param_bytes == 0
 
 
 def free_nodes(graph: CostGraph, names: List[str]) -> CostGraph:
