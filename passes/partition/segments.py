@@ -59,7 +59,8 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     ~2 us a block: as a margin, 0.45 % of the bound at 32 blocks on 512
     devices). Plans are scored on the graph, which charges it. A node that
     sends nothing and has no placed producer is left out, as is a cheap one
-    computed from the inputs alone (``tiny_input``). The compute dropped and
+    computed from the inputs alone (``tiny_input``) and a chain computed from a
+    small untied weight alone (``weight_only``). The compute dropped and
     left out still counts where every plan must run it (``dropped_compute``),
     and the values left out where every plan must send them
     (``Units.hidden_sends``). ``keep_dead``: charge dead and dropped nodes'
@@ -89,6 +90,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
         result = node.op == "output" or (not has_output and not consumers[n] and (node.compute_s > 0 or n == names[-1]))
         if not result and not node.params and node.param_bytes == 0 and consumers[n] <= dead:
             dead.add(n)
+    derived = weight_only(graph, names, preds)
     head: Dict[str, str] = {}
     groups: Dict[str, List[str]] = {}
     quiet = set()  # light nodes folded that send nothing: their compute dropped like dead nodes' (below)
@@ -101,7 +103,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
                               and not node.params and node.op != "output" and not node.is_input)
         weightless = node.param_bytes == 0 and not node.params and node.op != "output" and not node.is_input
         if not ps and weightless and (light and (node.out_bytes == 0 or consumers[n] <= dead)
-                                      or node.compute_s <= tiny_input):
+                                      or node.compute_s <= tiny_input) or n in derived:
             continue  # like a model input: placed with its first consumer afterwards
         target = _fold_target(graph, n, ps, preds[n], consumers, head, anc, index, dead) if light else None
         if target is not None:
@@ -133,6 +135,41 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     if bridge and not keep_dead and chain_above is not None:
         units, folded = read_chains.chain_reads(graph, opts, units, folded, read_nodes, index, chain_above)
     return units, folded
+
+
+WEIGHT_ONLY_BYTES = 1e-3  # of the model's weight bytes: most a weight-only chain may hold (``weight_only``)
+
+
+def weight_only(graph: CostGraph, names: List[str], preds: Dict[str, List[str]]) -> set:
+    """Nodes computed from small untied weights alone, left out like inputs (``folded_units``).
+
+    Gemma's RMSNorm scales by ``1 + weight.float()``: the weight's cast and
+    the add are a chain with no producer inside the layer, so no residual add
+    after it is a separator (4 in Gemma's 1,567 units, 602 in Mistral's) and the
+    segment DP's lattice was the product of dozens of layers'. Such a chain may
+    sit in any stage up to its readers', so leaving it out is a relaxation as
+    for an input's shape reads: its compute still counts in every prefix that
+    holds a reader (``Units.hidden``), its value is charged from its first
+    reader's stage on (``Units.hidden_sends``), and only its weights are lost to
+    the bound, which ``WEIGHT_ONLY_BYTES`` keeps to a norm's (Gemma's: 256 bytes
+    a norm). A tied weight stays in its unit: its sync is what ties cost. Plans
+    put the chain with its first reader (``coarsen.to_nodes``).
+    """
+    held: Dict[str, int] = {}
+    for n in names:
+        for p in graph.nodes[n].params:
+            held[p] = held.get(p, 0) + 1
+    limit = WEIGHT_ONLY_BYTES * sum(graph.nodes[n].param_bytes for n in names)
+    out: set = set()
+    for n in names:
+        node = graph.nodes[n]
+        if node.is_input or node.op == "output" or any(p not in out for p in preds[n]):
+            continue
+        holds = node.param_bytes > 0 or bool(node.params)
+        if holds and node.param_bytes <= limit and all(held[p] == 1 for p in node.params) \
+                or not holds and preds[n]:  # a weightless node with no producer is left to ``tiny_input``
+            out.add(n)
+    return out
 
 
 def bridged_compute(graph: CostGraph, units: Units, quiet: set, preds: Dict[str, List[str]],
