@@ -18,7 +18,7 @@ from passes.partition import CostOptions, evaluate, is_convex
 from passes.partition import segments
 from passes.partition.coarsen import build_units, model_nodes
 from passes.partition.downsets import downset_dp
-from passes.partition.segment_plan import chain_plan
+from passes.partition.segment_plan import chain_plan, silent_moves
 from passes.partition.segments import folded_units, separators, weight_only
 from tests.passes.test_partition_scale import _node, transformer_graph
 
@@ -104,3 +104,19 @@ def test_bound_under_the_exact_optimum_however_much_the_chains_cost(model: str, 
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s,
                                              rel=1e-12)
     assert sum(res.replicas) == K and is_convex(g, res.assignment)
+
+
+def test_a_plan_runs_a_chain_where_there_is_room() -> None:
+    """The plan maps a chain to its reader's stage (``coarsen.to_nodes``); where an earlier stage has
+    room, ``silent_moves`` runs it there, never after its reader, and the plan is faster."""
+    g = gemma_norms(1, share=0.05, K=2)
+    opts = CostOptions(devices=2, bandwidth=1e9, allreduce_bandwidth=2e9)
+    names = list(g.nodes)
+    second = names.index("b0_ln2_cast")  # the MLP half (with its norm's chain) against the rest
+    plan = {n: int(i >= second) for i, n in enumerate(names)}
+    ev = evaluate(g, plan, [1, 1], opts)
+    assert ev.stages[1].time_s > ev.stages[0].time_s  # the chain's stage is the bottleneck
+    better, moved = silent_moves(g, plan, [1, 1], ev, opts)
+    assert moved["b0_ln2_cast"] == 0 and moved["b0_ln2"] == 1 and is_convex(g, moved)
+    assert better.bottleneck_s < ev.bottleneck_s
+    assert better.bottleneck_s == pytest.approx(evaluate(g, moved, [1, 1], opts).bottleneck_s, rel=1e-12)
