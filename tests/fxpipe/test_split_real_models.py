@@ -144,3 +144,32 @@ def test_torchvision_style_resnet_with_inplace_relu(method, stages):
     model, inputs = MiniResNet(), (torch.randn(4, 3, 16, 16),)
     sm, _ = split_model_of(model, inputs, method, stages)
     check_equivalent(model, lambda *x: fxpipe.run_local(sm, *x), lambda: stage_grads(sm), inputs)
+
+
+def test_gemma_with_a_norm_weight_cast_a_stage_before_its_norm():
+    """The planner may run a weight-only chain (Gemma's ``1 + weight.float()``) in a stage before its
+    reader's (``segment_plan.silent_moves``): the cast value is sent on, the weight's gradient comes
+    back to the stage that holds it, and the split still equals the model."""
+    from fxpipe.split_model import SplitModel
+    from passes.capture import capture
+    from passes.partition import apply_assignment
+    from passes.split import split_stages
+
+    model = _hf_model("gemma")
+    model.train()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    gm = capture(model, (ids,), method="export")
+    names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    second = next(i for i, n in enumerate(names) if n.startswith("model_layers_1_"))
+    stage = {n: int(i >= second) for i, n in enumerate(names)}
+    moved = [n for n in names if n.startswith("model_layers_1_post_attention_layernorm_")
+             and n.endswith(("_to_1", "_add_1"))]
+    assert len(moved) == 2, names  # the weight's cast and the + 1
+    stage.update({n: 0 for n in moved})
+    apply_assignment(gm, stage)
+    sm = SplitModel.from_result(split_stages(gm, (ids,)), gm)
+    assert sm.num_stages == 2
+    assert "model.layers.1.post_attention_layernorm.weight" in sm.stage_parameters(0)
+    check_equivalent(_Logits(ref), lambda x: fxpipe.run_local(sm, x).logits,
+                     lambda: {"m." + k: v for k, v in stage_grads(sm).items()}, (ids,))
