@@ -153,7 +153,8 @@ def weight_only(graph: CostGraph, names: List[str], preds: Dict[str, List[str]])
     reader's stage on (``Units.hidden_sends``), and only its weights are lost to
     the bound, which ``WEIGHT_ONLY_BYTES`` keeps to a norm's (Gemma's: 256 bytes
     a norm). A tied weight stays in its unit: its sync is what ties cost. Plans
-    put the chain with its first reader (``coarsen.to_nodes``).
+    put the chain with its first reader (``coarsen.to_nodes``), then in the
+    stage up to it where it slows the plan least (``segment_plan.silent_moves``).
     """
     held: Dict[str, int] = {}
     for n in names:
