@@ -90,7 +90,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
         result = node.op == "output" or (not has_output and not consumers[n] and (node.compute_s > 0 or n == names[-1]))
         if not result and not node.params and node.param_bytes == 0 and consumers[n] <= dead:
             dead.add(n)
-    derived = weight_only(graph, names, preds)
+    derived = weight_only(graph, names)
     head: Dict[str, str] = {}
     groups: Dict[str, List[str]] = {}
     quiet = set()  # light nodes folded that send nothing: their compute dropped like dead nodes' (below)
@@ -140,8 +140,8 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
 WEIGHT_ONLY_BYTES = 1e-3  # of the model's weight bytes: most a weight-only chain may hold (``weight_only``)
 
 
-def weight_only(graph: CostGraph, names: List[str], preds: Dict[str, List[str]]) -> set:
-    """Nodes computed from small untied weights alone, left out like inputs (``folded_units``).
+def weight_only(graph: CostGraph, names: List[str]) -> set:
+    """Nodes of ``names`` computed from small untied weights alone, left out like inputs (``folded_units``).
 
     Gemma's RMSNorm scales by ``1 + weight.float()``: the weight's cast and
     the add are a chain with no producer inside the layer, so no residual add
@@ -155,7 +155,11 @@ def weight_only(graph: CostGraph, names: List[str], preds: Dict[str, List[str]])
     a norm). A tied weight stays in its unit: its sync is what ties cost. Plans
     put the chain with its first reader (``coarsen.to_nodes``), then in the
     stage up to it where it slows the plan least (``segment_plan.silent_moves``).
+    A node that reads a model input is not one, placed or not (fxpipe's model
+    leaves inputs out of ``names``: PipeDream's vgg16 read its first convolutions
+    as weight-only before this looked at every producer).
     """
+    preds = graph.predecessors()
     held: Dict[str, int] = {}
     for n in names:
         for p in graph.nodes[n].params:

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from passes.costgraph import CostGraph
+from pathlib import Path
+
+from passes.costgraph import CostGraph, load_pipedream
 from passes.partition import CostOptions, evaluate, is_convex
 from passes.partition import segments
 from passes.partition.coarsen import build_units, model_nodes
@@ -23,6 +25,7 @@ from passes.partition.segments import folded_units, separators, weight_only
 from tests.passes.test_partition_scale import _node, transformer_graph
 
 NORMS = ("ln1", "ln2")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipedream"
 
 
 def gemma_norms(blocks: int, share: float = 0.0, K: int = 1, norm_bytes: int = 256,
@@ -61,12 +64,21 @@ def test_takes_the_chains_of_small_untied_weights() -> None:
     g = gemma_norms(3)
     opts = CostOptions(devices=4)
     names = model_nodes(g, opts)
-    preds = {n: [p for p, v in g.edges if v == n] for n in names}
-    assert weight_only(g, names, preds) == _chains(g)
+    assert weight_only(g, names) == _chains(g)
     big = gemma_norms(3, norm_bytes=10**6)  # over WEIGHT_ONLY_BYTES of the model's weights: kept
-    assert weight_only(big, names, preds) == set()
+    assert weight_only(big, names) == set()
     tied = gemma_norms(3, tied_norm=True)  # one weight read by two casts: its sync is a cost, kept
-    assert weight_only(tied, names, preds) == _chains(g) - {f"b0_{ln}_{k}" for ln in NORMS for k in ("cast", "one")}
+    assert weight_only(tied, names) == _chains(g) - {f"b0_{ln}_{k}" for ln in NORMS for k in ("cast", "one")}
+
+
+@pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
+def test_a_layer_reading_the_input_is_not_weight_only(model: str) -> None:
+    """fxpipe's model leaves the inputs out of the placed nodes: vgg16's first convolution (7 KB of 553
+    MB of weights) then had no placed producer, and with the ReLUs and the next layers after it was
+    taken for a weight-only chain. Every producer counts."""
+    g = load_pipedream(EXAMPLES / "vgg16.txt")
+    opts = CostOptions(devices=8, cost_model=model)
+    assert weight_only(g, model_nodes(g, opts)) == set()
 
 
 def test_the_residual_adds_separate_again(monkeypatch) -> None:
