@@ -171,8 +171,8 @@ def weight_only(graph: CostGraph, names: List[str]) -> set:
         if node.is_input or node.op == "output" or any(p not in out for p in preds[n]):
             continue
         holds = node.param_bytes > 0 or bool(node.params)
-        if holds and node.param_bytes <= limit and all(held[p] == 1 for p in node.params) \
-                or not holds and preds[n]:  # a weightless node with no producer is left to ``tiny_input``
+        if (holds and node.param_bytes <= limit and all(held[p] == 1 for p in node.params)) \
+                or (not holds and preds[n]):  # a weightless node with no producer is left to ``tiny_input``
             out.add(n)
     return out
 

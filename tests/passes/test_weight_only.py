@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from passes.costgraph import CostGraph, load_pipedream
 from passes.partition import CostOptions, evaluate, is_convex
 from passes.partition import segments
-from passes.partition.coarsen import build_units, model_nodes
-from passes.partition.downsets import downset_dp
+from passes.partition.coarsen import model_nodes
 from passes.partition.segment_plan import chain_plan, silent_moves
 from passes.partition.segments import folded_units, separators, weight_only
 from tests.passes.test_partition_scale import _node, transformer_graph
+from tests.passes.test_placed import _exact
 
 NORMS = ("ln1", "ln2")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipedream"
@@ -93,14 +92,6 @@ def test_the_residual_adds_separate_again(monkeypatch) -> None:
     assert all(p > last for p in separators(units)) and len(separators(units)) < plain
 
 
-def _exact(g: CostGraph, opts: CostOptions, upper: float) -> float:
-    """The best plan over the whole lattice of single nodes (no folding, no segments)."""
-    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
-    found = downset_dp(units, opts, limit=20000, upper=upper)
-    assert found is not None
-    return found[2]
-
-
 @pytest.mark.parametrize("model", ["fxpipe", "pipedream"])
 @pytest.mark.parametrize("share,K", [(0.02, 4), (0.1, 4), (0.3, 4), (0.1, 8), (0.3, 2)])
 def test_bound_under_the_exact_optimum_however_much_the_chains_cost(model: str, share: float, K: int) -> None:
@@ -111,7 +102,7 @@ def test_bound_under_the_exact_optimum_however_much_the_chains_cost(model: str, 
     opts = CostOptions(devices=K, bandwidth=1e9, allreduce_bandwidth=2e9, cost_model=model)
     res = chain_plan(g, opts, time.monotonic(), math.inf)
     assert res is not None and _chains(g) <= set(res.assignment)
-    best = _exact(g, opts, upper=res.bottleneck_s)
+    best = _exact(g, opts, upper=res.bottleneck_s)  # the whole lattice of single nodes, exactly
     assert res.bound_s <= best * (1 + 1e-9) and best <= res.bottleneck_s * (1 + 1e-9)
     assert res.bottleneck_s == pytest.approx(evaluate(g, res.assignment, res.replicas, opts).bottleneck_s,
                                              rel=1e-12)
