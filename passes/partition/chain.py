@@ -1022,8 +1022,9 @@ def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray,
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
-    for nbytes, readers in units.hidden_sends:  # sent on from its first reader's stage, as the plan places it
-        cut[min(stage_of[c] for c in readers) + 1: max(stage_of[c] for c in readers) + 1] += nbytes
+    for nbytes, holders, needers in units.hidden_sends:  # sent on from its first holder's stage, as the plan
+        # places it, to its last needer's
+        cut[min(stage_of[c] for c in holders) + 1: max(stage_of[c] for c in needers) + 1] += nbytes
     return comp, par, cut
 
 

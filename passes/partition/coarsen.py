@@ -61,9 +61,11 @@ class Units:
     # stage the plan puts it in, or -1: the first of those units', units each of which runs in its stage
     # or an earlier one: the first nodes of its nearest ancestors hold them, or [] where none is known)
     hidden: List[Hidden] = field(default_factory=list)
-    # values of nodes left out like inputs (``segments.dropped_compute``): (bytes, sorted units reading them);
-    # a prefix holding some of those units and not all sends the value on
-    hidden_sends: List[Tuple[int, List[int]]] = field(default_factory=list)
+    # values of nodes left out like inputs (``segments.dropped_compute``, ``freed_sends.py``): (bytes, sorted
+    # units any of which in a prefix puts the value there, sorted units any of which outside it needs the
+    # value); a prefix holding one of the first and missing one of the second sends the value on. For a node's
+    # own readers the two lists are the same
+    hidden_sends: List[Tuple[int, List[int], List[int]]] = field(default_factory=list)
     # compute of folded nodes that send nothing, left out of ``compute`` (``segments.folded_units`` with
     # ``bridge``): (seconds, a unit before the node, a unit after it, the unit it joined). A stage holding
     # the first two holds the node in every plan; the segment DP charges it there (``segments.Segment.start``)

@@ -17,6 +17,7 @@ from passes.partition import (anchors, branches, charged, node_floor, placed, re
                                wide_blocks, wide_segments)
 from passes.partition.chain import PROVE_WITHIN, TOLERANCE, ChainSolver, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
+from passes.partition.freed_sends import freed_sends
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.memory_guard import past
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
@@ -458,7 +459,8 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     nodes of segments of more than ``limit`` downsets free (none where no segment has that many), their
     compute given the units as ``Units.hidden``: the relaxation ``relaxation`` and ``finer_bound``
     search, at two limits; with ``shrink_to`` (``finer_bound``) only the side chains that bring each
-    such segment to that many downsets are freed (``side_chains.shrunk``)."""
+    such segment to that many downsets are freed (``side_chains.shrunk``). The values made silent that
+    every plan still sends are charged where it must (``freed_sends.py``)."""
     held = anchors.relaxed(graph, list(exits))
     loose = branches.relaxed(held, cones)
     if limit is None:
@@ -471,7 +473,9 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     return segment_dp(relaxed_graph, opts, deadline,
                       hidden=lambda units: branches.hidden_compute(held, units, cones)
                       + anchors.hidden_compute(graph, units, list(exits))
-                      + branches.forced_compute(loose, units, freed), **search)
+                      + branches.forced_compute(loose, units, freed),
+                      sends=lambda units: freed_sends(graph, relaxed_graph, units, [e for e, _ in exits], opts),
+                      **search)
 
 
 def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
@@ -606,7 +610,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 bound_only: bool = False, plan_by: float = math.inf, tolerance: Optional[float] = None,
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
-                floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf):
+                floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf,
+                sends: Optional[Callable[[Units], List[Tuple[int, List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
@@ -616,7 +621,9 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     bound alone is kept (its plans need not meet the T of their pass);
     ``loose``: the flat DP's tolerance once a pass runs 1 % under ``ceiling`` (``chain.solve``);
     ``prove_by``: the flat DP's pass 1 % under ``ceiling`` may run until then (``chain.solve``);
-    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``tolerance``:
+    ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``sends``: the
+    values it made silent that every plan still sends, given them where the DP keeps ``Units.hidden_sends``
+    (``freed_sends.py``); ``tolerance``:
     where the placed and node-floor DPs' bisection stops, if not their own. None at
     once past the deadline: folding and segmenting alone take a good part of a second on a deep graph.
     Nodes that send nothing fold up to ``QUIET`` of sum C / K, for the placed and node-floor DPs
@@ -641,6 +648,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         if keep_dead:
             _charge_left_out(units)
         units.hidden, units.hidden_sends = [], []
+    elif sends is not None:
+        units.hidden_sends += sends(units)
     if hidden is not None:
         units.hidden += hidden(units)
     segs = build_segments(units, deadline=deadline)

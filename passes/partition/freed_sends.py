@@ -1,0 +1,67 @@
+"""The values a relaxation made silent that every plan still sends: charged again where a cut must carry them.
+
+The bound's relaxations (``anchors.relaxed``, ``branches.relaxed``,
+``wide_segments.relaxed``, ``side_chains.shrunk``) make nodes free *and
+silent*: they cost nothing and send nothing. A freed node with no placed
+producer (the rotary tables' slices, an attention mask: computed from the
+inputs alone) then belongs to no unit, and the relaxed DP charged its value at
+no cut. Every plan of the real graph sends it over each cut between the
+readers it feeds: on the 24-layer HF Mistral, cos, sin and the mask (24 KB) at
+every cut between layers, about 39 us of a 0.51-ms stage on 128 devices at
+10 Gbit/s, and the bound's best plans cut where that is the difference.
+
+``freed_sends`` gives each such node n back its bytes as a
+``Units.hidden_sends`` entry, sent on wherever a prefix holds one of its
+*holders* and misses one of its *needers*. Its readers are the nodes that read
+n, and those that read an anchored exit (``anchors.py``) reading n; the needers
+are the units holding a reader, the holders the units whose first node is a
+reader or the first such node below one. That keeps the bound sound. Take
+any plan P of the real graph; the relaxed DP sees it with every unit in its
+first node's stage, and a node folded into a unit descends from that first
+node (``segments._fold_target`` joins a producer's group). Where a cut c has a
+holder before it and a needer after it in that view:
+
+* the holder's first node lies before c in P and descends from n, so n lies
+  before c too;
+* the needer's first node lies after c, so its reader r does. If r reads n,
+  n's value crosses c. If r reads an exit e of n and e lies before c, e's value
+  crosses, which is at least n's: ``anchors.exits`` keeps only exits whose
+  placed producers send no more than they do. If e lies after c, n's value
+  crosses.
+
+That value is n's own or a silent exit's (the relaxation charges it nowhere
+else), and an exit's bytes cover all the producers it reads, so the entries
+together never charge a cut more than P sends over it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+from passes.costgraph import CostGraph
+from passes.partition.branches import placed_below
+from passes.partition.coarsen import Units, model_nodes
+from passes.partition.costmodel import CostOptions
+
+
+def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Sequence[str],
+                opts: CostOptions) -> List[Tuple[int, List[int], List[int]]]:
+    """``Units.hidden_sends`` entries for ``units`` of ``relaxed``: the nodes of ``graph`` a relaxation
+    made silent that sit in no unit, each with its bytes in ``graph``, its holders and its needers (see
+    the module docstring); only those with a holder and a needer that differ (else no cut sends it)."""
+    unit_of = units.unit_of()
+    heads: Dict[str, int] = {members[0]: u for u, members in enumerate(units.members)}
+    succ = relaxed.successors()
+    is_exit = set(exits)
+    out: List[Tuple[int, List[int], List[int]]] = []
+    for n in model_nodes(relaxed, opts):
+        node = relaxed.nodes[n]
+        nbytes = graph.nodes[n].out_bytes if n in graph.nodes else 0
+        if n in unit_of or node.is_input or node.out_bytes > 0 or nbytes <= 0:
+            continue
+        readers = [r for r in succ[n] if r not in is_exit]
+        readers += [r for e in succ[n] if e in is_exit for r in succ[e]]
+        needers = sorted({unit_of[r] for r in readers if r in unit_of})
+        holders = sorted({u for r in readers for u in placed_below(r, heads, succ)})
+        if needers and holders and (len(needers) > 1 or holders != needers):
+            out.append((nbytes, holders, needers))
+    return out
