@@ -1022,9 +1022,10 @@ def stage_totals(units: Units, stage_of: List[int], S: int) -> Tuple[np.ndarray,
     cut = np.zeros(S + 1)
     for unit, nbytes, consumers in units.producers:
         cut[stage_of[unit] + 1: max(stage_of[c] for c in consumers) + 1] += nbytes
-    for nbytes, holders, needers in units.hidden_sends:  # sent on from its first holder's stage, as the plan
-        # places it, to its last needer's
-        cut[min(stage_of[c] for c in holders) + 1: max(stage_of[c] for c in needers) + 1] += nbytes
+    for nbytes, holders, needers, blockers in units.hidden_sends:  # sent on from its first holder's stage (or
+        # its last blocker's, if later), as the plan places them, to its last needer's
+        first = max([min(stage_of[c] for c in holders)] + [stage_of[b] for b in blockers])
+        cut[first + 1: max(stage_of[c] for c in needers) + 1] += nbytes
     return comp, par, cut
 
 

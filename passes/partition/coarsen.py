@@ -63,9 +63,10 @@ class Units:
     hidden: List[Hidden] = field(default_factory=list)
     # values of nodes left out like inputs (``segments.dropped_compute``, ``freed_sends.py``): (bytes, sorted
     # units any of which in a prefix puts the value there, sorted units any of which outside it needs the
-    # value); a prefix holding one of the first and missing one of the second sends the value on. For a node's
-    # own readers the two lists are the same
-    hidden_sends: List[Tuple[int, List[int], List[int]]] = field(default_factory=list)
+    # value, units all of which the prefix must hold); a prefix holding one of the first, missing one of the
+    # second and holding all of the third sends the value on. For a node's own readers the first two lists
+    # are the same and the third is empty
+    hidden_sends: List[Tuple[int, List[int], List[int], List[int]]] = field(default_factory=list)
     # compute of folded nodes that send nothing, left out of ``compute`` (``segments.folded_units`` with
     # ``bridge``): (seconds, a unit before the node, a unit after it, the unit it joined). A stage holding
     # the first two holds the node in every plan; the segment DP charges it there (``segments.Segment.start``)

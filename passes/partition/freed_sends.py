@@ -44,7 +44,7 @@ from passes.partition.costmodel import CostOptions
 
 
 def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Sequence[str],
-                opts: CostOptions) -> List[Tuple[int, List[int], List[int]]]:
+                opts: CostOptions) -> List[Tuple[int, List[int], List[int], List[int]]]:
     """``Units.hidden_sends`` entries for ``units`` of ``relaxed``: the nodes of ``graph`` a relaxation
     made silent that sit in no unit, each with its bytes in ``graph``, its holders and its needers (see
     the module docstring); only those with a holder and a needer that differ (else no cut sends it)."""
@@ -52,7 +52,7 @@ def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Seque
     heads: Dict[str, int] = {members[0]: u for u, members in enumerate(units.members)}
     succ = relaxed.successors()
     is_exit = set(exits)
-    out: List[Tuple[int, List[int], List[int]]] = []
+    out: List[Tuple[int, List[int], List[int], List[int]]] = []
     for n in model_nodes(relaxed, opts):
         node = relaxed.nodes[n]
         nbytes = graph.nodes[n].out_bytes if n in graph.nodes else 0
@@ -63,5 +63,63 @@ def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Seque
         needers = sorted({unit_of[r] for r in readers if r in unit_of})
         holders = sorted({u for r in readers for u in placed_below(r, heads, succ)})
         if needers and holders and (len(needers) > 1 or holders != needers):
-            out.append((nbytes, holders, needers))
+            out.append((nbytes, holders, needers, []))
+    return out
+
+
+def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Sequence[str], exits: Sequence[str]
+                ) -> List[Tuple[int, List[int], List[int], List[int]]]:
+    """``Units.hidden_sends`` entries for ``units`` of ``relaxed`` for the chains a relaxation of ``graph``
+    freed inside a segment (``side_chains.shrunk``, ``wide_segments.relaxed``: weightless nodes made free
+    and silent, folded into their producer's unit).
+
+    A freed node whose producers are one node p, or one freed node that is, is on a *branch* of p: the
+    freed nodes below p's successor ``top``, each of one producer, form a tree. An anchored exit read
+    beside it does not count as a producer (Phi3's rotary products read one): a plan sends p's value or
+    one in the branch over such a cut whatever the exit does, and the exit's value is not the branch's. Every plan sends, over a
+    cut with p before it and a reader of the branch (a node not freed) after it, p's value or a value in
+    the branch of at least the branch's least bytes on the paths to its readers, m. One entry per
+    branch, of min(m, B * m / M) bytes (B: p's bytes, M: the sum of p's branches' m), so that the
+    entries of p's branches together never claim more than p's value or the branches' own values, one
+    each; holders the units whose first node is p or the first such node below it; needers the units
+    holding the branch's readers; blockers the units reading p's own value, which p's own entry
+    (``Units.producers``) charges: the entries count only where it is not, so p's value is claimed
+    once. A branch's values are silent (no other entry claims them). Branches through an anchored
+    exit, or off a node an exit reads, are left out (``freed_sends`` claims the exits' values and
+    the values they read)."""
+    unit_of = units.unit_of()
+    heads: Dict[str, int] = {members[0]: u for u, members in enumerate(units.members)}
+    succ, pred = relaxed.successors(), relaxed.predecessors()
+    free, is_exit = set(freed), set(exits)
+
+    def feeds(n: str) -> List[str]:  # a node's producers but anchored exits (a branch node may read one)
+        return [q for q in pred[n] if q not in is_exit]
+
+    branches: Dict[str, Dict[str, list]] = {}  # p -> top -> [least bytes, needer units]
+    for f in freed:
+        readers = [v for v in succ[f] if v not in free and v in unit_of and v not in is_exit]
+        if not readers or f in is_exit:
+            continue
+        top, nbytes = f, graph.nodes[f].out_bytes
+        while len(feeds(top)) == 1 and feeds(top)[0] in free:
+            top = feeds(top)[0]
+            nbytes = min(nbytes, graph.nodes[top].out_bytes)
+        if len(feeds(top)) != 1 or feeds(top)[0] in free:
+            continue
+        p = feeds(top)[0]
+        if p not in unit_of or any(w in is_exit for w in succ[p]):
+            continue
+        entry = branches.setdefault(p, {}).setdefault(top, [nbytes, set()])
+        entry[0] = min(entry[0], nbytes)
+        entry[1].update(unit_of[v] for v in readers)
+    out: List[Tuple[int, List[int], List[int], List[int]]] = []
+    for p, tops in branches.items():
+        whole, total = graph.nodes[p].out_bytes, sum(m for m, _ in tops.values())
+        holders = sorted(placed_below(p, heads, succ))
+        blockers = sorted({unit_of[w] for w in succ[p] if w in unit_of} - {unit_of[p]})
+        for m, needed in tops.values():
+            nbytes = min(m, whole * m // total) if total > 0 else 0
+            needers = sorted(needed)
+            if nbytes > 0 and holders and (len(needers) > 1 or holders != needers):
+                out.append((nbytes, holders, needers, blockers))
     return out

@@ -227,8 +227,8 @@ def _rebuilt(graph: CostGraph, opts: CostOptions, units: Units, folded: List[flo
     out.compute = [units.compute[o] if o >= 0 else 0.0 for o in old]  # folded and dropped compute as before
     out.hidden = [(s, [new_of[u] for u in forcing], new_of[home] if home >= 0 else -1, [new_of[u] for u in after])
                   for s, forcing, home, after in units.hidden]
-    out.hidden_sends = [(nbytes, [new_of[u] for u in holders], [new_of[u] for u in needers])
-                        for nbytes, holders, needers in units.hidden_sends]
+    out.hidden_sends = [(nbytes, [new_of[u] for u in holders], [new_of[u] for u in needers],
+                         [new_of[u] for u in blockers]) for nbytes, holders, needers, blockers in units.hidden_sends]
     chained = {k for _, links, _ in chains for link in links for k in link}
     out.bridged = [(s, new_of[b], new_of[a], new_of[home_of.get(k, h)])
                    for k, (s, b, a, h) in enumerate(units.bridged) if k not in chained]

@@ -17,7 +17,7 @@ from passes.partition import (anchors, branches, charged, node_floor, placed, re
                                wide_blocks, wide_segments)
 from passes.partition.chain import PROVE_WITHIN, TOLERANCE, ChainSolver, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
-from passes.partition.freed_sends import freed_sends
+from passes.partition.freed_sends import chain_sends, freed_sends
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.memory_guard import past
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
@@ -474,7 +474,8 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
                       hidden=lambda units: branches.hidden_compute(held, units, cones)
                       + anchors.hidden_compute(graph, units, list(exits))
                       + branches.forced_compute(loose, units, freed),
-                      sends=lambda units: freed_sends(graph, relaxed_graph, units, [e for e, _ in exits], opts),
+                      sends=lambda units: freed_sends(graph, relaxed_graph, units, [e for e, _ in exits], opts)
+                      + chain_sends(graph, relaxed_graph, units, freed, [e for e, _ in exits]),
                       **search)
 
 

@@ -129,7 +129,7 @@ def folded_units(graph: CostGraph, opts: CostOptions, tiny: float = 0.0, tiny_si
     units.hidden = dropped_compute(graph, names, consumers, loose, unit_of)
     if bridge and not keep_dead:
         units.bridged, read_nodes = bridged_compute(graph, units, quiet, preds, consumers)
-    units.hidden_sends = [(graph.nodes[n].out_bytes, readers, readers) for n in names if n not in head
+    units.hidden_sends = [(graph.nodes[n].out_bytes, readers, readers, []) for n in names if n not in head
                           for readers in [sorted({unit_of[c] for c in consumers[n] if c in unit_of})]
                           if graph.nodes[n].out_bytes > 0 and readers]
     if bridge and not keep_dead and chain_above is not None:
@@ -378,9 +378,9 @@ def _build_segments(units: Units, limit: int, deadline: float) -> Optional[List[
         first = 0 if units.is_input[unit] else int(seg_of[unit])
         for a in range(first, int(seg_of[max(consumers)]) + 1):
             live[a].append((unit, nbytes, consumers))
-    for nbytes, holders, needers in units.hidden_sends:  # no unit: inside wherever a holder is
+    for nbytes, holders, needers, blockers in units.hidden_sends:  # no unit: inside wherever a holder is
         for a in range(int(seg_of[holders[0]]), int(seg_of[needers[-1]]) + 1):
-            live[a].append((holders, nbytes, needers))
+            live[a].append(((holders, blockers), nbytes, needers))
     segments, base_c, base_p, pairs_of, base_plain = [], 0.0, 0.0, {}, 0.0
     base_s = np.zeros(len(shared))
     ends, starts = bridged_units(units)
@@ -463,9 +463,13 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
     params = base_p + member @ np.asarray([units.param_bytes[u] for u in local], dtype=float)
     cut = np.zeros(len(masks))
     for unit, nbytes, consumers in live:
-        if isinstance(unit, list):  # a value left out like an input (``Units.hidden_sends``): with its first
-            # holder (``unit``, here the list of them)
-            inside = any(c < local[0] for c in unit) | member[:, [pos[c] for c in unit if c in pos]].any(axis=1)
+        if isinstance(unit, tuple):  # a value left out like an input (``Units.hidden_sends``): with its first
+            # holder, and only where every blocker is inside too (``unit``: the two lists)
+            holders, blockers = unit
+            if any(b > local[-1] for b in blockers):
+                continue
+            inside = any(c < local[0] for c in holders) | member[:, [pos[c] for c in holders if c in pos]].any(axis=1)
+            inside = inside & member[:, [pos[b] for b in blockers if b in pos]].all(axis=1)
         else:
             inside = member[:, pos[unit]] if unit in pos else np.ones(len(masks), dtype=bool)
         if max(consumers) > local[-1]:  # read after this segment
