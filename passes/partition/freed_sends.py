@@ -32,6 +32,14 @@ holder before it and a needer after it in that view:
 That value is n's own or a silent exit's (the relaxation charges it nowhere
 else), and an exit's bytes cover all the producers it reads, so the entries
 together never charge a cut more than P sends over it.
+
+``chain_sends`` does the same for the chains freed inside a block (GPT-NeoX's
+query, key and value slices, freed by ``side_chains.shrunk`` to keep its
+lattice small): they fold into their producer's unit and send nothing, so a
+cut between that producer and the chains' readers looked free. Every plan sends
+the producer's value or one on each chain there; the entries claim at most
+that (see its docstring). On GPT-NeoX at 128 and 256 devices the bound went
+from 7.0 % under the plan to 4.3 and 3.4 %.
 """
 from __future__ import annotations
 
