@@ -115,7 +115,8 @@ def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Seque
         if len(feeds(top)) != 1 or feeds(top)[0] in free:
             continue
         p = feeds(top)[0]
-        if p not in unit_of or any(w in is_exit for w in succ[p]):
+        if p not in unit_of or relaxed.nodes[p].is_input or any(w in is_exit for w in succ[p]):
+            # (a model input's value may cost nothing to send, fxpipe's model: ``costmodel.counts_comm``)
             continue
         entry = branches.setdefault(p, {}).setdefault(top, [nbytes, set()])
         entry[0] = min(entry[0], nbytes)
