@@ -83,10 +83,10 @@ def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Seque
 
     A freed node whose producers are one node p, or one freed node that is, is on a *branch* of p: the
     freed nodes below p's successor ``top``, each of one producer, form a tree. An anchored exit read
-    beside it does not count as a producer (Phi3's rotary products read one): a plan sends p's value or
-    one in the branch over such a cut whatever the exit does, and the exit's value is not the branch's. Every plan sends, over a
-    cut with p before it and a reader of the branch (a node not freed) after it, p's value or a value in
-    the branch of at least the branch's least bytes on the paths to its readers, m. One entry per
+    beside it does not count as a producer (Phi3's rotary products read one): the path from p is there
+    whatever the exit does, and the exit's value is not the branch's. Every plan sends, over a cut with
+    p before it and a reader of the branch (a node not freed) after it, p's value or a value in the
+    branch of at least the branch's least bytes on the paths to its readers, m. One entry per
     branch, of min(m, B * m / M) bytes (B: p's bytes, M: the sum of p's branches' m), so that the
     entries of p's branches together never claim more than p's value or the branches' own values, one
     each; holders the units whose first node is p or the first such node below it; needers the units

@@ -163,7 +163,8 @@ def merge_groups(units: Units, group_of: List[int]) -> Units:
         hidden=[(s, sorted({new[u] for u in forcing}), new[home] if home >= 0 else -1, sorted({new[u] for u in after}))
                 for s, forcing, home, after in units.hidden],
         hidden_sends=[(nbytes, sorted({new[u] for u in holders}), sorted({new[u] for u in needers}),
-                       sorted({new[u] for u in blockers})) for nbytes, holders, needers, blockers in units.hidden_sends],
+                       sorted({new[u] for u in blockers}))
+                      for nbytes, holders, needers, blockers in units.hidden_sends],
         bridged=[(s, new[a], new[b], new[j]) for s, a, b, j in units.bridged],
     )
 
