@@ -205,3 +205,14 @@ def test_bound_with_the_branches_sent_stays_under_brute_force(seed, K, rises, si
     assert forgot * (1 - 1e-12) <= charged <= best * (1 + 1e-9)
     if rises and not side and fused > 4 * 10**6:
         assert charged > forgot * 1.1 and charged >= best * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("seed,K", [(1, 3), (3, 3)])
+@pytest.mark.parametrize("side,fused", [(False, 9 * 10**6), (True, 4 * 10**6)])
+def test_branches_sent_under_pipedream_charges_stay_under_brute_force(seed, K, side, fused) -> None:
+    """PipeDream's model places the inputs in stage 0 and charges their values too: the same entries
+    hold there (no branch starts at an input)."""
+    g = fan_graph(seed, side, fused)
+    opts = CostOptions(devices=K, bandwidth=B, allreduce_bandwidth=BAR, cost_model="pipedream")
+    _, lower, margin = segment_plan._relaxed_dp(g, opts, math.inf, [], [], 3)
+    assert lower.bound - margin <= brute_force(g, K, "pipedream", opts.allowed_replicas()) * (1 + 1e-9)
