@@ -108,13 +108,13 @@ def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Seque
         readers = [v for v in succ[f] if v not in free and v in unit_of and v not in is_exit]
         if not readers or f in is_exit:
             continue
-        top, nbytes = f, graph.nodes[f].out_bytes
-        while len(feeds(top)) == 1 and feeds(top)[0] in free:
-            top = feeds(top)[0]
+        top, nbytes, above = f, graph.nodes[f].out_bytes, feeds(f)
+        while len(above) == 1 and above[0] in free:
+            top, above = above[0], feeds(above[0])
             nbytes = min(nbytes, graph.nodes[top].out_bytes)
-        if len(feeds(top)) != 1 or feeds(top)[0] in free:
+        if len(above) != 1:
             continue
-        p = feeds(top)[0]
+        p = above[0]
         if p not in unit_of or relaxed.nodes[p].is_input or any(w in is_exit for w in succ[p]):
             # (a model input's value may cost nothing to send, fxpipe's model: ``costmodel.counts_comm``)
             continue

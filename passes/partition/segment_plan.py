@@ -470,12 +470,13 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     else:
         widened = wide_segments.relaxed(loose, opts, limit=limit, deadline=deadline)
     relaxed_graph, freed = widened if widened is not None else (loose, [])
+    exit_nodes = [e for e, _ in exits]
     return segment_dp(relaxed_graph, opts, deadline,
                       hidden=lambda units: branches.hidden_compute(held, units, cones)
                       + anchors.hidden_compute(graph, units, list(exits))
                       + branches.forced_compute(loose, units, freed),
-                      sends=lambda units: freed_sends(graph, relaxed_graph, units, [e for e, _ in exits], opts)
-                      + chain_sends(graph, relaxed_graph, units, freed, [e for e, _ in exits]),
+                      sends=lambda units: freed_sends(graph, relaxed_graph, units, exit_nodes, opts)
+                      + chain_sends(graph, relaxed_graph, units, freed, exit_nodes),
                       **search)
 
 

@@ -377,10 +377,10 @@ def _build_segments(units: Units, limit: int, deadline: float) -> Optional[List[
     for unit, nbytes, consumers in units.producers:
         first = 0 if units.is_input[unit] else int(seg_of[unit])
         for a in range(first, int(seg_of[max(consumers)]) + 1):
-            live[a].append((unit, nbytes, consumers))
+            live[a].append((unit, nbytes, consumers, None))
     for nbytes, holders, needers, blockers in units.hidden_sends:  # no unit: inside wherever a holder is
         for a in range(int(seg_of[holders[0]]), int(seg_of[needers[-1]]) + 1):
-            live[a].append(((holders, blockers), nbytes, needers))
+            live[a].append((None, nbytes, needers, (holders, blockers)))
     segments, base_c, base_p, pairs_of, base_plain = [], 0.0, 0.0, {}, 0.0
     base_s = np.zeros(len(shared))
     ends, starts = bridged_units(units)
@@ -462,10 +462,10 @@ def _segment(units: Units, local: List[int], first: bool, last: bool, lattices: 
     compute = base_c + member @ compute_of[local[0]:local[-1] + 1]
     params = base_p + member @ np.asarray([units.param_bytes[u] for u in local], dtype=float)
     cut = np.zeros(len(masks))
-    for unit, nbytes, consumers in live:
-        if isinstance(unit, tuple):  # a value left out like an input (``Units.hidden_sends``): with its first
-            # holder, and only where every blocker is inside too (``unit``: the two lists)
-            holders, blockers = unit
+    for unit, nbytes, consumers, held in live:
+        if unit is None:  # a value left out like an input (``Units.hidden_sends``): with its first holder,
+            # and only where every blocker is inside too
+            holders, blockers = held
             if any(b > local[-1] for b in blockers):
                 continue
             inside = any(c < local[0] for c in holders) | member[:, [pos[c] for c in holders if c in pos]].any(axis=1)

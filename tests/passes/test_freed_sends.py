@@ -17,18 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from passes.costgraph import CostGraph, CostNode
+from passes.costgraph import CostGraph
 from passes.partition import CostOptions, anchors, branches, segment_plan, side_chains, wide_segments
 from passes.partition.freed_sends import chain_sends, freed_sends
-from tests.passes.test_anchors import rotary_graph
+from tests.passes.test_anchors import _node, _opts, rotary_graph
 from tests.passes.test_partition import B, BAR, brute_force
 
 PHI3 = Path(__file__).resolve().parents[2] / "tools" / "bench" / "data" / "hf-phi3-24-profile.json.gz"
-
-
-def _node(name, cost, out, pbytes=0, is_input=False, op="call_function"):
-    return CostNode(name=name, op=op, target=name, fwd_s=cost / 3, bwd_s=2 * cost / 3, out_bytes=out,
-                    param_bytes=pbytes, is_input=is_input)
 
 
 def table_graph(seed: int, table_bytes: int = 4 * 10**6) -> CostGraph:
@@ -49,10 +44,6 @@ def table_graph(seed: int, table_bytes: int = 4 * 10**6) -> CostGraph:
     spec.append(("head", [prev], dict(cost=c(), out=nb(), pbytes=2 * 10**7)))
     nodes = {n: _node(n, **kw) for n, _, kw in spec}
     return CostGraph(nodes=nodes, edges=[(p, n) for n, ps, _ in spec for p in ps])
-
-
-def _opts(K: int) -> CostOptions:
-    return CostOptions(devices=K, bandwidth=B, allreduce_bandwidth=BAR)
 
 
 def _bound(g: CostGraph, opts: CostOptions, sends: bool) -> float:
