@@ -128,10 +128,11 @@ class ChainSolver:
         # where nodes are bridged a point's compute is two numbers as an end (``Segment.compute``,
         # ``plain``) and as a start (``start``, ``plain``), a stage the larger difference (``stage_compute``)
         self.two = bool(units.bridged)
-        # ``floor_counts``: where it applies, the span of every point's compute and bytes (``replicas_floor``)
+        # ``floor_counts``: where it applies, the span of every point's compute and bytes (``replicas_floor``);
+        # with shared weights, for the stages of ``_untied`` segments alone
         self._floor_span = float(np.sum(np.abs(units.compute)) + 2.0 * np.sum(np.abs(units.param_bytes))
                                  / opts.ar_bandwidth) if floor_counts and closed_form_applies(opts) and not self.two \
-            and not self.shared_bytes.size and opts.tied_replicas is None else None
+            and opts.tied_replicas is None else None
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``
         self._level_cache: dict = {}  # ``_levels``
@@ -156,7 +157,8 @@ class ChainSolver:
 
     def _stage_r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """``_r`` on one piece."""
-        if self._floor_span is not None:  # ``floor_counts``: no tied weights, one compute per point
+        if self._floor_span is not None and (si is None or not self.shared_bytes.size):  # ``floor_counts``: no
+            # tied weight held (none in the graph, or an ``_untied`` set's), one compute per point
             return replicas_floor(cj, pj, cutj, ci, pi, cuti, T, self.opts, self._floor_span)
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         compute, partners = stage_compute(ci, cj, self.two), self._partner_count(shares, flags, T)
@@ -188,7 +190,7 @@ class ChainSolver:
         too, which weights those are, and each weight user's flags at j and at i (a user inside j or
         not inside i lies outside the stage); ``sj``, ``si``: the points' ``Segment.shared`` rows."""
         n = self.shared_bytes.size
-        if not n:
+        if not n or si is None:  # no shared weight, or none held in this set (``_untied``)
             return params, 0.0, None, None
         inside = si[..., :n] - sj[..., :n]
         held = inside > 0.5
@@ -564,7 +566,8 @@ class ChainSolver:
                 (c, p), c0, ends = self._own_sums(seg), self._own_start(seg), (seg.sub_j, seg.sub_i)
                 key = canon.get((*ends, c, c0, p, seg.shared, seg.cut))
                 if id(key) not in distinct:  # a stage from j runs c[i] - c0[j] (``Segment.start``)
-                    distinct[id(key)] = (len(distinct), (ends, tuple((first, p, seg.shared, seg.cut)
+                    users = None if self._untied(seg) else seg.shared  # None: no stage here holds a tied weight
+                    distinct[id(key)] = (len(distinct), (ends, tuple((first, p, users, seg.cut)
                                                                      for first in (c0, c))))
                 which.append(distinct[id(key)][0])  # ``_r``'s argument order above
             sets = [pairs for _, pairs in distinct.values()]
@@ -594,8 +597,8 @@ class ChainSolver:
         """``_r`` of the pairs ``a:b`` of one of ``_near``'s sets; with ``one`` (``_fits_one``) only the
         stages whose compute exceeds T are gathered and counted, the others fit one replica."""
         if ends is None:  # kept gathered: the pairs' columns
-            cols = tuple(x[a:b] for x in pairs)
-            take = lambda k: tuple(x[k] for x in cols)  # noqa: E731
+            cols = tuple(None if x is None else x[a:b] for x in pairs)
+            take = lambda k: tuple(None if x is None else x[k] for x in cols)  # noqa: E731
             compute = lambda: (cols[4], cols[0])  # noqa: E731
         else:  # gathered here from the points, the compute alone first
             ends = (ends[0][a:b], ends[1][a:b])
@@ -613,16 +616,30 @@ class ChainSolver:
         """Whether every stage of one of ``_near``'s sets (``ends`` and ``pairs`` as it holds them) whose
         compute is at most ``compute``, and at most T, fits one replica at T: ``stage_time_s`` at one
         replica of that compute with the largest cuts of the set's points (the time grows with both, and
-        at one replica no weights are synced). Only for the flat DP's own counts without tied weights (a
-        subclass's ``_stage_r`` may charge more). On many devices most stages inside a segment run on one
-        replica: a whole-block Llama pass gathered and counted a million pairs a block, all of them such
-        stages at 64 devices, 73 % at 256, 28 % at 512."""
-        if self.shared_bytes.size or type(self)._stage_r is not ChainSolver._stage_r:
+        at one replica no weights are synced). Only for the flat DP's own counts (a subclass's ``_stage_r``
+        may charge more), and where no stage of the set holds a tied weight (``_untied``). On many devices
+        most stages inside a segment run on one replica: a whole-block Llama pass gathered and counted a
+        million pairs a block, all of them such stages at 64 devices, 73 % at 256, 28 % at 512."""
+        users = pairs[2] if ends is None else pairs[0][2]
+        if (self.shared_bytes.size and users is not None) or type(self)._stage_r is not ChainSolver._stage_r:
             return False
         cutj, cuti = (pairs[3], pairs[7]) if ends is None else (pairs[0][3], pairs[1][3])
         if not np.size(cutj) or not np.size(cuti):
             return False
         return stage_time_s(compute, 0.0, float(np.max(cutj)), float(np.max(cuti)), 1, self.opts) <= T
+
+    def _untied(self, seg: Segment) -> bool:
+        """Whether no stage with both ends in ``seg`` holds a shared (tied) weight, on a graph that has
+        some: every point of the segment holds as many of each weight's users (HF Gemma's blocks: its
+        tied embedding is read before them and after them, never inside). ``_near`` then drops the
+        segment's user columns (None), and ``_stage_r`` counts its stages as untied ones (no weight bytes
+        added, partners 1, ``1f1b-stash``'s rule not applied: what ``_held`` and ``_partner_count`` give
+        them anyway), from below where ``floor_counts`` asks (``replicas_floor``, which a tie anywhere in
+        the graph used to rule out), and ``_fits_one`` may skip them. On Gemma (24 layers, 128 devices)
+        gathering those columns for the million stages inside each block took 1.1 s of a whole-block
+        bound pass: its passes at four T took 1.9-3.0 s, now 0.8-1.4 s, with the same counts."""
+        n = self.shared_bytes.size
+        return bool(n) and not np.ptp(seg.shared[:, :n], axis=0).any()
 
     @staticmethod
     def _compute_bound(ends, pairs) -> float:
@@ -818,7 +835,8 @@ def _gathered(ends: tuple, points: tuple, which) -> tuple:
     """``_r``'s eight arguments for the pairs ``which`` (a slice or indices) of a segment: the start's then
     the end's columns (``points``: compute, weight bytes, shared users, cut per point) at the pairs'
     points (``ends``)."""
-    return tuple(x[at] for e, cols in zip(ends, points) for at in (e[which],) for x in cols)  # each side's points once
+    return tuple(None if x is None else x[at]  # None: a column ``_near`` dropped
+                 for e, cols in zip(ends, points) for at in (e[which],) for x in cols)  # each side's points once
 
 
 def stage_compute(ci, cj, two: bool) -> np.ndarray:

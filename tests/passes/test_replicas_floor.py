@@ -76,7 +76,8 @@ def test_floor_at_the_all_reduce_term():
 @pytest.mark.parametrize("K", [3, 8, 16])
 def test_bound_of_a_floor_search_equals_the_exact_one(K):
     """A bound-only search on the floor counts proves the bound the exact counts prove (the same passes
-    fail), under the plan the exact search finds; the solver takes the floor only where it applies."""
+    fail), under the plan the exact search finds; the solver takes the floor only where it applies (with
+    a tied weight, in the segments that hold none of its users)."""
     g = transformer_graph(4, seed=K, tied=False)
     opts = CostOptions(devices=K, bandwidth=1e9, allreduce_bandwidth=2e9)
     units, _ = folded_units(g, opts, keep_dead=True)
@@ -90,5 +91,15 @@ def test_bound_of_a_floor_search_equals_the_exact_one(K):
     assert lower.bound == pytest.approx(exact.bound, rel=1e-9)
     pipedream = CostOptions(devices=K, bandwidth=1e9, cost_model="pipedream")
     assert ChainSolver(units, segs, pipedream, floor_counts=True)._floor_span is None
+    # with a tied weight the floor counts only the stages of segments that hold none of its users
+    # (``ChainSolver._untied``), and the bound is again the exact one
     tied = folded_units(transformer_graph(4, seed=K, tied=True), opts, keep_dead=True)[0]
-    assert ChainSolver(tied, build_segments(tied, limit=100_000), opts, floor_counts=True)._floor_span is None
+    tied_segs = build_segments(tied, limit=100_000)
+    tied_floor = ChainSolver(tied, tied_segs, opts, floor_counts=True)
+    users = {u for _, us in tied.shared.values() for u in us}
+    assert all(not tied_floor._untied(seg) for seg in tied_segs if users & set(seg.units))
+    tied_score = lambda so, r: unit_bottleneck(tied, so, r, opts)  # noqa: E731
+    tied_exact = chain_solve(tied, tied_segs, opts, math.inf, tied_score)
+    tied_lower = chain_solve(tied, tied_segs, opts, math.inf, tied_score, tied_floor, bound_only=True)
+    assert tied_lower.bound <= tied_exact.objective * (1 + 1e-12)
+    assert tied_lower.bound == pytest.approx(tied_exact.bound, rel=1e-9)
