@@ -637,7 +637,7 @@ class ChainSolver:
         them anyway), from below where ``floor_counts`` asks (``replicas_floor``, which a tie anywhere in
         the graph used to rule out), and ``_fits_one`` may skip them. On Gemma (24 layers, 128 devices)
         gathering those columns for the million stages inside each block took 1.1 s of a whole-block
-        bound pass: its passes at four T took 1.9-3.0 s, now 0.8-1.4 s, with the same counts."""
+        bound pass: its passes at four T took 1.9-3.6 s, now 0.8-1.4 s, with the same counts."""
         n = self.shared_bytes.size
         return bool(n) and not np.ptp(seg.shared[:, :n], axis=0).any()
 

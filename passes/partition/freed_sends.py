@@ -43,7 +43,7 @@ from 7.0 % under the plan to 4.3 and 3.4 %.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from passes.costgraph import CostGraph
 from passes.partition.branches import placed_below
@@ -51,14 +51,28 @@ from passes.partition.coarsen import Units, model_nodes
 from passes.partition.costmodel import CostOptions
 
 
+class Lookups(NamedTuple):
+    """What both functions read of ``units`` and ``relaxed``, built once for the pair (``lookups``): on
+    the 96-layer Llama each map takes some milliseconds."""
+
+    unit_of: Dict[str, int]  # node -> its unit
+    heads: Dict[str, int]  # a unit's first node -> the unit
+    succ: Dict[str, List[str]]
+    pred: Dict[str, List[str]]
+
+
+def lookups(relaxed: CostGraph, units: Units) -> Lookups:
+    return Lookups(units.unit_of(), {members[0]: u for u, members in enumerate(units.members)},
+                   relaxed.successors(), relaxed.predecessors())
+
+
 def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Sequence[str],
-                opts: CostOptions) -> List[Tuple[int, List[int], List[int], List[int]]]:
+                opts: CostOptions, seen: Optional[Lookups] = None) -> List[Tuple[int, List[int], List[int], List[int]]]:
     """``Units.hidden_sends`` entries for ``units`` of ``relaxed``: the nodes of ``graph`` a relaxation
     made silent that sit in no unit, each with its bytes in ``graph``, its holders and its needers (see
-    the module docstring); only those with a holder and a needer that differ (else no cut sends it)."""
-    unit_of = units.unit_of()
-    heads: Dict[str, int] = {members[0]: u for u, members in enumerate(units.members)}
-    succ = relaxed.successors()
+    the module docstring); only those with a holder and a needer that differ (else no cut sends it).
+    ``seen``: ``lookups(relaxed, units)``, where the caller has it."""
+    unit_of, heads, succ, _ = seen or lookups(relaxed, units)
     is_exit = set(exits)
     out: List[Tuple[int, List[int], List[int], List[int]]] = []
     for n in model_nodes(relaxed, opts):
@@ -75,8 +89,8 @@ def freed_sends(graph: CostGraph, relaxed: CostGraph, units: Units, exits: Seque
     return out
 
 
-def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Sequence[str], exits: Sequence[str]
-                ) -> List[Tuple[int, List[int], List[int], List[int]]]:
+def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Sequence[str], exits: Sequence[str],
+                seen: Optional[Lookups] = None) -> List[Tuple[int, List[int], List[int], List[int]]]:
     """``Units.hidden_sends`` entries for ``units`` of ``relaxed`` for the chains a relaxation of ``graph``
     freed inside a segment (``side_chains.shrunk``, ``wide_segments.relaxed``: weightless nodes made free
     and silent, folded into their producer's unit).
@@ -94,10 +108,8 @@ def chain_sends(graph: CostGraph, relaxed: CostGraph, units: Units, freed: Seque
     (``Units.producers``) charges: the entries count only where it is not, so p's value is claimed
     once. A branch's values are silent (no other entry claims them). Branches through an anchored
     exit, or off a node an exit reads, are left out (``freed_sends`` claims the exits' values and
-    the values they read)."""
-    unit_of = units.unit_of()
-    heads: Dict[str, int] = {members[0]: u for u, members in enumerate(units.members)}
-    succ, pred = relaxed.successors(), relaxed.predecessors()
+    the values they read). ``seen``: as ``freed_sends``'s."""
+    unit_of, heads, succ, pred = seen or lookups(relaxed, units)
     free, is_exit = set(freed), set(exits)
 
     def feeds(n: str) -> List[str]:  # a node's producers but anchored exits (a branch node may read one)

@@ -17,7 +17,7 @@ from passes.partition import (anchors, branches, charged, node_floor, placed, re
                                wide_blocks, wide_segments)
 from passes.partition.chain import PROVE_WITHIN, TOLERANCE, ChainSolver, solve as chain_solve, unit_bottleneck
 from passes.partition.coarsen import Hidden, Units, ideal_s, model_nodes, to_nodes
-from passes.partition.freed_sends import chain_sends, freed_sends
+from passes.partition.freed_sends import chain_sends, freed_sends, lookups
 from passes.partition.costmodel import CostOptions, evaluate, tied_weights
 from passes.partition.memory_guard import past
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
@@ -471,13 +471,17 @@ def _relaxed_dp(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
         widened = wide_segments.relaxed(loose, opts, limit=limit, deadline=deadline)
     relaxed_graph, freed = widened if widened is not None else (loose, [])
     exit_nodes = [e for e, _ in exits]
+
+    def sends(units: Units):
+        seen = lookups(relaxed_graph, units)
+        return freed_sends(graph, relaxed_graph, units, exit_nodes, opts, seen) \
+            + chain_sends(graph, relaxed_graph, units, freed, exit_nodes, seen)
+
     return segment_dp(relaxed_graph, opts, deadline,
                       hidden=lambda units: branches.hidden_compute(held, units, cones)
                       + anchors.hidden_compute(graph, units, list(exits))
                       + branches.forced_compute(loose, units, freed),
-                      sends=lambda units: freed_sends(graph, relaxed_graph, units, exit_nodes, opts)
-                      + chain_sends(graph, relaxed_graph, units, freed, exit_nodes),
-                      **search)
+                      sends=sends, **search)
 
 
 def loose_groups(graph: CostGraph, opts: CostOptions) -> Tuple[Dict[str, str], Dict[str, float]]:
