@@ -903,7 +903,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
           plan_by: float = math.inf, trust_ceiling: bool = False,
           settle_above: Optional[float] = None, loose: Optional[float] = None,
-          prove_by: float = -math.inf) -> Optional[ChainSolution]:
+          prove_by: float = -math.inf, descend: bool = False) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -951,6 +951,12 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     closed-form floors it starts from: its passes halving the bracket down to them took up to 0.9 s).
     ``prove_by``: where later than ``deadline``, when the pass ``PROVE_WITHIN`` under the ceiling is cut
     off (the one that can prove the caller's plan that close; the later passes stop at ``deadline``).
+    ``descend``: once that pass finds a plan, step down from the bracket's upper end rather than bisect
+    up from the bound: the next pass ``PROVE_WITHIN`` under it, each further step twice the last, until
+    a pass is infeasible, then bisect (a plan scoring under its T is still checked just under its time
+    first). For a caller that keeps only the bound, whose relaxed plans score above their T, and whose
+    relaxation lies near its plans (``segment_plan.finer_bound``): a bisection from a bound far below
+    spends its few passes of seconds climbing.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -974,7 +980,7 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         elif best is None:
             return None
         probe = best is not None and best.objective < T * (1 - tolerance) and hi <= lo * probe_within  # else bisect
-        first_wide, bottom = wide, False
+        first_wide, bottom, step = wide, False, None
         while hi > lo * (1 + (loose if loose is not None and hi * (1 + PROVE_WITHIN) < ceiling else tolerance)):
             if best is not None and time.monotonic() > settle_by and \
                     (settle_above is None or best.objective > hi * (1 + settle_above)):
@@ -988,12 +994,17 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 T, first_wide = hi / (1 + PROVE_WITHIN), False
             elif bottom and lo * (1 + loose) < hi:  # ``loose``: just above the bound, where a plan ends the search
                 T = lo * (1 + loose)
+            elif step is not None and not probe and hi / (1 + step) > lo * (1 + tolerance):  # ``descend``
+                T = hi / (1 + step)
             found = _attempt(solver, units, opts, T, score, max(deadline, prove_by) if proving else deadline)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within
             # proven within PROVE_WITHIN: where the caller's plan is likely the optimum, one pass just under it proves it
             probe = probe or (trust_ceiling and proving and found is _INFEASIBLE)
             bottom = proving and loose is not None and found is not _INFEASIBLE
+            if descend:  # down from the upper end while passes find plans; bisect from the first that fails
+                step = None if found is _INFEASIBLE or (step is None and not proving) else \
+                    PROVE_WITHIN if step is None else step * 2
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:

@@ -420,7 +420,7 @@ def finer_bound(graph: CostGraph, opts: CostOptions, deadline: float, cones: Lis
     a first pass between bound and plan instead (until this release) left those rows within 0.01 %
     of the same gaps (docs/results.md)."""
     lower = _relaxed_dp(graph, opts, deadline, cones, exits, MAX_DOWNSETS, floor=floor, ceiling=ceiling,
-                        bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by,
+                        bound_only=True, exact_wide=True, floor_counts=True, prove_by=prove_by, descend=True,
                         shrink_to=min(SHRINK_TO, MAX_DOWNSETS // 2))  # under the limit where that is set low
     if lower is None:
         return None
@@ -617,7 +617,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
                 floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf,
-                sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
+                descend: bool = False, sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
@@ -627,6 +627,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     bound alone is kept (its plans need not meet the T of their pass);
     ``loose``: the flat DP's tolerance once a pass runs 1 % under ``ceiling`` (``chain.solve``);
     ``prove_by``: the flat DP's pass 1 % under ``ceiling`` may run until then (``chain.solve``);
+    ``descend``: after that pass finds a plan, the flat DP's next passes step down from it (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``sends``: the
     values it made silent that every plan still sends, given them where the DP keeps ``Units.hidden_sends``
     (``freed_sends.py``); ``tolerance``:
@@ -695,7 +696,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         solver = ChainSolver(units, segs, opts, floor_counts=True) if floor_counts else None
         found = chain_solve(units, segs, opts, deadline, score, solver, tolerance=tolerance or TOLERANCE, floor=floor,
                             ceiling=ceiling, settle_by=settle_by, bound_only=bound_only, loose=loose,
-                            prove_by=prove_by)
+                            prove_by=prove_by, descend=descend)
     if found is None:
         return None
     return units, found, fold_margin(units, folded)

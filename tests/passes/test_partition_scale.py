@@ -574,6 +574,42 @@ def test_bound_only_answers_the_bound_when_cut_before_any_plan():
             assert ideal < found.bound <= full.bound
 
 
+def test_descend_steps_down_from_a_plan_and_proves_more_in_the_same_passes():
+    """``descend`` (``segment_plan.finer_bound``): once the pass 1 % under the caller's plan finds a
+    relaxed plan (one that scores above its T, as a relaxation's do; here every plan scores 5 % more),
+    the next passes step down from the bracket's upper end, 1 % then 2 %, instead of bisecting up from
+    a bound far below (here sum C / K, 16 % under the DP's threshold). Cut after three passes, it has
+    proven within 1.1 % of that threshold; the bisection, not within 2 %. Both bounds stay at most
+    the threshold."""
+    from passes.partition.chain import PROVE_WITHIN, SLACK, DeadlineExceeded, solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    theta = solve(units, segs, opts, float("inf"), score).bound  # the DP's threshold (within TOLERANCE)
+
+    class CutAfterThree(type(recording)):
+        def devices_needed(self, T, deadline=float("inf")):
+            if len(asked) == 3:
+                raise DeadlineExceeded()
+            return super().devices_needed(T, deadline)
+
+    def inflated(stage_of, reps):
+        return score(stage_of, reps) * 1.05
+
+    bounds = {}
+    for descend in (False, True):
+        asked.clear()
+        found = solve(units, segs, opts, float("inf"), inflated, CutAfterThree(units, segs, opts),
+                      floor=0.5 * theta, ceiling=theta * 1.03, bound_only=True, descend=descend)
+        assert len(asked) == 3 and asked[0] == pytest.approx(theta * 1.03 / (1 + PROVE_WITHIN) * (1 + SLACK))
+        assert found.bound <= theta * (1 + 1e-3)
+        bounds[descend] = found.bound
+        if descend:
+            first = theta * 1.03 / (1 + PROVE_WITHIN)
+            assert asked[1:] == pytest.approx([first / 1.01 * (1 + SLACK), first / 1.01 / 1.02 * (1 + SLACK)])
+    assert bounds[True] >= theta / 1.011
+    assert bounds[False] < theta / 1.02
+
+
 def _uniform_blocks(blocks: int):
     """``transformer_graph`` with every block costing what block 0 costs, node for node (deep_gpt's
     repeated profile): its segments of repeated blocks hold equal pairs."""
