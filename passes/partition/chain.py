@@ -541,13 +541,25 @@ class ChainSolver:
         the least: a prefix that holds some of a weight's users but not all has a stage sharing it,
         which pays at least ``tied_floor_s`` with one replica and one partner (r times the floor,
         the room it takes from r replicas, grows with r); the weights add up (a stage's sync is
-        charged per byte). Room the forced-in compute cannot use (``_late``, ``_least_devices``)."""
+        charged per byte). Room the forced-in compute cannot use (``_late``, ``_least_devices``).
+
+        Under ``1f1b-stash``'s rule for a count c (``CostOptions.tied_replicas``; with a range, c its
+        least) that stage runs c replicas and its group has at least c more: ``c · tied_floor_s(P, c)``
+        with c partners, the least over the range's counts (it grows with both). HF GPT-2 tied on 64
+        devices, count 2: the 0.36-ms mask branch filled the 0.21 ms more that its first stage's two
+        replicas spend syncing the embedding over four ranks."""
         n = self.shared_bytes.size
         if not n:
             return np.zeros(shared.shape[:-1])
         held = shared[..., :n]
         partial = (held > 0.5) & (held < self.shared_users - 0.5)
-        return partial @ (self.shared_bytes * tied_floor_coeff(1, self.opts))
+        return partial @ (self.shared_bytes * self._tie_room())
+
+    def _tie_room(self) -> float:
+        """``_debt``'s room per tied byte: ``r · tied_floor_s(1, r)`` with one replica and one partner, or
+        under a count c (``CostOptions.tied_replicas``) with c of each."""
+        c = self.opts.tied_replicas
+        return tied_floor_coeff(1, self.opts) if c is None else float(c * tied_floor_s(1.0, c, self.opts, c))
 
     def _near(self, T: float) -> List[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment.
