@@ -546,7 +546,7 @@ class ChainSolver:
         Under ``1f1b-stash``'s rule for a count c (``CostOptions.tied_replicas``; with a range, c its
         least) that stage runs c replicas and its group has at least c more: ``c · tied_floor_s(P, c)``
         with c partners, the least over the range's counts (it grows with both). HF GPT-2 tied on 64
-        devices, count 2: the 0.36-ms mask branch filled the 0.21 ms more that its first stage's two
+        devices, count 2: the 0.39-ms mask branch filled the 0.21 ms more that its first stage's two
         replicas spend syncing the embedding over four ranks."""
         n = self.shared_bytes.size
         if not n:

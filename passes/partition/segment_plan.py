@@ -617,7 +617,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
                 floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf,
-                descend: bool = False, sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
+                descend: bool = False,
+                sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
     them instead (``wide_segments.narrowed``, ``merged`` or ``chained``, restrictions: the answer's bound
