@@ -54,10 +54,10 @@ PROVE_WITHIN = 0.01  # a known plan's first check: a pass this far below it prov
 # bisecting from a far bound would need several passes (on two-level machines a pass can cost seconds)
 NEAR_SLICE = 1 << 18  # pairs per ``_near`` call of ``_r``: bounds its temporaries (a few dozen arrays of this)
 NEAR_KEPT = 1 << 22  # distinct in-segment pairs up to which ``_near`` keeps their gathered points between passes
-NEAR_CACHED = 1 << 25  # distinct in-segment pairs up to which ``_near`` keeps the counts of the passes bracketing
-# the next T (three passes' at most: 200 MB in 16 bits at this many; a 96-layer Llama's 110 million are not kept)
 # (eight arrays a pair: 256 MB here); past it each pass gathers them again, slice by slice: the 24-layer HF
 # Llama with its attention blocks whole (``segment_plan.finer_bound``) has 26 million, 1.7 GB kept
+NEAR_CACHED = 1 << 25  # distinct in-segment pairs up to which ``_near`` keeps the counts of the passes bracketing
+# the next T (three passes' at most: 200 MB in 16 bits at this many; a 96-layer Llama's 110 million are not kept)
 TOLERANCE = 3e-4  # the bisection stops when plan and bound are this close (relative; OPTIMAL means <= 0.1 %)
 ROW_CELLS = 1 << 24  # about the most replica counts one pass keeps for equal blocks to read (``_pool_r``)
 R_CHUNK = 1 << 15  # stages per piece of ``_r``: its few dozen temporaries of this many stay in the cache, where on a
