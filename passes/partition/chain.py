@@ -122,6 +122,9 @@ class ChainSolver:
         self.point_seg = np.searchsorted(self.offsets, np.arange(self.offsets[-1]), side="right") - 1  # point -> segment
         self._pairs = None
         self._near_seen: List[Tuple[float, List[np.ndarray]]] = []  # ``_near``: (T, counts per distinct set)
+        # whether ``_near`` keeps them: the flat DP's own counts (a subclass's may not fall with T), on at most
+        # ``NEAR_CACHED`` distinct pairs (set with ``_pairs``)
+        self._keep_near = False
         self._ids: Optional[List[int]] = None  # ``_segment_ids``
         self._debt_all: Optional[np.ndarray] = None  # ``_debts``' tied part
         self._floor_at: Tuple[float, Optional[np.ndarray]] = (math.nan, None)  # (T, ``_debts`` at T)
@@ -561,8 +564,8 @@ class ChainSolver:
     def _tie_room(self) -> float:
         """``_debt``'s room per tied byte: ``r · tied_floor_s(1, r)`` with one replica and one partner, or
         under a count c (``CostOptions.tied_replicas``) with c of each."""
-        c = self.opts.tied_replicas
-        return tied_floor_coeff(1, self.opts) if c is None else float(c * tied_floor_s(1.0, c, self.opts, c))
+        c = self.opts.tied_replicas or 1
+        return tied_floor_coeff(c, self.opts, c)
 
     def _near(self, T: float) -> List[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment.
@@ -589,6 +592,8 @@ class ChainSolver:
             if sum(ends[0].size for ends, _ in sets) <= NEAR_KEPT:  # gathered once, read every pass
                 sets = [(None, _gathered(ends, points, slice(None))) for ends, points in sets]
             self._pairs = (sets, which)
+            self._keep_near = type(self)._stage_r is ChainSolver._stage_r and type(self)._r is ChainSolver._r \
+                and sum((p if e is None else e)[0].shape[0] for e, p in sets) <= NEAR_CACHED
         distinct, which = self._pairs
         known = self._bracketing(T)
         out = []
@@ -622,13 +627,6 @@ class ChainSolver:
         self._remember(T, out)
         return [out[k] for k in which]
 
-    def _near_cached(self) -> bool:
-        """Whether ``_near`` keeps counts between passes: the flat DP's own counts (a subclass's may not fall
-        with T), on at most ``NEAR_CACHED`` distinct pairs."""
-        sets = self._pairs[0]
-        return type(self)._stage_r is ChainSolver._stage_r and type(self)._r is ChainSolver._r and \
-            sum((p if e is None else e)[0].shape[0] for e, p in sets) <= NEAR_CACHED
-
     def _bracketing(self, T: float):
         """The counts of the kept passes nearest T from below and from above (``_near``), or None.
 
@@ -637,22 +635,15 @@ class ChainSolver:
         differ there are worked out again. A bisection's bracket narrows pass by pass, and with it those
         pairs: on Gemma's whole-block bound on 256 devices (26.6 million pairs) a pass gathered and
         counted all of them, 0.4-0.7 s of its 1.1-1.9 s."""
-        below = [e for e in self._near_seen if e[0] <= T]
-        above = [e for e in self._near_seen if e[0] >= T]
-        if not below or not above:
-            return None
-        return max(below, key=lambda e: e[0])[1], min(above, key=lambda e: e[0])[1]
+        below, above = _nearest(self._near_seen, T)
+        return None if below is None or above is None else (below[1], above[1])
 
     def _remember(self, T: float, counts: List[np.ndarray]) -> None:
         """Keep ``_near``'s counts at T and the kept ones nearest it on each side (the next T of a bisection
         lies between two of these)."""
-        if not self._near_cached():
-            return
-        seen = [e for e in self._near_seen if e[0] != T]
-        below = [e for e in seen if e[0] < T]
-        above = [e for e in seen if e[0] > T]
-        self._near_seen = [(T, counts)] + ([max(below, key=lambda e: e[0])] if below else []) \
-            + ([min(above, key=lambda e: e[0])] if above else [])
+        if self._keep_near:
+            sides = _nearest([e for e in self._near_seen if e[0] != T], T)
+            self._near_seen = [(T, counts)] + [e for e in sides if e is not None]
 
     def _near_slice(self, ends, pairs, a: int, b: int, T: float, one: bool) -> np.ndarray:
         """``_r`` of the pairs ``a:b`` of one of ``_near``'s sets; with ``one`` (``_fits_one``) only the
@@ -892,6 +883,14 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
     return best
 
 
+def _nearest(entries: list, T: float) -> tuple:
+    """Of (T', ...) ``entries``, the one with the largest T' <= T and the one with the smallest T' >= T
+    (None where there is none)."""
+    below = max((e for e in entries if e[0] <= T), key=lambda e: e[0], default=None)
+    above = min((e for e in entries if e[0] >= T), key=lambda e: e[0], default=None)
+    return below, above
+
+
 def _gathered(ends: tuple, points: tuple, which) -> tuple:
     """``_r``'s eight arguments for the pairs ``which`` (a slice or indices) of a segment: the start's then
     the end's columns (``points``: compute, weight bytes, shared users, cut per point) at the pairs'
@@ -1064,8 +1063,10 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             probe = probe or (trust_ceiling and proving and found is _INFEASIBLE)
             bottom = proving and loose is not None and found is not _INFEASIBLE
             if descend:  # down from the upper end while passes find plans; bisect from the first that fails
-                step = None if found is _INFEASIBLE or (step is None and not proving) else \
-                    PROVE_WITHIN if step is None else step * 2
+                if found is _INFEASIBLE:
+                    step = None
+                elif step is not None or proving:
+                    step = PROVE_WITHIN if step is None else 2 * step
             if found is _INFEASIBLE:
                 lo = T
             elif found is _UNPADDED:

@@ -416,10 +416,11 @@ def tied_floor_s(tied_bytes, r, opts: CostOptions, partners=1):
     return _allreduce(tied_bytes, group, opts) * _spread(r, group, opts)
 
 
-def tied_floor_coeff(r: int, opts: CostOptions) -> float:
-    """``r · tied_floor_s(P, r) / P`` with one partner replica: the weight on tied bytes in
-    ``r·T >= C + ...`` (CP-SAT, which does not search the partners' replicas)."""
-    return float(r * tied_floor_s(1.0, r, opts))
+def tied_floor_coeff(r: int, opts: CostOptions, partners: int = 1) -> float:
+    """``r · tied_floor_s(P, r) / P`` with ``partners`` partner replicas (one by default): the weight on
+    tied bytes in ``r·T >= C + ...`` (CP-SAT, which does not search the partners' replicas), the room
+    per tied byte a stage of r replicas spends (``chain.ChainSolver._debt``)."""
+    return float(r * tied_floor_s(1.0, r, opts, partners))
 
 
 def partner_replicas(compute, params, tied, T: float, opts: CostOptions) -> np.ndarray:

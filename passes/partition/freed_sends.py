@@ -62,6 +62,7 @@ class Lookups(NamedTuple):
 
 
 def lookups(relaxed: CostGraph, units: Units) -> Lookups:
+    """``Lookups`` of ``units`` on ``relaxed``, for ``freed_sends`` and ``chain_sends`` to share."""
     return Lookups(units.unit_of(), {members[0]: u for u, members in enumerate(units.members)},
                    relaxed.successors(), relaxed.predecessors())
 
