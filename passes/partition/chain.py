@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import abc
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -225,7 +226,7 @@ class ChainSolver:
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
         K = self.opts.devices
         self.deadline = deadline
-        near = self._near(T)  # stages inside one segment do not depend on the DP: one call for all
+        near = self._near(T)  # stages inside one segment do not depend on the DP
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
         dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
@@ -260,7 +261,7 @@ class ChainSolver:
             if seg.sub_j.size:
                 j, R2, levels = seg.sub_j, near[a], self._levels(seg)
                 floor = self._late_inside(a, seg, T, dev, least, j, R2, levels) if self.units.hidden else None
-                self._inside(dev, src, off, j, R2, levels, least, floor)
+                self._inside(dev, src, off, R2, levels, least, floor)
             dev[dev + rest > K] = K + 1
             dev_all[off:off + d] = dev
             back[off:off + d] = src
@@ -279,7 +280,12 @@ class ChainSolver:
         same. So on a stack of repeated blocks the rows of one block serve every later one, and a
         pass costs a few blocks' rows rather than all of them (96 GPT blocks: most of a pass went to
         those rows, ~1e6 stages each pass). The empty set's row (a first stage, which may run compute
-        its units force in) is its own (``row_keys``)."""
+        its units force in) is its own (``row_keys``). Where no two segments are equal (blocks of equal
+        shape but measured costs: the bundled 96-layer HF Llama) no row can be read again, and none is
+        keyed or kept (a tenth of that Llama's pool rows' time on 1,024 devices)."""
+        ids = self._segment_ids()
+        if len(set(ids)) == len(ids):
+            return self._r(*starts, *ends, T)
         if self._rows[0] != T:
             self._rows = (T, {})
         memo, keys = self._rows[1], self.row_keys(a, gid)
@@ -396,13 +402,12 @@ class ChainSolver:
             tot[rows, cols] = pdev[rows] + R[rows, cols]
 
     @staticmethod
-    def _inside(dev, src, off: int, j, R2, levels, least, floor=None) -> None:
+    def _inside(dev, src, off: int, R2, levels, least, floor=None) -> None:
         """Stages with both ends in the segment: ``dev`` and ``src`` updated in place, the points of one
         rank at a time (``_levels``; a stage starts at a point of lower rank, final by then), each end's
         first cheapest start as the points one by one found it. ``floor``: per pair, a count the stage's
         end reaches at the least (``_late_inside``)."""
-        for xs, pairs, starts, sizes in levels:
-            js = j[pairs]
+        for xs, pairs, js, starts, sizes in levels:
             cand = dev[js] + R2[pairs]
             if floor is not None:
                 cand = np.maximum(cand, floor[pairs])
@@ -420,9 +425,10 @@ class ChainSolver:
     def _levels(self, seg: Segment) -> list:
         """The pairs of ``seg`` by the rank of their end (the units its point holds; a strict subset holds
         fewer): per rank, its ends that have pairs (ascending), their pairs (grouped by end, in order),
-        each group's start and size. Worked out once per lattice (equal segments share their pair arrays).
-        The points one at a time cost a Python step each, two a point a pass: 150,000 on a whole-block
-        Llama pass, a sixth of it."""
+        those pairs' starts, each group's start and size. Worked out once per lattice (equal segments
+        share their pair arrays). The points one at a time cost a Python step each, two a point a pass:
+        150,000 on a whole-block Llama pass, a sixth of it; gathering the starts every pass took a
+        quarter of ``_inside`` there (96 layers, 1,024 devices)."""
         return self._per_lattice(self._level_cache, seg, None, lambda: self._grouped_by_rank(seg))
 
     @staticmethod
@@ -438,7 +444,7 @@ class ChainSolver:
             sizes = counts[xs]
             starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
             pairs = np.arange(int(sizes.sum())) - np.repeat(starts - bounds[xs], sizes)
-            levels.append((xs, pairs, starts, sizes))
+            levels.append((xs, pairs, seg.sub_j[pairs], starts, sizes))
         return levels
 
     @staticmethod
@@ -476,7 +482,7 @@ class ChainSolver:
                                      > 0).any():
                 return None
         lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
-        self._inside(lower, src, 0, j, R2, levels, least)
+        self._inside(lower, src, 0, R2, levels, least)
         starts = lower <= self.opts.devices  # the starts a late stage can follow: with pins, every such one
         if pinned is None:  # else only where the last point as the end leaves some compute late
             starts &= self._late(seg.hidden[-1], room, lower, T) > 0
@@ -567,7 +573,7 @@ class ChainSolver:
         c = self.opts.tied_replicas or 1
         return tied_floor_coeff(c, self.opts, c)
 
-    def _near(self, T: float) -> List[np.ndarray]:
+    def _near(self, T: float) -> Sequence[np.ndarray]:
         """Replicas of every stage (j, i) with both ends in the same segment, per segment.
 
         Segments of repeated blocks hold equal pairs (``canon.Canon``): each distinct set is worked out
@@ -575,7 +581,13 @@ class ChainSolver:
         costs one block's pairs per pass and its temporaries stay bounded (all pairs at once took
         2.9 GB on 32 blocks at K = 1024). Past ``NEAR_KEPT`` distinct pairs (blocks of equal shape but
         measured costs, each its own set) their points are gathered anew each pass, slice by slice, and
-        the counts held in 16 bits: two bytes a pair a pass, where the kept points take 48 or more."""
+        the counts held in 16 bits: two bytes a pair a pass, where the kept points take 48 or more.
+
+        Where the counts are not kept between passes (``_keep_near``), each distinct set is worked out
+        when the pass first reads it (``_PerSegment``): a pass that proves T infeasible often stops
+        before the last segment (nothing can start the next stage), and the sets after it are never
+        read (96-layer HF Llama, 1,024 devices, the bound pass 1 % under the plan: it stops at
+        segment 173 of 191)."""
         if self._pairs is None:
             # equal points and equal pair lists give equal pairs: compare the points (a block's 1,600 on an
             # H100's profile) rather than the gathered pairs (its 330,000), gather each distinct set once
@@ -596,36 +608,39 @@ class ChainSolver:
                 and sum((p if e is None else e)[0].shape[0] for e, p in sets) <= NEAR_CACHED
         distinct, which = self._pairs
         known = self._bracketing(T)
-        out = []
-        small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
-        for s, (ends, pairs) in enumerate(distinct):
-            n = (pairs if ends is None else ends)[0].shape[0]
-            one = self._fits_one(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
-            if one and n and self._fits_one(ends, pairs, T, self._compute_bound(ends, pairs)):  # every one does
-                out.append(np.ones(n, dtype=np.int64 if ends is None else small))
-                continue
-            if known is not None:  # counts fall as T grows: where the passes on both sides agree, T's agrees
-                below, above = known[0][s], known[1][s]
-                counts, todo = below.copy(), np.nonzero(below != above)[0]
-                for a in range(0, todo.size, NEAR_SLICE):
-                    if past(self.deadline):
-                        raise DeadlineExceeded()
-                    at = todo[a:a + NEAR_SLICE]
-                    some = (None, tuple(None if x is None else x[at] for x in pairs)) if ends is None else \
-                        ((ends[0][at], ends[1][at]), pairs)
-                    counts[at] = self._near_slice(*some, 0, at.size, T, one)
-                out.append(counts)
-                continue
-            parts = []
-            for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
-                if past(self.deadline):
-                    raise DeadlineExceeded()
-                part = self._near_slice(ends, pairs, a, min(a + NEAR_SLICE, n), T, one)
-                # gathered anew, that many counts are kept for the pass: in the fewest bytes that hold K
-                parts.append(part if ends is None else part.astype(small))
-            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+        if not self._keep_near:
+            return _PerSegment(lambda s: self._near_set(s, *distinct[s], known, T), which)
+        out = [self._near_set(s, ends, pairs, known, T) for s, (ends, pairs) in enumerate(distinct)]
         self._remember(T, out)
         return [out[k] for k in which]
+
+    def _near_set(self, s: int, ends, pairs, known, T: float) -> np.ndarray:
+        """``_near``'s counts at T of its distinct set ``s`` (``ends`` and ``pairs`` as it holds them);
+        ``known``: ``_bracketing``'s counts, or None."""
+        small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
+        n = (pairs if ends is None else ends)[0].shape[0]
+        one = self._fits_one(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
+        if one and n and self._fits_one(ends, pairs, T, self._compute_bound(ends, pairs)):  # every one does
+            return np.ones(n, dtype=np.int64 if ends is None else small)
+        if known is not None:  # counts fall as T grows: where the passes on both sides agree, T's agrees
+            below, above = known[0][s], known[1][s]
+            counts, todo = below.copy(), np.nonzero(below != above)[0]
+            for a in range(0, todo.size, NEAR_SLICE):
+                if past(self.deadline):
+                    raise DeadlineExceeded()
+                at = todo[a:a + NEAR_SLICE]
+                some = (None, tuple(None if x is None else x[at] for x in pairs)) if ends is None else \
+                    ((ends[0][at], ends[1][at]), pairs)
+                counts[at] = self._near_slice(*some, 0, at.size, T, one)
+            return counts
+        parts = []
+        for a in range(0, n, NEAR_SLICE):  # a pass over millions of pairs takes seconds: the deadline holds
+            if past(self.deadline):
+                raise DeadlineExceeded()
+            part = self._near_slice(ends, pairs, a, min(a + NEAR_SLICE, n), T, one)
+            # gathered anew, that many counts are kept for the pass: in the fewest bytes that hold K
+            parts.append(part if ends is None else part.astype(small))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def _bracketing(self, T: float):
         """The counts of the kept passes nearest T from below and from above (``_near``), or None.
@@ -881,6 +896,22 @@ def _first_fit_above(comp, par, groups, reps, now, left: int, allowed, opts: Cos
         if ok.size and (best is None or cand[ok[0]] - r < best[1] - reps[best[0]]):
             best = (s, int(cand[ok[0]]))
     return best
+
+
+class _PerSegment(abc.Sequence):
+    """Per segment, the counts of its distinct set (``which``), each set counted (``count``) when first read."""
+
+    def __init__(self, count: Callable[[int], np.ndarray], which: List[int]) -> None:
+        self._count, self._which, self._done = count, which, {}
+
+    def __len__(self) -> int:
+        return len(self._which)
+
+    def __getitem__(self, a: int) -> np.ndarray:
+        s = self._which[a]
+        if s not in self._done:
+            self._done[s] = self._count(s)
+        return self._done[s]
 
 
 def _nearest(entries: list, T: float) -> tuple:

@@ -1031,21 +1031,21 @@ def test_a_pass_by_rank_counts_as_point_by_point():
 
     class PointByPoint(ChainSolver):
         @staticmethod
-        def _inside(dev, src, off, j, R2, levels, least, floor=None):
-            ends = sorted((int(x), p) for xs, pairs, starts, _ in levels
-                          for x, p in zip(xs, np.split(pairs, starts[1:])))
-            for x, p in ends:
-                cand = dev[j[p]] + R2[p]
+        def _inside(dev, src, off, R2, levels, least, floor=None):
+            ends = sorted((int(x), p, js) for xs, pairs, starts_of, starts, _ in levels
+                          for x, p, js in zip(xs, np.split(pairs, starts[1:]), np.split(starts_of, starts[1:])))
+            for x, p, js in ends:
+                cand = dev[js] + R2[p]
                 if floor is not None:
                     cand = np.maximum(cand, floor[p])
                 k = int(cand.argmin())
                 if cand[k] < dev[x]:
                     dev[x] = max(cand[k], least[x])
-                    src[x] = (off + j[p[k]], cand[k] - dev[j[p[k]]])
+                    src[x] = (off + js[k], cand[k] - dev[js[k]])
 
         def _late_inside(self, a, seg, T, dev, least, j, R2, levels):
             lower, src = dev.copy(), np.zeros((len(dev), 2), dtype=np.int64)
-            self._inside(lower, src, 0, j, R2, levels, least)
+            self._inside(lower, src, 0, R2, levels, least)
             late = self._late(seg.hidden[seg.sub_i], (seg.compute + self._seg_debt(a, T))[j], lower[j], T)
             pinned = self.pins.inside(a)
             late = late if pinned is None else np.maximum(late, pinned)
@@ -1074,6 +1074,8 @@ def test_a_pass_by_rank_counts_as_point_by_point():
         for f in (1.02, 1.1, 1.5, 3.0):
             fast_solver = ChainSolver(units, segs, opts)
             fast = fast_solver.devices_needed(ideal * f)
+            for s in segs:  # each level's starts, kept with it, are its pairs' (the reference reads them too)
+                assert all(np.array_equal(js, s.sub_j[pairs]) for _, pairs, js, _, _ in fast_solver._levels(s))
             slow = PointByPoint(units, segs, opts).devices_needed(ideal * f)
             assert fast[0] == slow[0] and np.array_equal(fast[1], slow[1]), (K, f)
             late_seen += any(fast_solver._late_inside(a, s, ideal * f, np.zeros(len(s.compute), dtype=np.int64),
