@@ -61,11 +61,11 @@ def test_floor_at_the_all_reduce_term():
     syncs nothing), no count fits one of more; the floor says so too, as ``min_replicas`` does."""
     opts = CostOptions(devices=64, bandwidth=1e9, allreduce_bandwidth=2e9)
     T = 1e-2  # 2P/B_ar = 1e-2 for 1e7 bytes
-    c_end, p_end = np.array([5e-3, 2e-2, 1e-2, 3e-2]), np.array([1e7, 1e7, 1e7, 2e7])
+    c_end, p_end = np.array([5e-3, 2e-2, 1e-2, 3e-2, 5e-3]), np.array([1e7, 1e7, 1e7, 2e7, 2e7])
     want = min_replicas(c_end, p_end, 0.0, 0.0, T, opts)
     span = float(c_end.sum() + 2.0 * p_end.sum() / opts.ar_bandwidth)
     got = replicas_floor(0.0, 0.0, 0.0, c_end, p_end, 0.0, T, opts, span)
-    assert want.tolist() == [1, 65, 1, 65]
+    assert want.tolist() == [1, 65, 1, 65, 1]  # the last two: all-reduce terms past T (2e-2)
     assert got.tolist() == want.tolist()
     c_end = T * (1 + np.array([-1e-12, 0.0, 1e-12, 1e-6]))  # compute a hair around T, no weights
     want = min_replicas(c_end, 0.0, 0.0, 0.0, T, opts)
