@@ -140,6 +140,9 @@ class ChainSolver:
         self._floor_span = float(np.sum(np.abs(units.compute)) + 2.0 * np.sum(np.abs(units.param_bytes))
                                  / opts.ar_bandwidth) if floor_counts and closed_form_applies(opts) and not self.two \
             and opts.tied_replicas is None else None
+        # those counts' type: at most K + 1, and a pass adds a pool point's devices to them (up to 2K + 2): 16 bits
+        # where that fits, so its tables of pool rows against a segment's points move a quarter of the bytes
+        self._small = np.int16 if 2 * opts.devices + 2 <= np.iinfo(np.int16).max else np.int32
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``
         self._level_cache: dict = {}  # ``_levels``
@@ -166,7 +169,7 @@ class ChainSolver:
         """``_r`` on one piece."""
         if self._floor_span is not None and (si is None or not self.shared_bytes.size):  # ``floor_counts``: no
             # tied weight held (none in the graph, or an ``_untied`` set's), one compute per point
-            return replicas_floor(cj, pj, cutj, ci, pi, cuti, T, self.opts, self._floor_span)
+            return replicas_floor(cj, pj, cutj, ci, pi, cuti, T, self.opts, self._floor_span, self._small)
         params, tied, shares, flags = self._held(pi - pj, sj, si)
         compute, partners = stage_compute(ci, cj, self.two), self._partner_count(shares, flags, T)
         r = min_replicas(compute, params, cutj, cuti, T, self.opts, tied, partners)
@@ -248,7 +251,7 @@ class ChainSolver:
                 R = self._pool_r(a, gid, T, (pc[:, None], pp[:, None], ps[:, None, :], pcut[:, None]),
                                  (cc[None, :], cp[None, :], cs[None, :, :], ccut[None, :]))
                 reach = pdev + R[:, d] <= K
-                tot, R = pdev[:, None] + R[:, :d], R[:, :d]
+                tot, R = pdev.astype(R.dtype)[:, None] + R[:, :d], R[:, :d]
                 if self.units.hidden:
                     self._late_pool(a, seg, T, pool, tot, R, (cc, cp, cs, ccut))
                 k = tot.argmin(axis=0)

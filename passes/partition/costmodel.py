@@ -483,12 +483,12 @@ def closed_form_applies(opts: CostOptions) -> bool:
 
 
 def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float, opts: CostOptions,
-                   span: float) -> np.ndarray:
+                   span: float, dtype=np.int64) -> np.ndarray:
     """A lower bound on ``min_replicas`` of untied stages from each start point to each end point
     (broadcasting: prefix sums of compute and weight bytes, and the cut at each point), under
     ``closed_form_applies`` options, for a pass that only has to prove T infeasible (a bound): one that needs
     more than K devices on these counts needs more on the exact ones. ``span``: at least
-    ``|c| + 2|p|/B_ar`` of every point (the totals).
+    ``|c| + 2|p|/B_ar`` of every point (the totals); ``dtype``: of the counts (at most K + 1).
 
     The fewest count is ``max(ceil((C - a)/(T - a)), ceil(2A/(B·T)))`` where C > T, and one replica
     (or the cuts' count) where C <= T (``_untied_replicas``); ``min_replicas`` then checks every stage
@@ -533,7 +533,7 @@ def replicas_floor(c_start, p_start, cut_start, c_end, p_end, cut_end, T: float,
             inside = np.broadcast_shapes(need.shape, cut_need.shape) == need.shape
             need = np.maximum(need, cut_need, out=need if inside else None)
     np.minimum(need, K + 1.0, out=need)
-    return need.astype(np.int64)
+    return need.astype(dtype)
 
 
 def _searched_replicas(every: List[np.ndarray], T: float, opts: CostOptions) -> np.ndarray:
