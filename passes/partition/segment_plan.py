@@ -230,8 +230,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
         if lower is not None:
             scored.append((evaluate(graph, *lower[0], judge), *lower[0]))
             bound = max(bound, lower[1])
-    loose = loose_groups(graph, opts)
-    finish = lambda e, a, reps: finished(graph, loose, a, reps, e, judge)  # noqa: E731
+    loose, silent = loose_groups(graph, opts), silent_nodes(graph, opts)
+    finish = lambda e, a, reps: finished(graph, loose, a, reps, e, judge, silent)  # noqa: E731
     scored = [finish(e, a, reps) for e, a, reps in scored]
     if wide and bound_kept:  # before the block whole and the mask in pieces: without them every 24- and
         # 96-layer Llama row kept its plan at 10 s, and they took the 3-4 s a pass of this bound needs
@@ -531,15 +531,33 @@ def loose_ends(graph: CostGraph, found: Tuple[Dict[str, str], Dict[str, float]],
     return (again, moved) if again.bottleneck_s < ev.bottleneck_s else (ev, assignment)
 
 
-def finished(graph: CostGraph, loose, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
+Silent = Tuple[List[str], List[str], Dict[str, List[str]], Dict[str, List[str]]]  # ``silent_nodes``
+
+
+def silent_nodes(graph: CostGraph, opts: CostOptions, names: Optional[List[str]] = None) -> Silent:
+    """The placed nodes (``names``, default every model node), those of them ``silent_moves`` may move
+    (in graph order), and the graph's successors and predecessors: the same for every plan that places
+    every node, so a caller scoring several plans works them out once (on the 96-layer HF Llama, each
+    plan's ``weight_only`` and adjacency took 10-30 ms of the 35-57 ms its finishing took)."""
+    names = model_nodes(graph, opts) if names is None else names
+    derived = weight_only(graph, names)
+    silent = [n for n in names if graph.nodes[n].out_bytes == 0 and not graph.nodes[n].params
+              and graph.nodes[n].param_bytes == 0 and graph.nodes[n].compute_s > 0
+              and graph.nodes[n].op != "output" and not graph.nodes[n].is_input or n in derived]
+    return names, silent, graph.successors(), graph.predecessors()
+
+
+def finished(graph: CostGraph, loose, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions,
+             silent: Optional[Silent] = None):
     """(evaluation, assignment, replicas) of a plan with its loose groups and silent nodes placed where
-    they slow it least (``loose_ends``, ``silent_moves``)."""
+    they slow it least (``loose_ends``, ``silent_moves``; ``silent``: ``silent_nodes``, if known)."""
     ev, assignment = loose_ends(graph, loose, assignment, replicas, ev, opts)
-    ev, assignment = silent_moves(graph, assignment, replicas, ev, opts)
+    ev, assignment = silent_moves(graph, assignment, replicas, ev, opts, silent)
     return ev, assignment, replicas
 
 
-def silent_moves(graph: CostGraph, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions):
+def silent_moves(graph: CostGraph, assignment: Dict[str, int], replicas: List[int], ev, opts: CostOptions,
+                 silent: Optional[Silent] = None):
     """Nodes that send nothing (shape reads) and the nodes of weight-only chains moved, each to the
     stage between its producers' and its readers' where it slows the plan least, the better of that
     and ``assignment`` kept (with ``ev``).
@@ -549,13 +567,11 @@ def silent_moves(graph: CostGraph, assignment: Dict[str, int], replicas: List[in
     in any stage in between, and the one with room costs nothing. A weight-only chain
     (``segments.weight_only``) is left out of the units, and the flat DP lets its compute fill the
     room of any stage up to its reader's (``chain.ChainSolver._late``), but ``to_nodes`` puts it with
-    the reader (Gemma, 24 layers, 64 devices: the plan 0.9629 ms so, 0.9450 with the chains moved)."""
-    names = [n for n in model_nodes(graph, opts) if n in assignment]
-    succ, pred = graph.successors(), graph.predecessors()
-    derived = weight_only(graph, names)
-    silent = [n for n in names if graph.nodes[n].out_bytes == 0 and not graph.nodes[n].params
-              and graph.nodes[n].param_bytes == 0 and graph.nodes[n].compute_s > 0
-              and graph.nodes[n].op != "output" and not graph.nodes[n].is_input or n in derived]
+    the reader (Gemma, 24 layers, 64 devices: the plan 0.9629 ms so, 0.9450 with the chains moved).
+    ``silent``: ``silent_nodes(graph, opts)``, worked out here if not given."""
+    if silent is None or not all(n in assignment for n in silent[0]):  # a plan that leaves nodes out
+        silent = silent_nodes(graph, opts, [n for n in model_nodes(graph, opts) if n in assignment])
+    _, silent, succ, pred = silent
     if not silent:
         return ev, assignment
     times = [st.time_s for st in ev.stages]

@@ -14,7 +14,7 @@ import pytest
 from passes.costgraph import CostGraph
 from passes.partition import evaluate, is_convex
 from passes.partition import segment_plan
-from passes.partition.segment_plan import chain_plan, silent_moves
+from passes.partition.segment_plan import chain_plan, silent_moves, silent_nodes
 from passes.partition.segments import build_segments, folded_units
 from tests.passes.test_partition_scale import _node
 from tests.passes.test_placed import _exact, _opts, _shape_reads
@@ -129,6 +129,9 @@ def test_silent_moves_put_a_shape_read_where_there_is_room():
     again, same = silent_moves(g, moved, [1, 1], better, opts)
     assert same == moved and again is better
     assert np.isfinite(better.bottleneck_s)
+    # the nodes worked out once for every plan of the graph (``silent_nodes``) move the same
+    assert silent_nodes(g, opts)[1] == ["n"]
+    assert silent_moves(g, plan, [1, 1], ev, opts, silent_nodes(g, opts))[1] == moved
 
 
 def test_straddling_sum_does_not_depend_on_the_order_of_the_nodes():
