@@ -140,8 +140,9 @@ class ChainSolver:
         self._floor_span = float(np.sum(np.abs(units.compute)) + 2.0 * np.sum(np.abs(units.param_bytes))
                                  / opts.ar_bandwidth) if floor_counts and closed_form_applies(opts) and not self.two \
             and opts.tied_replicas is None else None
-        # those counts' type: at most K + 1, and a pass adds a pool point's devices to them (up to 2K + 2): 16 bits
-        # where that fits, so its tables of pool rows against a segment's points move a quarter of the bytes
+        # the type counts are kept in (the floor counts, the in-segment and the kept pool rows): at most K + 1,
+        # and a pass adds a pool point's devices to them (up to 2K + 2): 16 bits where that fits, so its tables
+        # of pool rows against a segment's points move a quarter of the bytes
         self._small = np.int16 if 2 * opts.devices + 2 <= np.iinfo(np.int16).max else np.int32
         self._pair_cache: dict = {}
         self._pins: Optional[Pins] = None  # ``pins``
@@ -286,8 +287,9 @@ class ChainSolver:
         those rows, ~1e6 stages each pass). The empty set's row (a first stage, which may run compute
         its units force in) is its own (``row_keys``). Where no two segments are equal (blocks of equal
         shape but measured costs: the bundled 96-layer HF Llama) no row can be read again, and none is
-        keyed or kept (a tenth of that Llama's pool rows' time on 1,024 devices)."""
-        if self._segment_ids()[-1] == len(self.segs) - 1:  # kinds numbered as first met: n kinds, none equal
+        keyed or kept (a sixth of that Llama's pool rows' time on 1,024 devices)."""
+        ids = self._segment_ids()
+        if len(set(ids)) == len(ids):
             return self._r(*starts, *ends, T)
         if self._rows[0] != T:
             self._rows = (T, {})
@@ -298,8 +300,7 @@ class ChainSolver:
         got = self._r(*(x[np.asarray(miss)] for x in starts), *ends, T)
         fresh = dict(zip(miss, got))
         if len(memo) * got.shape[1] < ROW_CELLS:  # a pass's rows stay bounded (wide lattices, few repeats)
-            small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
-            memo.update((keys[k], row.astype(small)) for k, row in fresh.items() if keys[k] is not None)
+            memo.update((keys[k], row.astype(self._small)) for k, row in fresh.items() if keys[k] is not None)
         if len(miss) == len(keys):
             return got
         return np.stack([fresh[k] if k in fresh else memo[key] for k, key in enumerate(keys)])
@@ -620,7 +621,7 @@ class ChainSolver:
     def _near_set(self, s: int, ends, pairs, known, T: float) -> np.ndarray:
         """``_near``'s counts at T of its distinct set ``s`` (``ends`` and ``pairs`` as it holds them);
         ``known``: ``_bracketing``'s counts, or None."""
-        small = np.int16 if self.opts.devices < np.iinfo(np.int16).max else np.int32
+        small = self._small
         n = (pairs if ends is None else ends)[0].shape[0]
         one = self._fits_one(ends, pairs, T)  # a stage of this set whose compute fits T fits one replica
         if one and n and self._fits_one(ends, pairs, T, self._compute_bound(ends, pairs)):  # every one does

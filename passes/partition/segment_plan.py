@@ -537,8 +537,8 @@ Silent = Tuple[List[str], List[str], Dict[str, List[str]], Dict[str, List[str]]]
 def silent_nodes(graph: CostGraph, opts: CostOptions, names: Optional[List[str]] = None) -> Silent:
     """The placed nodes (``names``, default every model node), those of them ``silent_moves`` may move
     (in graph order), and the graph's successors and predecessors: the same for every plan that places
-    every node, so a caller scoring several plans works them out once (on the 96-layer HF Llama, each
-    plan's ``weight_only`` and adjacency took 10-30 ms of the 35-57 ms its finishing took)."""
+    every node, so a caller scoring several plans works them out once (a 64-stage plan of the 96-layer HF
+    Llama: its ``weight_only`` and adjacency took 10-30 ms of the 35-57 ms its finishing took)."""
     names = model_nodes(graph, opts) if names is None else names
     derived = weight_only(graph, names)
     silent = [n for n in names if graph.nodes[n].out_bytes == 0 and not graph.nodes[n].params
