@@ -28,7 +28,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_span, combine_sta
                                         stage_time_s, tied_floor_s)
 from passes.partition.memory_guard import past
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
-from passes.partition.offsets import EPS, cut_floors, cut_load_table
+from passes.partition.offsets import EPS, cut_floors, cut_load_table, least_fitting
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
@@ -133,21 +133,26 @@ class ChargedChainSolver(PlacedChainSolver):
         q = np.ones(C.shape) if shares is None else np.broadcast_to(
             self._partner_count(shares, flags, T), C.shape).astype(float)
         fast, slow = self.flat
-        lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
+        at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
+        allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
+        guess = (lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth)) if o.cost_model == "pipedream" \
+            and allowed is None else (lambda f: None)  # noqa: E731
+        one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
+        if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
+            one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
+            rise_fast = _rising_from(at(fast), C.size, T, K, allowed, guess(fast))
+            # so the fewest count is one where one fits, else that threshold (``min_replicas``' answer)
+            lo = np.where(one_fast, 1, rise_fast)
+        else:
+            lo = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
         wide = np.nonzero((lo > self.G) & (lo <= K))[0] if self._floor is not None else ()
         if len(wide):  # past G ranks no placement charges less than the nodes they must touch
             self._floor.deadline = self.deadline
             lo[wide] = self._floor.fewest(C[wide], (params - tied)[wide], tied[wide], q[wide],
                                           np.zeros(len(wide)), lo[wide], T)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
-        at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
-        allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
-        rise_slow = _rising_from(at(slow), C.size, T, K, allowed)
+        rise_slow = _rising_from(at(slow), C.size, T, K, allowed, guess(slow))
         sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
-        one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
-        if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
-            one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
-            rise_fast = _rising_from(at(fast), C.size, T, K, allowed)
         hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
         if allowed is not None:  # counts of at least G are multiples of G: the first past ``sure`` ends it
             step = allowed[np.minimum(np.searchsorted(allowed, np.maximum(sure, self.G)), allowed.size - 1)]
@@ -477,13 +482,16 @@ def _packed(devices, replicas, offset):
         | np.asarray(offset, dtype=np.int64)
 
 
-def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray] = None) -> np.ndarray:
+def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray] = None,
+                 guess: Optional[np.ndarray] = None) -> np.ndarray:
     """Per stage, the least count r >= 2 from which ``time_at(counts, which)`` meets T for every larger
     count up to K, for times that fall, or fall and then rise, from r = 2 on (both models, tied or not;
     see ``costmodel.min_replicas``); K + 1 where even K does not. Bisection: where K and r meet T, so
     does every count between them. ``allowed`` (sorted; ``pow2``): only those counts are asked, the
     answer is the least allowed one from which every larger allowed one meets T (log2 of their number
-    steps instead of log2 K: all the DP reads, as it tries no other count)."""
+    steps instead of log2 K: all the DP reads, as it tries no other count). ``guess`` (any count): per
+    stage a count near the answer (``_pipedream_rise``); it and its neighbour are asked first, which
+    settles every stage whose guess is within one, and bisection narrows the rest from there."""
     grid = None if allowed is None else allowed[allowed >= 2]  # bisect over indices into it, else the counts
     if grid is not None and not grid.size:
         return np.full(n, K + 1, dtype=np.int64)
@@ -492,15 +500,23 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
     lo, hi = np.full(n, 2 if grid is None else 0, dtype=np.int64), np.full(n, top, dtype=np.int64)
     every = np.arange(n)
     fits = time_at(np.maximum(at(hi), 1), every) <= T * (1 + EPS)
-    while True:
-        k = np.nonzero(fits & (lo < hi))[0]
-        if not k.size:
-            break
-        mid = (lo[k] + hi[k]) // 2
-        good = time_at(at(mid), k) <= T * (1 + EPS)
-        hi[k] = np.where(good, mid, hi[k])
-        lo[k] = np.where(good, lo[k], mid + 1)
+    k = np.nonzero(fits)[0]
+    lo[k] = least_fitting(lambda i, j: time_at(at(i), k[j]), lo[k], hi[k], T,
+                          guess[k] if guess is not None and grid is None else None)
     return np.where(fits, np.maximum(lo if grid is None else grid[np.minimum(lo, top)], 1), K + 1)
+
+
+def _pipedream_rise(C, P, T: float, bandwidth: float) -> np.ndarray:
+    """Per stage, the ceiling of the larger root of ``T·r^2 - (C + b)·r + b`` (``b = 4P/B``): PipeDream's
+    flat time ``(C + b)/r - b/r^2`` (``costmodel._allreduce`` on the stage's own weight bytes P; no cuts)
+    meets T from there on, and falls from r = 2 on; 2 where it meets T at every r. A guess for
+    ``_rising_from``, which checks it: a tied weight's sync adds a term, so there the answer lies at or
+    above it, and rounding can move it by one."""
+    b = 4.0 * np.asarray(P, dtype=float) / bandwidth
+    s = np.asarray(C, dtype=float) + b
+    disc = s * s - 4.0 * T * b
+    root = (s + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * T)
+    return np.where(disc < 0, 2.0, np.ceil(np.minimum(root, 2.0 ** 40))).astype(np.int64)
 
 
 def solver_for(units: Units, segments: List[Segment], opts: CostOptions,

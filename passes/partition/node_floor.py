@@ -46,7 +46,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
                                         tied_floor_s)
 from passes.partition.memory_guard import past
-from passes.partition.offsets import EPS
+from passes.partition.offsets import EPS, least_fitting
 from passes.partition.segments import Segment
 
 MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
@@ -146,17 +146,13 @@ class NodeFloor:
             fits = self._time(*args, top) <= T * (1 + EPS)
             if fits.any():
                 k = np.nonzero(fits)[0]
-                a, b = lo[k].copy(), top[k].copy()  # b meets T; the band's time falls with r
                 sub = tuple(x[k] for x in args)
-                while True:
-                    go = np.nonzero(a < b)[0]
-                    if not go.size:
-                        break
-                    mid = (a[go] + b[go]) // 2
-                    good = self._time(*(x[go] for x in sub), mid) <= T * (1 + EPS)
-                    b[go] = np.where(good, mid, b[go])
-                    a[go] = np.where(good, a[go], mid + 1)
-                out[open_[k]] = b
+                # the top meets T and the band's time falls with r; its own weights' charge times r is
+                # about the same over the band, so (compute + that) / T is near the fewest
+                b = top[k]
+                guess = np.ceil((sub[0] + sub[1] * self._own[b] * b) / T)
+                out[open_[k]] = least_fitting(lambda r, j: self._time(*(x[j] for x in sub), r), lo[k], b, T,
+                                              guess)
             keep = ~fits & (top < K)
             open_, n, lo = open_[keep], n[keep] + 1, top[keep] + 1
         out[open_] = np.minimum(lo, K + 1)  # not settled within the bands tried: at least the next count

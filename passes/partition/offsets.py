@@ -13,7 +13,7 @@ byte between two stages of given counts meeting at a given offset.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -63,6 +63,30 @@ def tied_intervals(time_at, n: int, T: float, K: int):
         top[k] = np.where(right & good, mid, top[k])
         end[k] = np.where(right & ~good, mid - 1, end[k])
     return np.where(fits, lo + 1, K + 1), np.where(fits, top + 1, -1)
+
+
+def least_fitting(time_at, lo: np.ndarray, hi: np.ndarray, T: float,
+                  guess: Optional[np.ndarray] = None) -> np.ndarray:
+    """Per stage, the least count in ``[lo, hi]`` whose ``time_at(counts, which)`` meets T, for times that
+    fall over that range and meet T at ``hi``: bisection. ``guess``: per stage a count near the answer
+    (a closed form that leaves some term out); it and the neighbour that decides it are asked first,
+    which settles every stage whose guess is within one in two asks instead of log2 of the range."""
+    lo, hi = lo.astype(np.int64, copy=True), hi.astype(np.int64, copy=True)
+    ask = None if guess is None else np.asarray(guess, dtype=np.int64)
+    step = 0
+    while True:
+        k = np.nonzero(lo < hi)[0]
+        if not k.size:
+            return hi
+        guessing = ask is not None and step < 2  # the guess, then its neighbour on the side it left open
+        at = np.clip(ask[k], lo[k], hi[k]) if guessing else (lo[k] + hi[k]) // 2
+        good = time_at(at, k) <= T * (1 + EPS)
+        hi[k] = np.where(good, at, hi[k])
+        lo[k] = np.where(good, lo[k], at + 1)
+        if guessing:
+            ask = ask.copy()
+            ask[k] = np.where(good, at - 1, at + 1)
+        step += 1
 
 
 def count(x, K: int) -> np.ndarray:

@@ -257,6 +257,34 @@ def test_rising_over_allowed_counts_is_the_least_allowed_from_which_all_fit(mode
             assert np.array_equal(got, want), (T, np.nonzero(got != want))
 
 
+def test_rising_from_a_guess_is_the_bisection_answer():
+    """Under PipeDream's charges with any count the bisection starts from the root of the flat time's
+    quadratic (``_pipedream_rise``) and asks it and its neighbour first: per stage the same least count
+    as bisection from scratch, with tied weights (whose falling term puts the answer above the guess),
+    every weight size from none to a time that never meets T, and T in several decades."""
+    from passes.partition.charged import _pipedream_rise, _rising_from
+
+    solver = _solver(K=1024, G=8, cost_model="pipedream", replication="any")
+    rng = np.random.default_rng(11)
+    n, K = 2000, solver.opts.devices
+    C = rng.uniform(1e-6, 3e-3, n)
+    params = np.where(rng.random(n) < 0.1, 0.0, 10 ** rng.uniform(2, 9, n))
+    tied = np.where(rng.random(n) < 0.3, params * rng.random(n), 0.0)
+    q = rng.integers(1, 64, n).astype(float)
+    for T in (3e-6, 2e-5, 1e-4, 5e-4, 2e-3):
+        for flat in solver.flat:
+            def time_at(r, k):
+                return stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])
+            want = _rising_from(time_at, n, T, K)
+            guess = _pipedream_rise(C, params - tied, T, flat.bandwidth)
+            got = _rising_from(time_at, n, T, K, guess=guess)
+            assert np.array_equal(got, want), (T, np.nonzero(got != want))
+            settled = (want <= K) & (want > 2)
+            untied = settled & (tied == 0)
+            assert np.abs(guess[untied] - want[untied]).max() <= 1  # the root is the answer, rounding aside
+            assert (guess[settled] <= want[settled] + 1).all()  # a tied sync only adds time
+
+
 def _crossing_chain():
     """input -> s0 (1.8 ms, 8 MB of weights) -> a (4 ms) -> b (1 ms) -> c (1 ms) -> output, with 22.5
     MB cut after ``a``: on 8 devices in nodes of 4 at 1 ms, 2 + 4 + 1 + 1 replicas are the only
@@ -320,3 +348,31 @@ def test_exact_cuts_bound_meets_the_placed_optimum_on_chains(model, seed, K, G):
     best = _exact(g, opts)
     assert solver.devices_needed(best * (1 + 1e-9))[0] <= K
     assert solver.devices_needed(best * (1 - 1e-6))[0] > K
+
+
+def test_fewest_count_under_pipedream_from_the_rising_threshold():
+    """Under PipeDream's charges a stage's fewest count at the faster flat model is one where one
+    replica meets T, else the count from which its time (falling from r = 2 on) meets T: what
+    ``_stage_intervals`` reads instead of ``min_replicas``; equal to it on random stages, tied weights
+    included, with any count and with powers of two."""
+    from passes.partition.charged import _pipedream_rise, _rising_from
+    from passes.partition.costmodel import min_replicas
+
+    rng = np.random.default_rng(3)
+    n = 3000
+    C = rng.uniform(1e-6, 3e-3, n)
+    params = np.where(rng.random(n) < 0.1, 0.0, 10 ** rng.uniform(2, 9, n))
+    tied = np.where(rng.random(n) < 0.3, params * rng.random(n), 0.0)
+    q = rng.integers(1, 64, n).astype(float)
+    for replication in ("any", "pow2"):
+        solver = _solver(K=1024, G=8, cost_model="pipedream", replication=replication)
+        fast, K = solver.flat[0], solver.opts.devices
+        allowed = np.asarray(solver.opts.allowed_replicas(), dtype=np.int64) if replication == "pow2" else None
+        for T in (3e-6, 2e-5, 1e-4, 5e-4, 2e-3):
+            def time_at(r, k):
+                return stage_time_s(C[k], params[k], 0.0, 0.0, r, fast, tied[k], q[k])
+            one = time_at(np.ones(n), slice(None)) <= T * (1 + EPS)
+            guess = None if allowed is not None else _pipedream_rise(C, params - tied, T, fast.bandwidth)
+            got = np.where(one, 1, _rising_from(time_at, n, T, K, allowed, guess))
+            want = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
+            assert np.array_equal(got, want), (replication, T, np.nonzero(got != want))
