@@ -34,6 +34,7 @@ from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
 
 KNOWN_CELLS = 1 << 24  # the most (pair, count, offset) cells ``_known_fits`` keeps for one level
+POOL_CHUNK = 1 << 17  # pool pairs a charged pass answers at once (``ChargedChainSolver._from_pool``)
 WINDOW = 4  # node widths of counts tried exactly per stage under ``any`` (``ChargedChainSolver._candidates``)
 _CHARGED = ("C", "own", "tied", "far", "partners", "near", "in_far", "out_far", "empty_first", "lo", "hi",
             "one_fast", "one_slow", "rise_fast", "rise_slow", "settle", "looped")
@@ -381,25 +382,42 @@ class ChargedChainSolver(PlacedChainSolver):
 
     def _from_pool(self, pool, seg: Segment, T: float, dev, src_b, dev_all, rest=None):
         """Stages from pool points to this segment's points (``PlacedChainSolver._from_pool``), every
-        pair through ``_charged_targets``; returns which pool points still reach past the segment."""
+        pair through ``_charged_targets``; returns which pool points still reach past the segment.
+
+        The pool points go ``POOL_CHUNK`` pairs at a time, each chunk's best kept per point and state
+        (the earliest source on a tie, as one argmin over all would): a chunk's packed answers take
+        8 bytes per pair and state, and all at once they were most of a pass's memory on a lattice
+        that keeps the shape reads (8 H100-profiled blocks on 128 devices, 600 pool points into
+        segments of 1,588: a pass grew the process by 770 MB, past the planner's memory stop)."""
         K = self.opts.devices
         ids = pool[0]
         d, n = len(seg.compute), ids.size
-        ch = self._pool_stages(pool, seg, T)
-        rows = dev_all[ids]
-        room = None if rest is None else np.broadcast_to(K - np.append(rest, 0)[None, :], (n, d + 1)).ravel()
-        cuts = np.where(ids == 0, 0.0, pool[4])  # no stage before the first: nothing cut into it
-        best = self._charged_best(rows, np.repeat(np.arange(n), d + 1), ch, T, room,
-                                  cuts=cuts).reshape(n, d + 1, -1)
-        val = best >> _VAL  # the rest unpacked only where a source wins
-        reach = (val[:, d, :] <= K).any(axis=1)
-        row = val[:, :d].argmin(axis=0)  # (d, G)
-        xs, ms = np.nonzero(np.take_along_axis(val[:, :d], row[None], axis=0)[0] < dev)
+        step = max(1, POOL_CHUNK // (d + 1))
+        reach = np.zeros(n, dtype=bool)
+        least = np.full(dev.shape, K + 1, dtype=np.int64)  # per point and state: the best devices so far,
+        won = np.zeros(dev.shape, dtype=np.int64)  # their packed answer, and the pool row they came from
+        came = np.zeros(dev.shape, dtype=np.int64)
+        for a in range(0, n, step):
+            part = tuple(x[a:a + step] for x in pool)
+            m = part[0].size
+            ch = self._pool_stages(part, seg, T)
+            room = None if rest is None else np.broadcast_to(K - np.append(rest, 0)[None, :], (m, d + 1)).ravel()
+            cuts = np.where(part[0] == 0, 0.0, part[4])  # no stage before the first: nothing cut into it
+            best = self._charged_best(dev_all[part[0]], np.repeat(np.arange(m), d + 1), ch, T, room,
+                                      cuts=cuts).reshape(m, d + 1, -1)
+            val = best >> _VAL  # the rest unpacked only where a source wins
+            reach[a:a + m] = (val[:, d, :] <= K).any(axis=1)
+            row = val[:, :d].argmin(axis=0)  # (d, states)
+            better = np.take_along_axis(val[:, :d], row[None], axis=0)[0] < least
+            if better.any():
+                least = np.where(better, np.take_along_axis(val[:, :d], row[None], axis=0)[0], least)
+                won = np.where(better, np.take_along_axis(best[:, :d], row[None], axis=0)[0], won)
+                came = np.where(better, row + a, came)
+        xs, ms = np.nonzero(least < dev)
         if xs.size:
-            k = row[xs, ms]
-            won = best[k, xs, ms]
-            dev[xs, ms] = won >> _VAL
-            src_b[xs, ms] = np.stack([ids[k], won & _LOW, (won >> _REPS) & _LOW], axis=1)
+            got = won[xs, ms]
+            dev[xs, ms] = got >> _VAL
+            src_b[xs, ms] = np.stack([ids[came[xs, ms]], got & _LOW, (got >> _REPS) & _LOW], axis=1)
         return reach
 
     def _inside(self, seg: Segment, off: int, T: float, dev, src_b, rest=None) -> None:

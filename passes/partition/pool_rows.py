@@ -65,7 +65,7 @@ class RowStore:
         have = next(iter(self.tables.values())).shape[0] if self.tables else 0
         if rows <= have:
             return
-        size = max(rows, 2 * have, 16)
+        size = max(rows + rows // 4, 16)  # a quarter spare, not double: rows of a wide lattice are large
         for name in self.kind._fields:
             old = self.tables.get(name)  # keeps its type (``put`` widens it where a row needs more)
             new = np.empty((size, self.width), dtype=old.dtype if old is not None

@@ -350,6 +350,26 @@ def test_exact_cuts_bound_meets_the_placed_optimum_on_chains(model, seed, K, G):
     assert solver.devices_needed(best * (1 - 1e-6))[0] > K
 
 
+@pytest.mark.parametrize("model", ["pipedream", "fxpipe"])
+def test_pool_answered_in_chunks_as_at_once(monkeypatch, model):
+    """``_from_pool`` takes the pool ``POOL_CHUNK`` pairs at a time and keeps each point's best across
+    chunks, the earliest source on a tie: a pass with chunks of one pool row gives the devices and the
+    back-pointers of a pass with the whole pool at once, at several T (feasible and not)."""
+    import passes.partition.charged as charged
+
+    def run(chunk):
+        monkeypatch.setattr(charged, "POOL_CHUNK", chunk)
+        solver = _solver(K=64, G=8, cost_model=model, replication="pow2" if model == "fxpipe" else "any")
+        low = float(np.sum(solver.units.compute)) / 64
+        return [solver.devices_needed(low * f) for f in (1.0, 1.3, 1.8, 3.0)]
+
+    whole, one_row = run(1 << 40), run(1)
+    for (need_a, back_a), (need_b, back_b) in zip(whole, one_row):
+        assert need_a == need_b
+        assert np.array_equal(back_a, back_b)
+    assert any(need <= 64 for need, _ in whole) and any(need > 64 for need, _ in whole)
+
+
 def test_fewest_count_under_pipedream_from_the_rising_threshold():
     """Under PipeDream's charges a stage's fewest count at the faster flat model is one where one
     replica meets T, else the count from which its time (falling from r = 2 on) meets T: what
