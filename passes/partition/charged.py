@@ -408,9 +408,10 @@ class ChargedChainSolver(PlacedChainSolver):
             val = best >> _VAL  # the rest unpacked only where a source wins
             reach[a:a + m] = (val[:, d, :] <= K).any(axis=1)
             row = val[:, :d].argmin(axis=0)  # (d, states)
-            better = np.take_along_axis(val[:, :d], row[None], axis=0)[0] < least
+            got = np.take_along_axis(val[:, :d], row[None], axis=0)[0]
+            better = got < least
             if better.any():
-                least = np.where(better, np.take_along_axis(val[:, :d], row[None], axis=0)[0], least)
+                least = np.where(better, got, least)
                 won = np.where(better, np.take_along_axis(best[:, :d], row[None], axis=0)[0], won)
                 came = np.where(better, row + a, came)
         xs, ms = np.nonzero(least < dev)
