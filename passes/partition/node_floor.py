@@ -150,7 +150,7 @@ class NodeFloor:
                 # the top meets T and the band's time falls with r; its own weights' charge times r is
                 # about the same over the band, so (compute + that) / T is near the fewest
                 b = top[k]
-                guess = np.ceil((sub[0] + sub[1] * self._own[b] * b) / T)
+                guess = np.ceil(np.minimum((sub[0] + sub[1] * self._own[b] * b) / T, K))
                 out[open_[k]] = least_fitting(lambda r, j: self._time(*(x[j] for x in sub), r), lo[k], b, T,
                                               guess)
             keep = ~fits & (top < K)
