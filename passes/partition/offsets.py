@@ -2,7 +2,9 @@
 
 For one bottleneck T, the replica counts of a stage that meet T form an
 interval at each bandwidth (``intervals``; ``tied_intervals`` where a tied
-weight's ring makes the time fall and then rise), and each cut needs at least
+weight's ring makes the time fall and then rise; ``least_fitting`` finds an
+interval's lower end by bisection where no closed form settles it, starting
+from a near one where the caller has it), and each cut needs at least
 ``cut_floors`` replicas by placement. ``Sources`` holds, for the points a
 stage may start from, the least devices over ranges of offsets within a node,
 so ``targets`` turns a batch of (start point, stage) pairs into the fewest
