@@ -136,8 +136,8 @@ class ChargedChainSolver(PlacedChainSolver):
         fast, slow = self.flat
         at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
         allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
-        guess = (lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth)) if o.cost_model == "pipedream" \
-            and allowed is None else (lambda f: None)  # noqa: E731
+        closed = o.cost_model == "pipedream" and allowed is None  # the thresholds' guesses (``_pipedream_rise``)
+        guess = lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth) if closed else None  # noqa: E731
         one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
         if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
             one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
@@ -385,10 +385,10 @@ class ChargedChainSolver(PlacedChainSolver):
         pair through ``_charged_targets``; returns which pool points still reach past the segment.
 
         The pool points go ``POOL_CHUNK`` pairs at a time, each chunk's best kept per point and state
-        (the earliest source on a tie, as one argmin over all would): a chunk's packed answers take
-        8 bytes per pair and state, and all at once they were most of a pass's memory on a lattice
-        that keeps the shape reads (8 H100-profiled blocks on 128 devices, 600 pool points into
-        segments of 1,588: a pass grew the process by 770 MB, past the planner's memory stop)."""
+        (the earliest source on a tie, as one argmin over all would): the packed answers take 8 bytes
+        per pair and state, and on a lattice that keeps the shape reads (8 H100-profiled blocks on 128
+        devices, up to 450 pool points into segments of 1,588) all at once they put 225 MB on a pass
+        that grew the process by 770 MB, past the planner's memory stop."""
         K = self.opts.devices
         ids = pool[0]
         d, n = len(seg.compute), ids.size
