@@ -25,7 +25,7 @@ from passes.errors import FxpipeError
 from passes.partition.chain import DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_span, combine_stage_time, min_replicas,
-                                        stage_time_s, tied_floor_s)
+                                        stage_time_s, tied_across_rates, tied_floor_s)
 from passes.partition.memory_guard import past
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
 from passes.partition.offsets import EPS, cut_floors, cut_load_table, least_fitting
@@ -118,6 +118,8 @@ class ChargedChainSolver(PlacedChainSolver):
         self._floor = NodeFloor(opts) if node_floor_applies(opts) else None
         # under PipeDream's charges with any count, pairs settle from some count on (``_settled``)
         self._settles = opts.cost_model == "pipedream" and opts.replication == "any"
+        # under PipeDream's charges, per group size the least sync per tied byte across nodes
+        self._across = tied_across_rates(opts) if opts.cost_model == "pipedream" else None
         if exact_cuts:  # the previous stage's count joins the state: cuts charged exactly
             if opts.replication != "pow2":
                 raise FxpipeError("partition: exact cut charges need --replication pow2 (a state per count)")
@@ -172,11 +174,17 @@ class ChargedChainSolver(PlacedChainSolver):
         """The least sync of a stage's tied weights (``costmodel.tied_floor_s``): fxpipe's ring runs at
         B2 when the stage crosses nodes or a partner sits on another node for sure
         (``PlacedChainSolver._far``), else at least at B1;
-        PipeDream's charge over a group is never below the flat one at B1 (``flat_bound``)."""
+        PipeDream's charge over a group is never below the flat one at B1 (``flat_bound``), and for
+        the bytes synced across nodes for sure never below the least over groups that span two nodes
+        or more (``costmodel.tied_across_rates``)."""
         o = self.opts
         fast, slow = self.flat
         if o.cost_model == "pipedream":
-            return tied_floor_s(ch.tied, r, fast, ch.partners)
+            near = tied_floor_s(ch.tied - ch.far, r, fast, ch.partners)
+            if not np.any(ch.far):
+                return near
+            group = np.minimum(np.rint(r + ch.partners), o.devices).astype(np.int64)
+            return near + self._across[group] * ch.far / np.maximum(r, 1)
         inside = tied_floor_s(ch.tied - ch.far, r, fast, ch.partners) + tied_floor_s(ch.far, r, slow, ch.partners)
         return np.where(one_node, inside, tied_floor_s(ch.tied, r, slow, ch.partners))
 

@@ -416,6 +416,29 @@ def tied_floor_s(tied_bytes, r, opts: CostOptions, partners=1):
     return _allreduce(tied_bytes, group, opts) * _spread(r, group, opts)
 
 
+def tied_across_rates(opts: CostOptions) -> np.ndarray:
+    """Per group size g = 0..K of a two-level machine (``opts``), the least ``tied_sync_s`` per byte,
+    times the stage's replicas, of a tied group of g ranks that spans two nodes or more: the least
+    ``allreduce_nodes`` charge (times g, PipeDream's spread) over every node count n >= 2 such a group
+    can touch, each with the fewest ranks its fullest node can hold (ceil(g/n), at most G).
+
+    The first stage and the last stage of a plan on more than one node sit in different nodes, so a
+    weight both hold (GPT's embedding and head) is synced across nodes whatever the placement; the
+    flat charge at the faster bandwidth (``tied_floor_s``) lets a relaxation undercharge it several
+    times under PipeDream's charges (8 H100-profiled blocks on 256 devices: 3.7/B1 per byte against
+    the 19.5/B1 its plan pays, per byte times the stage's replicas). Made non-decreasing in g (the least
+    over every larger group too), so charging the least group a stage's partners allow stays a floor."""
+    K, G = int(opts.devices), int(opts.gpus_per_node)
+    g = np.arange(K + 1, dtype=np.int64)[:, None]
+    n = np.arange(2, K + 2, dtype=np.int64)[None, :]
+    c = -(-g // n)  # ranks in the fullest node at least
+    each = allreduce_nodes(1.0, g, n, c, opts) * g
+    each = np.where((n <= np.maximum(g, 2)) & (c <= G), each, np.inf)
+    out = each.min(axis=1)
+    out[:2] = 0.0  # no group of fewer than two ranks
+    return np.minimum.accumulate(out[::-1])[::-1]  # at least g ranks: the least over g' >= g
+
+
 def tied_floor_coeff(r: int, opts: CostOptions, partners: int = 1) -> float:
     """``r · tied_floor_s(P, r) / P`` with ``partners`` partner replicas (one by default): the weight on
     tied bytes in ``r·T >= C + ...`` (CP-SAT, which does not search the partners' replicas), the room
