@@ -28,7 +28,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_span, combine_sta
                                         stage_time_s, tied_across_rates, tied_floor_s)
 from passes.partition.memory_guard import past
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
-from passes.partition.offsets import EPS, cut_floors, cut_load_table, least_fitting
+from passes.partition.offsets import CLEAR, EPS, cut_floors, cut_load_table, least_fitting
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
@@ -139,11 +139,14 @@ class ChargedChainSolver(PlacedChainSolver):
         at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
         allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
         closed = o.cost_model == "pipedream" and allowed is None  # the thresholds' guesses (``_pipedream_rise``)
-        guess = lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth) if closed else None  # noqa: E731
+        # per flat model, the closed form's count and where it is the answer (no tied weight, clear root)
+        rises = lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth) if closed else (None, None)  # noqa: E731
+        untied = tied <= 0
         one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
         if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
-            one_fast, one_slow = (at(f)(np.ones(C.size), slice(None)) <= T * (1 + EPS) for f in self.flat)
-            rise_fast = _rising_from(at(fast), C.size, T, K, allowed, guess(fast))
+            one_fast, one_slow = (_one_fits(at(f), C, untied, T) for f in self.flat)
+            guess, clear = rises(fast)
+            rise_fast = _rising_from(at(fast), C.size, T, K, allowed, guess, None if guess is None else clear & untied)
             # so the fewest count is one where one fits, else that threshold (``min_replicas``' answer)
             lo = np.where(one_fast, 1, rise_fast)
         else:
@@ -154,7 +157,8 @@ class ChargedChainSolver(PlacedChainSolver):
             lo[wide] = self._floor.fewest(C[wide], (params - tied)[wide], tied[wide], q[wide],
                                           np.zeros(len(wide)), lo[wide], T)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
-        rise_slow = _rising_from(at(slow), C.size, T, K, allowed, guess(slow))
+        guess, clear = rises(slow)
+        rise_slow = _rising_from(at(slow), C.size, T, K, allowed, guess, None if guess is None else clear & untied)
         sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
         hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
         if allowed is not None:  # counts of at least G are multiples of G: the first past ``sure`` ends it
@@ -509,8 +513,18 @@ def _packed(devices, replicas, offset):
         | np.asarray(offset, dtype=np.int64)
 
 
+def _one_fits(time_at, C, untied, T: float) -> np.ndarray:
+    """Per stage, whether one replica meets T: one replica pays no all-reduce, so a stage without tied
+    weights fits iff its compute does; the rest are asked (``time_at(counts, which)``)."""
+    t = np.asarray(C, dtype=float).copy()
+    k = np.nonzero(~untied)[0]
+    if k.size:
+        t[k] = time_at(np.ones(k.size), k)
+    return t <= T * (1 + EPS)
+
+
 def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray] = None,
-                 guess: Optional[np.ndarray] = None) -> np.ndarray:
+                 guess: Optional[np.ndarray] = None, sure: Optional[np.ndarray] = None) -> np.ndarray:
     """Per stage, the least count r >= 2 from which ``time_at(counts, which)`` meets T for every larger
     count up to K, for times that fall, or fall and then rise, from r = 2 on (both models, tied or not;
     see ``costmodel.min_replicas``); K + 1 where even K does not. Bisection: where K and r meet T, so
@@ -518,10 +532,18 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
     answer is the least allowed one from which every larger allowed one meets T (log2 of their number
     steps instead of log2 K: all the DP reads, as it tries no other count). ``guess`` (any count): per
     stage a count near the answer (``_pipedream_rise``); it and its neighbour are asked first, which
-    settles every stage whose guess is within one, and bisection narrows the rest from there."""
+    settles every stage whose guess is within one, and bisection narrows the rest from there.
+    ``sure``: where the guess is the answer already (an untied stage whose root is clear of an
+    integer, ``_pipedream_rise``): those stages are not asked at all."""
     grid = None if allowed is None else allowed[allowed >= 2]  # bisect over indices into it, else the counts
     if grid is not None and not grid.size:
         return np.full(n, K + 1, dtype=np.int64)
+    if sure is not None and guess is not None and grid is None and sure.any():
+        out = np.where(guess <= K, np.maximum(guess, 2), K + 1).astype(np.int64)
+        rest = np.nonzero(~sure)[0]
+        if rest.size:
+            out[rest] = _rising_from(lambda r, k: time_at(r, rest[k]), rest.size, T, K, None, guess[rest])
+        return out
     at = (lambda i: i) if grid is None else (lambda i: grid[i])  # noqa: E731
     top = K if grid is None else grid.size - 1
     lo, hi = np.full(n, 2 if grid is None else 0, dtype=np.int64), np.full(n, top, dtype=np.int64)
@@ -533,17 +555,24 @@ def _rising_from(time_at, n: int, T: float, K: int, allowed: Optional[np.ndarray
     return np.where(fits, np.maximum(lo if grid is None else grid[np.minimum(lo, top)], 1), K + 1)
 
 
-def _pipedream_rise(C, P, T: float, bandwidth: float) -> np.ndarray:
-    """Per stage, the ceiling of the larger root of ``T·r^2 - (C + b)·r + b`` (``b = 4P/B``): PipeDream's
-    flat time ``(C + b)/r - b/r^2`` (``costmodel._allreduce`` on the stage's own weight bytes P; no cuts)
-    meets T from there on, and falls from r = 2 on; 2 where it meets T at every r. A guess for
-    ``_rising_from``, which checks it: a tied weight's sync adds a term, so there the answer lies at or
-    above it, and rounding can move it by one."""
+def _pipedream_rise(C, P, T: float, bandwidth: float):
+    """Per stage, the ceiling of the larger root of ``T'·r^2 - (C + b)·r + b`` (``b = 4P/B``, ``T' =
+    T(1 + EPS)``, the tolerance every fit is asked at): PipeDream's flat time ``(C + b)/r - b/r^2``
+    (``costmodel._allreduce`` on the stage's own weight bytes P; no cuts) meets T from there on, and
+    falls from r = 2 on; 2 where it meets T at every r. With it, whether that count is the answer
+    for a stage without tied weights whatever the rounding: where the root lies more than ``CLEAR``
+    (relative) from an integer and the discriminant as far from 0, the quadratic's sign at each count
+    is far larger than the rounding of a stage time. A guess for ``_rising_from`` elsewhere, which
+    checks it: a tied weight's sync adds a term, so there the answer lies at or above it, and rounding
+    can move it by one."""
     b = 4.0 * np.asarray(P, dtype=float) / bandwidth
     s = np.asarray(C, dtype=float) + b
-    disc = s * s - 4.0 * T * b
-    root = (s + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * T)
-    return np.where(disc < 0, 2.0, np.ceil(np.minimum(root, 2.0 ** 40))).astype(np.int64)
+    top = T * (1 + EPS)
+    disc = s * s - 4.0 * top * b
+    root = (s + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * top)
+    guess = np.where(disc < 0, 2.0, np.ceil(np.minimum(root, 2.0 ** 40))).astype(np.int64)
+    clear = (np.abs(disc) > CLEAR * s * s) & ((disc < 0) | (np.abs(root - np.rint(root)) > CLEAR * np.maximum(root, 1.0)))
+    return guess, clear & (root < 2.0 ** 40)
 
 
 def solver_for(units: Units, segments: List[Segment], opts: CostOptions,

@@ -46,7 +46,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
                                         tied_floor_s)
 from passes.partition.memory_guard import past
-from passes.partition.offsets import EPS, least_fitting
+from passes.partition.offsets import CLEAR, EPS, least_fitting
 from passes.partition.segments import Segment
 
 MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
@@ -78,6 +78,9 @@ class NodeFloor:
         self.ring = machine.cost_model == "fxpipe"  # one ring at its slowest link (module docstring)
         r = np.arange(machine.devices + 1)
         ring = allreduce_nodes(1.0, r, 1, r, self.opts)  # the B1 ring, per weight byte
+        self._ring_r = ring * r  # times r: grows with r (``_fewest_across``' closed form)
+        # per band n (1..ceil(K/G)), ``_band(n)``: a pass asks it for every open stage of every band
+        self._bands = np.concatenate([[0.0], self._band(np.arange(1, -(-machine.devices // self.G) + 1))])
         if self.ring:  # past G ranks the ring crosses nodes: B2
             wide = allreduce_nodes(1.0, r, 2, self.G, machine)
         else:
@@ -130,28 +133,44 @@ class NodeFloor:
 
     def _fewest_across(self, C, own, tied, q, cut, start, T):
         """Fewest counts from ``start`` (> G, where the B1 model's fewest lies) meeting T under the floor,
-        band by band; ``devices + 1`` where none does, a floor past ``MAX_BANDS`` bands."""
+        band by band; ``devices + 1`` where none does, a floor past ``MAX_BANDS`` bands.
+
+        Inside band n a stage's own weights cost ``max(r·ring(r), band(n)) / r`` (``_own``), and r·ring(r)
+        grows with r: where the band's least charge is at least the ring's at the band's top count, every
+        count of the band pays it, and a stage without tied weights then takes ``x / r`` with ``x = max(C +
+        own·band(n), 2·cut/B1)``: its fewest count is ceil(x / T), read without asking, where x / T lies
+        clear of an integer (``offsets.CLEAR``). The rest are asked, count by count."""
         K, G = self.opts.devices, self.G
         out = np.full(C.shape, K + 1, dtype=np.int64)
         open_ = np.arange(C.size)
         n = (start + G - 1) // G
         lo = start.copy()
+        untied = tied <= 0
+        most = T * (1 + EPS)
         for _ in range(MAX_BANDS):
             if not open_.size:
                 return out
             if past(self.deadline):
                 raise DeadlineExceeded()
             top = np.minimum(n * G, K)
-            args = (C[open_], own[open_], tied[open_], q[open_], cut[open_])
-            fits = self._time(*args, top) <= T * (1 + EPS)
-            if fits.any():
-                k = np.nonzero(fits)[0]
-                sub = tuple(x[k] for x in args)
+            band = self._bands[n]
+            x = np.maximum(C[open_] + own[open_] * band, 2.0 * cut[open_] / self.opts.bandwidth) / most
+            read = untied[open_] & (band >= self._ring_r[top]) \
+                & (np.abs(x - np.rint(x)) > CLEAR * np.maximum(x, 1.0))
+            fits = x <= top  # read where ``read``; the rest asked below
+            ask = np.nonzero(~read)[0]
+            if ask.size:
+                fits[ask] = self._time(*(v[open_[ask]] for v in (C, own, tied, q, cut)), top[ask]) <= most
+            k = np.nonzero(fits & read)[0]
+            out[open_[k]] = np.maximum(lo[k], np.ceil(x[k]).astype(np.int64))
+            k = np.nonzero(fits & ~read)[0]
+            if k.size:
+                sub = tuple(v[open_[k]] for v in (C, own, tied, q, cut))
                 # the top meets T and the band's time falls with r; its own weights' charge times r is
                 # about the same over the band, so (compute + that) / T is near the fewest
                 b = top[k]
                 guess = np.ceil(np.minimum((sub[0] + sub[1] * self._own[b] * b) / T, K))
-                out[open_[k]] = least_fitting(lambda r, j: self._time(*(x[j] for x in sub), r), lo[k], b, T,
+                out[open_[k]] = least_fitting(lambda r, j: self._time(*(v[j] for v in sub), r), lo[k], b, T,
                                               guess)
             keep = ~fits & (top < K)
             open_, n, lo = open_[keep], n[keep] + 1, top[keep] + 1

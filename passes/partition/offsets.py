@@ -23,6 +23,7 @@ from passes.partition.costmodel import CostOptions, fastest_index
 from passes.partition.topology import pair_load, span
 
 EPS = 1e-12
+CLEAR = 1e-7  # how far (relative) a closed form's count must lie from an integer to be read without asking
 
 
 def intervals(C, P, T: float, bandwidth: float, K: int):

@@ -259,26 +259,37 @@ def test_rising_over_allowed_counts_is_the_least_allowed_from_which_all_fit(mode
 
 def test_rising_from_a_guess_is_the_bisection_answer():
     """Under PipeDream's charges with any count the bisection starts from the root of the flat time's
-    quadratic (``_pipedream_rise``) and asks it and its neighbour first: per stage the same least count
-    as bisection from scratch, with tied weights (whose falling term puts the answer above the guess),
-    every weight size from none to a time that never meets T, and T in several decades."""
+    quadratic (``_pipedream_rise``) and asks it and its neighbour first, and takes it unasked where the
+    stage has no tied weight and the root is clear of an integer: per stage the same least count as
+    bisection from scratch, with tied weights (whose falling term puts the answer above the guess),
+    every weight size from none to a time that never meets T, T in several decades, and a fifth of
+    the stages built so that their root is an integer (where rounding decides, so they are asked)."""
     from passes.partition.charged import _pipedream_rise, _rising_from
 
     solver = _solver(K=1024, G=8, cost_model="pipedream", replication="any")
     rng = np.random.default_rng(11)
     n, K = 2000, solver.opts.devices
-    C = rng.uniform(1e-6, 3e-3, n)
+    C0 = rng.uniform(1e-6, 3e-3, n)
     params = np.where(rng.random(n) < 0.1, 0.0, 10 ** rng.uniform(2, 9, n))
     tied = np.where(rng.random(n) < 0.3, params * rng.random(n), 0.0)
     q = rng.integers(1, 64, n).astype(float)
+    root = rng.integers(2, K + 3, n).astype(float)
+    on_root = rng.random(n) < 0.2
     for T in (3e-6, 2e-5, 1e-4, 5e-4, 2e-3):
         for flat in solver.flat:
+            b = 4.0 * (params - tied) / flat.bandwidth  # C from T·r^2 - (C + b)·r + b = 0 at r = root
+            C = np.where(on_root & (T * root - b + b / root > 0), T * root - b + b / root, C0)
+
             def time_at(r, k):
                 return stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])
             want = _rising_from(time_at, n, T, K)
-            guess = _pipedream_rise(C, params - tied, T, flat.bandwidth)
+            guess, clear = _pipedream_rise(C, params - tied, T, flat.bandwidth)
             got = _rising_from(time_at, n, T, K, guess=guess)
             assert np.array_equal(got, want), (T, np.nonzero(got != want))
+            sure = clear & (tied == 0)
+            assert sure.mean() > 0.4 and not sure[on_root & (C != C0)].any()
+            read = _rising_from(time_at, n, T, K, guess=guess, sure=sure)
+            assert np.array_equal(read, want), (T, np.nonzero(read != want))
             settled = (want <= K) & (want > 2)
             untied = settled & (tied == 0)
             assert np.abs(guess[untied] - want[untied]).max() <= 1  # the root is the answer, rounding aside
@@ -375,7 +386,7 @@ def test_fewest_count_under_pipedream_from_the_rising_threshold():
     replica meets T, else the count from which its time (falling from r = 2 on) meets T: what
     ``_stage_intervals`` reads instead of ``min_replicas``; equal to it on random stages, tied weights
     included, with any count and with powers of two."""
-    from passes.partition.charged import _pipedream_rise, _rising_from
+    from passes.partition.charged import _one_fits, _pipedream_rise, _rising_from
     from passes.partition.costmodel import min_replicas
 
     rng = np.random.default_rng(3)
@@ -391,8 +402,9 @@ def test_fewest_count_under_pipedream_from_the_rising_threshold():
         for T in (3e-6, 2e-5, 1e-4, 5e-4, 2e-3):
             def time_at(r, k):
                 return stage_time_s(C[k], params[k], 0.0, 0.0, r, fast, tied[k], q[k])
-            one = time_at(np.ones(n), slice(None)) <= T * (1 + EPS)
-            guess = None if allowed is not None else _pipedream_rise(C, params - tied, T, fast.bandwidth)
-            got = np.where(one, 1, _rising_from(time_at, n, T, K, allowed, guess))
+            one = _one_fits(time_at, C, tied == 0, T)  # untied stages: their compute, unasked
+            guess, clear = (None, None) if allowed is not None else _pipedream_rise(C, params - tied, T, fast.bandwidth)
+            sure = None if clear is None else clear & (tied == 0)
+            got = np.where(one, 1, _rising_from(time_at, n, T, K, allowed, guess, sure))
             want = np.minimum(min_replicas(C, params, 0.0, 0.0, T, fast, tied, q), K + 1)
             assert np.array_equal(got, want), (replication, T, np.nonzero(got != want))

@@ -11,6 +11,7 @@ from passes.partition import CostOptions
 from passes.partition.chain import TOLERANCE
 from passes.partition.costmodel import _allreduce, allreduce_span, flat_bound
 from passes.partition.node_floor import NodeFloorSolver, applies
+from passes.partition.offsets import EPS
 from passes.partition.segment_plan import chain_plan
 from passes.partition.segments import build_segments, folded_units
 from tests.passes.test_partition import random_dag
@@ -20,9 +21,9 @@ from tests.passes.test_placed import _exact, _opts
 B1, B2 = 1.0e11, 1.25e10
 
 
-def _solver(K: int = 256, G: int = 8) -> NodeFloorSolver:
+def _solver(K: int = 256, G: int = 8, b2: float = B2) -> NodeFloorSolver:
     g = transformer_graph(4, seed=3, tied=False)
-    opts = CostOptions(devices=K, bandwidth=B2, intra_bandwidth=B1, gpus_per_node=G, cost_model="pipedream")
+    opts = CostOptions(devices=K, bandwidth=b2, intra_bandwidth=B1, gpus_per_node=G, cost_model="pipedream")
     units, _ = folded_units(g, opts)
     return NodeFloorSolver(units, build_segments(units), opts)
 
@@ -50,17 +51,25 @@ def test_floor_never_above_the_charge_at_any_offset(K, G):
         assert placed.min() >= floor * (1 - 1e-12), (r, placed.min(), floor)
 
 
-def test_fewest_count_is_the_least_that_meets_t_band_by_band():
+@pytest.mark.parametrize("b2", [B2, B1])
+def test_fewest_count_is_the_least_that_meets_t_band_by_band(b2):
     """``_fewest_across`` against trying every count: the band's time falls with r, so bisecting each band
-    from its top finds the same fewest count (or ``devices + 1`` where none meets T)."""
-    solver = _solver(256, 8)
+    from its top finds the same fewest count (or ``devices + 1`` where none meets T), and so does the
+    count read from the closed form where it is read (stages without tied weights; a quarter of them
+    built so that it is an integer, where rounding decides and the count is asked instead). With B2 as
+    fast as B1 the ring outweighs the band's least charge and every count is asked."""
+    solver = _solver(256, 8, b2)
     m, T = 400, 2e-4
-    C, own, tied, q, cut, start = _random_stages(np.random.default_rng(0), m, 4e8)
+    rng = np.random.default_rng(0)
+    C, own, tied, q, cut, start = _random_stages(rng, m, 4e8)
+    n = -(-start // 8)
+    whole = rng.integers(9, 256, m) * T * (1 + EPS) - own * solver.floor._bands[n]
+    C = np.where((rng.random(m) < 0.25) & (whole > 2.0 * cut / B1) & (whole > 0), whole, C)
     got = solver.floor._fewest_across(C, own, tied, q, cut, start, T)
     for k in range(m):
         want = solver.opts.devices + 1
         for r in range(int(start[k]), solver.opts.devices + 1):
-            if solver.floor._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + 1e-9):
+            if solver.floor._time(C[k], own[k], tied[k], q[k], cut[k], r) <= T * (1 + EPS):
                 want = r
                 break
         # past MAX_BANDS bands the answer is a floor of the fewest count, never above it
