@@ -420,7 +420,9 @@ def tied_across_rates(opts: CostOptions) -> np.ndarray:
     """Per group size g = 0..K of a two-level machine (``opts``), the least ``tied_sync_s`` per byte,
     times the stage's replicas, of a tied group of g ranks that spans two nodes or more: the least
     ``allreduce_nodes`` charge (times g, PipeDream's spread) over every node count n >= 2 such a group
-    can touch, each with the fewest ranks its fullest node can hold (ceil(g/n), at most G).
+    can touch, each with the fewest ranks its fullest node can hold (ceil(g/n), at most G). Both terms
+    of the two-level charge grow with their count, so for each fullest count c <= G the fewest nodes
+    that c allows, ``max(2, ceil(g/c))``, is the one to try: G candidates per size, not K.
 
     The first stage and the last stage of a plan on more than one node sit in different nodes, so a
     weight both hold (GPT's embedding and head) is synced across nodes whatever the placement; the
@@ -430,11 +432,9 @@ def tied_across_rates(opts: CostOptions) -> np.ndarray:
     over every larger group too), so charging the least group a stage's partners allow stays a floor."""
     K, G = int(opts.devices), int(opts.gpus_per_node)
     g = np.arange(K + 1, dtype=np.int64)[:, None]
-    n = np.arange(2, K + 2, dtype=np.int64)[None, :]
-    c = -(-g // n)  # ranks in the fullest node at least
-    each = allreduce_nodes(1.0, g, n, c, opts) * g
-    each = np.where((n <= np.maximum(g, 2)) & (c <= G), each, np.inf)
-    out = each.min(axis=1)
+    n = np.maximum(2, -(-g // np.arange(1, G + 1, dtype=np.int64)[None, :]))  # the fewest nodes per fullest count
+    each = allreduce_nodes(1.0, g, n, -(-g // n), opts) * g  # with the fewest ranks in the fullest then
+    out = np.where(n <= np.maximum(g, 2), each, np.inf).min(axis=1)
     out[:2] = 0.0  # no group of fewer than two ranks
     return np.minimum.accumulate(out[::-1])[::-1]  # at least g ranks: the least over g' >= g
 
