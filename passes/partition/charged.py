@@ -28,7 +28,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_span, combine_sta
                                         stage_time_s, tied_across_rates, tied_floor_s)
 from passes.partition.memory_guard import past
 from passes.partition.node_floor import NodeFloor, applies as node_floor_applies
-from passes.partition.offsets import CLEAR, EPS, cut_floors, cut_load_table, least_fitting
+from passes.partition.offsets import CLEAR, EPS, clear_of_integer, cut_floors, cut_load_table, least_fitting
 from passes.partition.placed import PlacedChainSolver
 from passes.partition.pool_rows import Gathered
 from passes.partition.segments import Segment
@@ -139,14 +139,16 @@ class ChargedChainSolver(PlacedChainSolver):
         at = lambda flat: lambda r, k: stage_time_s(C[k], params[k], 0.0, 0.0, r, flat, tied[k], q[k])  # noqa: E731
         allowed = np.asarray(o.allowed_replicas(), dtype=np.int64) if o.replication == "pow2" else None
         closed = o.cost_model == "pipedream" and allowed is None  # the thresholds' guesses (``_pipedream_rise``)
-        # per flat model, the closed form's count and where it is the answer (no tied weight, clear root)
-        rises = lambda f: _pipedream_rise(C, params - tied, T, f.bandwidth) if closed else (None, None)  # noqa: E731
         untied = tied <= 0
+
+        def rise(f):  # per flat model, ``_rising_from``: the closed form's count read where it is the answer
+            guess, clear = _pipedream_rise(C, params - tied, T, f.bandwidth) if closed else (None, None)
+            return _rising_from(at(f), C.size, T, K, allowed, guess, None if clear is None else clear & untied)
+
         one_fast = one_slow = rise_fast = np.zeros(C.shape)  # read under PipeDream only (``_flat_fits``)
         if o.cost_model == "pipedream":  # from r = 2 on its times fall: meeting T is a threshold in r
             one_fast, one_slow = (_one_fits(at(f), C, untied, T) for f in self.flat)
-            guess, clear = rises(fast)
-            rise_fast = _rising_from(at(fast), C.size, T, K, allowed, guess, None if guess is None else clear & untied)
+            rise_fast = rise(fast)
             # so the fewest count is one where one fits, else that threshold (``min_replicas``' answer)
             lo = np.where(one_fast, 1, rise_fast)
         else:
@@ -157,8 +159,7 @@ class ChargedChainSolver(PlacedChainSolver):
             lo[wide] = self._floor.fewest(C[wide], (params - tied)[wide], tied[wide], q[wide],
                                           np.zeros(len(wide)), lo[wide], T)
         near, in_far, out_far = cut_floors(cut_in, cut_out, T, o)
-        guess, clear = rises(slow)
-        rise_slow = _rising_from(at(slow), C.size, T, K, allowed, guess, None if guess is None else clear & untied)
+        rise_slow = rise(slow)
         sure = np.maximum(rise_slow, np.maximum(in_far, out_far))
         hi = np.minimum(sure + self.G - 1, K)  # every residue's fewest count lies below G past ``sure``
         if allowed is not None:  # counts of at least G are multiples of G: the first past ``sure`` ends it
@@ -571,7 +572,7 @@ def _pipedream_rise(C, P, T: float, bandwidth: float):
     disc = s * s - 4.0 * top * b
     root = (s + np.sqrt(np.maximum(disc, 0.0))) / (2.0 * top)
     guess = np.where(disc < 0, 2.0, np.ceil(np.minimum(root, 2.0 ** 40))).astype(np.int64)
-    clear = (np.abs(disc) > CLEAR * s * s) & ((disc < 0) | (np.abs(root - np.rint(root)) > CLEAR * np.maximum(root, 1.0)))
+    clear = (np.abs(disc) > CLEAR * s * s) & ((disc < 0) | clear_of_integer(root))
     return guess, clear & (root < 2.0 ** 40)
 
 

@@ -46,7 +46,7 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import (CostOptions, allreduce_nodes, combine_stage_time, flat_bound, min_replicas,
                                         tied_floor_s)
 from passes.partition.memory_guard import past
-from passes.partition.offsets import CLEAR, EPS, least_fitting
+from passes.partition.offsets import EPS, clear_of_integer, least_fitting
 from passes.partition.segments import Segment
 
 MAX_BANDS = 16  # node bands tried per stage; past them the count stays a floor (the bound stays a bound)
@@ -84,7 +84,7 @@ class NodeFloor:
         if self.ring:  # past G ranks the ring crosses nodes: B2
             wide = allreduce_nodes(1.0, r, 2, self.G, machine)
         else:
-            wide = np.maximum(ring, self._band(np.maximum((r + self.G - 1) // self.G, 1)) / np.maximum(r, 1))
+            wide = np.maximum(ring, self._bands[np.maximum((r + self.G - 1) // self.G, 1)] / np.maximum(r, 1))
         # per count, the floor's charge per own weight byte: it depends on r alone (its band is ceil(r/G)),
         # so one table serves every stage and T (a pass evaluates it for millions of stage-count pairs)
         self._own = np.where(r > self.G, wide, ring)
@@ -139,7 +139,7 @@ class NodeFloor:
         grows with r: where the band's least charge is at least the ring's at the band's top count, every
         count of the band pays it, and a stage without tied weights then takes ``x / r`` with ``x = max(C +
         own·band(n), 2·cut/B1)``: its fewest count is ceil(x / T), read without asking, where x / T lies
-        clear of an integer (``offsets.CLEAR``). The rest are asked, count by count."""
+        clear of an integer (``offsets.clear_of_integer``). The rest are asked, count by count."""
         K, G = self.opts.devices, self.G
         out = np.full(C.shape, K + 1, dtype=np.int64)
         open_ = np.arange(C.size)
@@ -155,8 +155,7 @@ class NodeFloor:
             top = np.minimum(n * G, K)
             band = self._bands[n]
             x = np.maximum(C[open_] + own[open_] * band, 2.0 * cut[open_] / self.opts.bandwidth) / most
-            read = untied[open_] & (band >= self._ring_r[top]) \
-                & (np.abs(x - np.rint(x)) > CLEAR * np.maximum(x, 1.0))
+            read = untied[open_] & (band >= self._ring_r[top]) & clear_of_integer(x)
             fits = x <= top  # read where ``read``; the rest asked below
             ask = np.nonzero(~read)[0]
             if ask.size:

@@ -92,6 +92,14 @@ def least_fitting(time_at, lo: np.ndarray, hi: np.ndarray, T: float,
         step += 1
 
 
+def clear_of_integer(x) -> np.ndarray:
+    """Where a closed form's count ``x`` (elementwise) lies more than ``CLEAR`` (relative) from an
+    integer, so its ceiling is the answer whatever the rounding of the stage times it stands for;
+    elsewhere the caller asks those times."""
+    x = np.asarray(x, dtype=float)
+    return np.abs(x - np.rint(x)) > CLEAR * np.maximum(x, 1.0)
+
+
 def count(x, K: int) -> np.ndarray:
     """``ceil(x)`` as replica counts, K + 1 standing for none."""
     return np.minimum(np.ceil(np.maximum(x, 1.0) * (1 - EPS)), float(K + 1)).astype(np.int64)
