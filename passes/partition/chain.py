@@ -1012,7 +1012,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           ceiling: float = math.inf, settle_by: float = math.inf, bound_only: bool = False,
           plan_by: float = math.inf, trust_ceiling: bool = False,
           settle_above: Optional[float] = None, loose: Optional[float] = None,
-          prove_by: float = -math.inf, descend: bool = False) -> Optional[ChainSolution]:
+          prove_by: float = -math.inf, descend: bool = False,
+          settle_near: Optional[Tuple[float, float]] = None) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -1066,6 +1067,11 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     first). For a caller that keeps only the bound, whose relaxed plans score above their T, and whose
     relaxation lies near its plans (``segment_plan.finer_bound``): a bisection from a bound far below
     spends its few passes of seconds climbing.
+    ``settle_near``: (width, most): the bisection stops once its bracket is within ``width`` (relative)
+    while its best plan scores more than ``PROVE_WITHIN`` but at most ``most`` above the bracket's upper
+    end. No pass can then prove that plan within 1 %, and the last passes would raise the bound by less
+    than ``width``: a relaxation whose plans score a little above their T for a reason a restricted
+    search mends (``segment_plan.chain_plan``: the folded nodes' compute) spends that time there.
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -1093,6 +1099,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
         while hi > lo * (1 + (loose if loose is not None and hi * (1 + PROVE_WITHIN) < ceiling else tolerance)):
             if best is not None and time.monotonic() > settle_by and \
                     (settle_above is None or best.objective > hi * (1 + settle_above)):
+                break
+            if settle_near is not None and best is not None and hi <= lo * (1 + settle_near[0]) \
+                    and hi * (1 + PROVE_WITHIN) < best.objective <= hi * (1 + settle_near[1]):
                 break
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)

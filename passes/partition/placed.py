@@ -65,6 +65,8 @@ SETTLE_ABOVE = 0.04  # past ``settle_by`` the bisection stops only while its bes
 # from elsewhere (``driver._resumed``). H100-profiled GPT, 32 blocks, two-level: the plans found at T scored
 # 1.06-1.18 T on 256 and 512 devices (settling there: 4.3 -> 1.0 % and 9.9 -> 1.0 %), 1.02-1.03 T on 128
 # and up to 1.002 T on 16, where the bisection's bound needs the time
+SETTLE_WITHIN = 0.004  # under PipeDream's charges the bisection stops once its bracket is this narrow ...
+SETTLE_NEAR = 0.04  # ... while its best plan scores 1 % to this far above the upper end (``segment_plan._settle_near``)
 LADDER = (1.005, 1.01, 1.02, 1.04, 1.08, 1.3, 1.6)  # first T tried, times sum C / K: optima sit close above it,
 # and a T far below one fails fast (prefixes that cannot finish are dropped)
 

@@ -127,6 +127,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     2.2-4.4 s (by the hour) of the 3.8-3.9 s the plans left it, so a slower hour cut it off (1,024
     devices: 3.4 % open instead of 0.99 %).
     ``progress``: called with a line for each plan and bound of the wide path (its searches take seconds).
+    Under PipeDream's charges on a two-level machine (not ``plain``) the charged DP's bisection may
+    stop early for the search that keeps the folded nodes' compute (``_settle_near``).
     """
     if opts.memory is not None:
         return None
@@ -140,7 +142,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     found = None if exits else searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling,
                                         machine=machine, settle_by=settle_by, bound_only=bound_only,
                                         plan_by=plan_by, tolerance=tolerance, quiet=quiet, exact_cuts=exact_cuts,
-                                        chain_reads=chain_reads)
+                                        chain_reads=chain_reads, settle_near=_settle_near(opts, plain, machine))
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
     wide: list = []  # the searches on narrowed and paired (and chained and merged, where the bound is dropped)
     # wide segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
@@ -256,6 +258,19 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                              wall_s=time.monotonic() - start, units=size, method="segment DP")
     result.status = "OPTIMAL" if result.gap <= OPTIMAL_GAP else "FEASIBLE"
     return result
+
+
+def _settle_near(opts: CostOptions, plain: bool, machine: Optional[CostOptions]) -> Optional[Tuple[float, float]]:
+    """Where the charged DP's bisection may stop early (``chain.solve``'s ``settle_near``): under
+    PipeDream's charges on a two-level machine, where the search that keeps the folded nodes' compute
+    follows it (not ``plain``). There the relaxed plans score above their T by the compute folding
+    left out of the units, which that search charges: 32 H100-profiled blocks on 128 devices found
+    plans at 1.016-1.02 T, and that search 0.5881 ms where the last two bisection passes (1.5 s) would
+    only have raised the bound 0.18 %. Where plans score further above T (1.08 T on 256 devices) the
+    excess is the relaxed cut and sync charges, which that search keeps too: the bisection goes on."""
+    if plain or machine is not None or opts.gpus_per_node is None or opts.cost_model != "pipedream":
+        return None
+    return placed.SETTLE_WITHIN, placed.SETTLE_NEAR
 
 
 def said(progress: Optional[Callable[[str], None]], start: float, line: str, search: str = "segment DP") -> None:
@@ -597,13 +612,15 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               machine: Optional[CostOptions] = None, settle_by: float = math.inf, bound_only: bool = False,
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
               pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False,
-              widen: Optional[Callable[[Units], Optional[Units]]] = None):
+              widen: Optional[Callable[[Units], Optional[Units]]] = None,
+              settle_near: Optional[Tuple[float, float]] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
-                        quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads, widen=widen)
+                        quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads, widen=widen,
+                        settle_near=settle_near)
     if solved is None:
         return None
     units, found, margin = solved
@@ -633,7 +650,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 quiet: Optional[float] = None, exact_cuts: bool = False, chain_reads: bool = False,
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
                 floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf,
-                descend: bool = False,
+                descend: bool = False, settle_near: Optional[Tuple[float, float]] = None,
                 sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
@@ -645,6 +662,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``loose``: the flat DP's tolerance once a pass runs 1 % under ``ceiling`` (``chain.solve``);
     ``prove_by``: the flat DP's pass 1 % under ``ceiling`` may run until then (``chain.solve``);
     ``descend``: after that pass finds a plan, the flat DP's next passes step down from it (``chain.solve``);
+    ``settle_near``: where the placed DPs' bisection stops early for the search that follows (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``sends``: the
     values it made silent that every plan still sends, given them where the DP keeps ``Units.hidden_sends``
     (``freed_sends.py``); ``tolerance``:
@@ -694,7 +712,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts, exact_cuts),
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
                             settle_by=settle_by, bound_only=bound_only, plan_by=plan_by,
-                            settle_above=placed.SETTLE_ABOVE)
+                            settle_above=placed.SETTLE_ABOVE, settle_near=settle_near)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),

@@ -515,6 +515,45 @@ def test_settle_above_stops_only_where_plans_score_far_above_their_t(inflate):
         assert 1 < len(asked) < passes and found.stage_of is not None and found.bound <= full.bound
 
 
+@pytest.mark.parametrize("inflate", [1.0, 1.005, 1.02, 1.2])
+def test_settle_near_stops_a_narrow_bracket_whose_plans_score_a_little_above_it(inflate):
+    """With ``settle_near`` (width, most) the bisection stops once its bracket is within ``width``
+    while its best plan scores 1 % to ``most`` above the bracket's upper end (here every plan scores
+    ``inflate`` times its time): no pass can prove that plan within 1 %, and the bound it gives up is
+    under ``width``. Plans that score as found, or far above (the relaxed charges, which a restricted
+    search keeps too), leave the bisection as it was; so do plans a hair above their T (1.005)."""
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    scored = lambda stage_of, reps: score(stage_of, reps) * inflate  # noqa: E731
+    full = solve(units, segs, opts, float("inf"), scored, recording)
+    passes, full_asked = len(asked), list(asked)
+    asked.clear()
+    width = 0.01
+    found = solve(units, segs, opts, float("inf"), scored, recording, settle_near=(width, 0.04))
+    if inflate == 1.02:
+        assert len(asked) < passes and asked == full_asked[:len(asked)]
+        assert full.bound / (1 + width) <= found.bound <= full.bound
+        assert found.stage_of is not None and found.objective <= max(asked) * inflate * (1 + 1e-9)
+    else:
+        assert asked == full_asked and (found.stage_of, found.replicas, found.bound) == \
+            (full.stage_of, full.replicas, full.bound)
+
+
+def test_settle_near_only_for_the_charged_search_that_a_restricted_one_follows():
+    """``segment_plan._settle_near``: the charged DP settles early only under PipeDream's charges on a
+    two-level machine and where the search that keeps the folded nodes' compute follows it (not
+    ``plain``, not the node-floor DP run on a flat model of a machine)."""
+    from passes.partition import placed
+    from passes.partition.segment_plan import _settle_near
+
+    two = CostOptions(devices=64, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10, cost_model="pipedream")
+    assert _settle_near(two, False, None) == (placed.SETTLE_WITHIN, placed.SETTLE_NEAR)
+    assert _settle_near(two, True, None) is None
+    assert _settle_near(dataclasses.replace(two, cost_model="fxpipe"), False, None) is None
+    assert _settle_near(CostOptions(devices=64, bandwidth=1e11, cost_model="pipedream"), False, two) is None
+
+
 def test_resumed_bisection_proves_the_plan_of_the_search_that_keeps_the_reads():
     """On a two-level machine under fxpipe's charges with any count, the interval DP's passes on the
     H100-profiled GPT find "plans" at T that score far above T (8 blocks, 512 devices: 1.06-1.17 T),
