@@ -1013,7 +1013,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
           plan_by: float = math.inf, trust_ceiling: bool = False,
           settle_above: Optional[float] = None, loose: Optional[float] = None,
           prove_by: float = -math.inf, descend: bool = False,
-          settle_near: Optional[Tuple[float, float]] = None) -> Optional[ChainSolution]:
+          settle_near: Optional[Tuple[float, float]] = None,
+          fake_above: Optional[float] = None) -> Optional[ChainSolution]:
     """Bisect T (see the module docstring); ``score(stage_of, replicas)`` gives a plan's true bottleneck.
 
     A T that is feasible on at most K devices but whose plan the greedy cannot
@@ -1072,6 +1073,10 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
     end. No pass can then prove that plan within 1 %, and the last passes would raise the bound by less
     than ``width``: a relaxation whose plans score a little above their T for a reason a restricted
     search mends (``segment_plan.chain_plan``: the folded nodes' compute) spends that time there.
+    ``fake_above``: with a ceiling, the bisection stops once a pass is feasible at ``PROVE_WITHIN`` or more
+    under the ceiling (no later pass can then prove the caller's plan that close) while its best plan
+    scores more than this fraction above its T: a relaxation whose "plans" are not real ones, which
+    would spend its remaining passes on a bound that proves nothing (``driver._cuts_exact``, ``_finer``).
     """
     solver = solver or ChainSolver(units, segments, opts)
     lo = max(sum(units.compute) / opts.devices, floor) * (1 - 1e-9)
@@ -1102,6 +1107,9 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 break
             if settle_near is not None and best is not None and hi <= lo * (1 + settle_near[0]) \
                     and hi * (1 + PROVE_WITHIN) < best.objective <= hi * (1 + settle_near[1]):
+                break
+            if fake_above is not None and best is not None and hi * (1 + PROVE_WITHIN) <= ceiling * (1 + 1e-9) \
+                    and best.objective > hi * (1 + fake_above):
                 break
             if probe:  # the plan's own time is often the optimum: check just below it first
                 T = max(hi / (1 + tolerance), lo)

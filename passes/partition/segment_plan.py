@@ -80,7 +80,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
            bound_only: bool = False, plan_by: float = math.inf,
            tolerance: Optional[float] = None, quiet: Optional[float] = None,
            keep_dead: bool = False, exact_cuts: bool = False, chain_reads: bool = False,
-           bound_kept: bool = True, prove_by: Optional[float] = None,
+           bound_kept: bool = True, prove_by: Optional[float] = None, fake_above: Optional[float] = None,
            progress: Optional[Callable[[str], None]] = None) -> Optional[PartitionResult]:
     """The exact lattice DP (``chain.py``) when the graph splits into small segments, else None.
 
@@ -129,6 +129,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     ``progress``: called with a line for each plan and bound of the wide path (its searches take seconds).
     Under PipeDream's charges on a two-level machine (not ``plain``) the charged DP's bisection may
     stop early for the search that keeps the folded nodes' compute (``_settle_near``).
+    ``fake_above``: the placed DPs' bisection under ``ceiling`` gives up once it can no longer prove that
+    plan within 1 % and its plans score this far above their T (``chain.solve``).
     """
     if opts.memory is not None:
         return None
@@ -142,7 +144,8 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     found = None if exits else searched(graph, opts, deadline, cones, keep_dead, floor=floor, ceiling=ceiling,
                                         machine=machine, settle_by=settle_by, bound_only=bound_only,
                                         plan_by=plan_by, tolerance=tolerance, quiet=quiet, exact_cuts=exact_cuts,
-                                        chain_reads=chain_reads, settle_near=_settle_near(opts, plain, machine))
+                                        chain_reads=chain_reads, settle_near=_settle_near(opts, plain, machine),
+                                        fake_above=fake_above)
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
     wide: list = []  # the searches on narrowed and paired (and chained and merged, where the bound is dropped)
     # wide segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
@@ -613,14 +616,14 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
               pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False,
               widen: Optional[Callable[[Units], Optional[Units]]] = None,
-              settle_near: Optional[Tuple[float, float]] = None):
+              settle_near: Optional[Tuple[float, float]] = None, fake_above: Optional[float] = None):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                         quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads, widen=widen,
-                        settle_near=settle_near)
+                        settle_near=settle_near, fake_above=fake_above)
     if solved is None:
         return None
     units, found, margin = solved
@@ -651,6 +654,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
                 widen: Optional[Callable[[Units], Optional[Units]]] = None, exact_wide: bool = False,
                 floor_counts: bool = False, loose: Optional[float] = None, prove_by: float = -math.inf,
                 descend: bool = False, settle_near: Optional[Tuple[float, float]] = None,
+                fake_above: Optional[float] = None,
                 sends: Optional[Callable[[Units], List[Tuple[int, List[int], List[int], List[int]]]]] = None):
     """(units, the chain DP's answer, what folding may cost the bound) or None (see ``chain_plan``);
     ``widen``: on the flat model, where a segment's lattice is over the limit, the units it makes of
@@ -663,6 +667,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     ``prove_by``: the flat DP's pass 1 % under ``ceiling`` may run until then (``chain.solve``);
     ``descend``: after that pass finds a plan, the flat DP's next passes step down from it (``chain.solve``);
     ``settle_near``: where the placed DPs' bisection stops early for the search that follows (``chain.solve``);
+    ``fake_above``: where the placed DPs' bisection under a ceiling gives up (``chain.solve``);
     ``hidden``: the compute a relaxation took off the units, given them (``Units.hidden``); ``sends``: the
     values it made silent that every plan still sends, given them where the DP keeps ``Units.hidden_sends``
     (``freed_sends.py``); ``tolerance``:
@@ -712,7 +717,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts, exact_cuts),
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
                             settle_by=settle_by, bound_only=bound_only, plan_by=plan_by,
-                            settle_above=placed.SETTLE_ABOVE, settle_near=settle_near)
+                            settle_above=placed.SETTLE_ABOVE, settle_near=settle_near, fake_above=fake_above)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),

@@ -540,6 +540,33 @@ def test_settle_near_stops_a_narrow_bracket_whose_plans_score_a_little_above_it(
             (full.stage_of, full.replicas, full.bound)
 
 
+@pytest.mark.parametrize("inflate,apart", [(3.0, 1.03), (1.0, 1.03), (3.0, 1.005)])
+def test_fake_above_gives_up_once_the_ceiling_cannot_be_proven(inflate, apart):
+    """With ``fake_above`` a search between a bound and a known plan (the ceiling, ``apart`` above the
+    optimum) stops once a pass is feasible at 1 % or more under the ceiling, so that no later pass can
+    prove the ceiling within 1 %, while its plans score more than ``fake_above`` above their T (a
+    relaxation's "plans", here every plan scored ``inflate`` times its time). Its first pass, 1 % under
+    a ceiling 3 % above the optimum, is such a pass. Real plans (1.0) could still beat the ceiling, and
+    a first pass under the optimum (0.5 % apart) leaves every later feasible pass within 1 % of the
+    ceiling, where the bound may still prove it: there the search runs as without it."""
+    from passes.partition.chain import solve
+
+    units, segs, opts, score, recording, asked = _recorded_chain()
+    best = solve(units, segs, opts, float("inf"), score)
+    top = best.objective * apart
+    scored = lambda stage_of, reps: score(stage_of, reps) * inflate  # noqa: E731
+    full = solve(units, segs, opts, float("inf"), scored, recording, floor=best.bound / 1.05, ceiling=top)
+    full_asked = list(asked)
+    asked.clear()
+    found = solve(units, segs, opts, float("inf"), scored, recording, floor=best.bound / 1.05, ceiling=top,
+                  fake_above=0.04)
+    if inflate > 1 and apart > 1.01:
+        assert len(asked) == 1 < len(full_asked) and asked == full_asked[:1]
+        assert found.bound <= full.bound
+    else:
+        assert asked == full_asked and found.bound == full.bound
+
+
 def test_settle_near_only_for_the_charged_search_that_a_restricted_one_follows():
     """``segment_plan._settle_near``: the charged DP settles early only under PipeDream's charges on a
     two-level machine and where the search that keeps the folded nodes' compute follows it (not
