@@ -269,8 +269,9 @@ def _settle_near(opts: CostOptions, plain: bool, machine: Optional[CostOptions])
     follows it (not ``plain``). There the relaxed plans score above their T by the compute folding
     left out of the units, which that search charges: 32 H100-profiled blocks on 128 devices found
     plans at 1.016-1.02 T, and that search 0.5881 ms where the last two bisection passes (1.5 s) would
-    only have raised the bound 0.18 %. Where plans score further above T (1.08 T on 256 devices) the
-    excess is the relaxed cut and sync charges, which that search keeps too: the bisection goes on."""
+    only have raised the bound 0.18 %. Where plans score further above T (1.08 T on 256 devices, folded
+    reads on one-replica stages) that search found nothing better than the plan in hand, and the bound
+    needed its last passes: the bisection goes on."""
     if plain or machine is not None or opts.gpus_per_node is None or opts.cost_model != "pipedream":
         return None
     return placed.SETTLE_WITHIN, placed.SETTLE_NEAR

@@ -520,8 +520,8 @@ def test_settle_near_stops_a_narrow_bracket_whose_plans_score_a_little_above_it(
     """With ``settle_near`` (width, most) the bisection stops once its bracket is within ``width``
     while its best plan scores 1 % to ``most`` above the bracket's upper end (here every plan scores
     ``inflate`` times its time): no pass can prove that plan within 1 %, and the bound it gives up is
-    under ``width``. Plans that score as found, or far above (the relaxed charges, which a restricted
-    search keeps too), leave the bisection as it was; so do plans a hair above their T (1.005)."""
+    under ``width``. Plans that score as found, or far above (where a restricted search did no better
+    on the H100-profiled GPT), leave the bisection as it was; so do plans a hair above their T (1.005)."""
     from passes.partition.chain import solve
 
     units, segs, opts, score, recording, asked = _recorded_chain()
