@@ -567,6 +567,26 @@ def test_fake_above_gives_up_once_the_ceiling_cannot_be_proven(inflate, apart):
         assert asked == full_asked and found.bound == full.bound
 
 
+@pytest.mark.parametrize("replication,cost_model", [("pow2", "fxpipe"), ("any", "pipedream")])
+def test_exact_cut_and_finer_passes_give_up_on_fake_plans(monkeypatch, replication, cost_model):
+    """``driver._cuts_exact`` and every pass of ``driver._finer`` search between a plan and its bound
+    with ``fake_above``, so each gives up once it cannot prove that plan (``chain.solve``)."""
+    from passes.partition import driver, placed
+    from passes.partition.result import PartitionResult
+
+    opts = CostOptions(devices=64, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10,
+                       cost_model=cost_model, replication=replication)
+    found = PartitionResult(assignment={}, replicas=[64], stages=[], bottleneck_s=1.0, options=opts,
+                            status="FEASIBLE", objective_s=1.0, bound_s=0.9, wall_s=0.0, units=1)
+    calls = []
+    monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: calls.append(k))
+    later = time.monotonic() + 60
+    driver._cuts_exact(None, opts, 0.0, later, found)
+    driver._finer(None, opts, 0.0, later, found)
+    assert len(calls) == (3 if replication == "pow2" else 1)
+    assert all(k.get("fake_above") == placed.SETTLE_ABOVE for k in calls)
+
+
 def test_settle_near_only_for_the_charged_search_that_a_restricted_one_follows():
     """``segment_plan._settle_near``: the charged DP settles early only under PipeDream's charges on a
     two-level machine and where the search that keeps the folded nodes' compute follows it (not
