@@ -1108,7 +1108,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
             if settle_near is not None and best is not None and hi <= lo * (1 + settle_near[0]) \
                     and hi * (1 + PROVE_WITHIN) < best.objective <= hi * (1 + settle_near[1]):
                 break
-            if fake_above is not None and best is not None and hi * (1 + PROVE_WITHIN) <= ceiling * (1 + 1e-9) \
+            # ``fake_above``: the first pass sits at ceiling / (1 + PROVE_WITHIN), rounded: SLACK absorbs that
+            if fake_above is not None and best is not None and hi * (1 + PROVE_WITHIN) <= ceiling * (1 + SLACK) \
                     and best.objective > hi * (1 + fake_above):
                 break
             if probe:  # the plan's own time is often the optimum: check just below it first
