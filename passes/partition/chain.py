@@ -45,7 +45,7 @@ from passes.partition.costmodel import (CostOptions, allreduce_at, allreduce_flo
                                         flat_bound, min_replicas, partner_replicas, replicas_floor, stage_time_s,
                                         tied_floor_coeff, tied_floor_s, tied_sync_s)
 from passes.partition.canon import Canon
-from passes.partition.memory_guard import past
+from passes.partition.memory_guard import pass_deadline, past
 from passes.partition.offsets import count
 from passes.partition.pins import Pins
 from passes.partition.segments import Segment, bridged_units, user_pairs
@@ -227,16 +227,19 @@ class ChainSolver:
             out[some] = np.where(shares[some], need, np.inf).min(axis=-1)
         return out
 
-    def devices_needed(self, T: float, deadline: float = math.inf):
-        """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible."""
+    def devices_needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
+        """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible.
+        Past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then (``memory_guard.pass_deadline``)."""
         K = self.opts.devices
         self.deadline = deadline
+        began = time.monotonic()
         near = self._near(T)  # stages inside one segment do not depend on the DP
         pool = None  # arrays: global id, dev, compute, params, shared counts, cut
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
         dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            if past(deadline):
+            self.deadline = pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)
+            if past(self.deadline):
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full(d, K + 1, dtype=np.int64)
@@ -1123,7 +1126,8 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
                 T = lo * (1 + loose)
             elif step is not None and not probe and hi / (1 + step) > lo * (1 + tolerance):  # ``descend``
                 T = hi / (1 + step)
-            found = _attempt(solver, units, opts, T, score, max(deadline, prove_by) if proving else deadline)
+            found = _attempt(solver, units, opts, T, score, max(deadline, prove_by) if proving else deadline,
+                             deadline if proving else math.inf)
             probe = not probe and isinstance(found, tuple) and found.objective < T * (1 - tolerance) \
                 and hi <= lo * probe_within
             # proven within PROVE_WITHIN: where the caller's plan is likely the optimum, one pass just under it proves it
@@ -1153,9 +1157,12 @@ def solve(units: Units, segments: List[Segment], opts: CostOptions, deadline: fl
 _INFEASIBLE, _UNPADDED = "infeasible", "unpadded"
 
 
-def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float):
+def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, score, deadline: float,
+             soft: float = math.inf):
     """A plan at most T (stage per unit, replicas, its bottleneck), ``_INFEASIBLE`` (more than K
     devices needed: a proof), or ``_UNPADDED`` (fits on fewer, but not spread over exactly K).
+    Past ``soft`` the pass runs on to ``deadline`` only at a pace that ends by then
+    (``memory_guard.pass_deadline``).
 
     The pass runs at T widened by ``SLACK``: a stage's compute there is a difference of prefix sums,
     which rounds apart from the plan's own sum (and, on repeated blocks, from the equal stage whose
@@ -1164,7 +1171,7 @@ def _attempt(solver: ChainSolver, units: Units, opts: CostOptions, T: float, sco
     for a bound: on 96 H100-profiled blocks on 8 devices it then climbed from twice T and ran out
     of time. Infeasible at T(1 + SLACK) is infeasible at T: the bound stays a bound."""
     T = T * (1 + SLACK)
-    need, back = solver.devices_needed(T, deadline)
+    need, back = solver.devices_needed(T, deadline, soft)
     if need > opts.devices:
         return _INFEASIBLE
     stage_of, reps = solver.plan(back)

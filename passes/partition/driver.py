@@ -248,7 +248,7 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     ``prove_by``: see ``segment_plan.chain_plan``."""
     if opts.gpus_per_node is not None:
         return _placed(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
-                       progress)
+                       progress, prove_by)
     chained = chain_plan(graph, opts, start, deadline, prove_by=prove_by, progress=progress) \
         if solver == "auto" else None
     if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
@@ -432,7 +432,8 @@ def _restricted(solved: SolveResult, ideal: float) -> SolveResult:
 
 
 def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, workers: int,
-            coarsen_above: int, solver: str, downset_limit: Optional[int], progress) -> PartitionResult:
+            coarsen_above: int, solver: str, downset_limit: Optional[int], progress,
+            prove_by: Optional[float] = None) -> PartitionResult:
     """A two-level machine (``opts.gpus_per_node``): where a stage sits changes its cost.
 
     First the segment DP (``_placed_chain``); if that does not prove its plan, the downset DP, which
@@ -445,13 +446,14 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     DP has room when the segment DP cannot prove its plan (resnext101 on 4 nodes
     of 4 under PipeDream's charges: the charged segment DP took the whole 10 s
     and left 6.5 % open; the exact DP proves a 2.2 % faster plan in 2-4 s).
+    ``prove_by``: until when the finer lattice's pass 1 % under the plan may run (``_finer``).
     """
     limit = default_limit(fine) if downset_limit is None else downset_limit
     masks = enumerate_downsets(fine, max(limit, min(CHEAP_CUTS_CAP * limit, CHEAP_CUTS_WORK // len(fine))),
                                deadline) if solver == "auto" else None  # once, for both DPs below
     small = masks is not None and len(masks) <= limit and opts.memory is None and not fine.shared
     chained = _placed_chain(graph, opts, start, start + EXACT_ROOM * (deadline - start) if small else deadline,
-                            progress) \
+                            progress, None if small else prove_by) \
         if solver == "auto" else None
     if chained is None and solver == "auto" and segment_plan.is_deep(graph, opts):
         chained = _flat_wide(graph, opts, start, start + WIDE_SHARE * (deadline - start))
@@ -492,7 +494,8 @@ def _flat_wide(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
 
 
 def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-                  progress: Optional[Callable[[str], None]] = None) -> Optional[PartitionResult]:
+                  progress: Optional[Callable[[str], None]] = None,
+                  prove_by: Optional[float] = None) -> Optional[PartitionResult]:
     """The segment DP that knows node boundaries (``placed.py``) where it applies, else the flat bracket
     (``_bracketed``). Its charged form (``charged.ChargedChainSolver``: PipeDream's all-reduce, pow2
     counts) costs far more per pass on deep graphs, so there the bracket answers first and the charged
@@ -511,7 +514,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
     all-reduce floored at the nodes it must touch (``node_floor.py``), far closer to the placed
     optimum where stages are replicated across nodes. The bracket's plan, or the uniform layout
     where that is faster, is the ceiling the charged DP's first pass tries to prove within 1 %
-    (``_bracketed``). ``progress``: a line for each phase that changed the plan or the bound."""
+    (``_bracketed``). ``progress``: a line for each phase that changed the plan or the bound.
+    ``prove_by``: until when the finer lattice's pass 1 % under the plan may run (``_finer``)."""
     shown: list = []  # the (plan, bound) last shown: a phase that changed neither says nothing
 
     def say(label: str, found: Optional[PartitionResult]) -> Optional[PartitionResult]:
@@ -567,7 +571,8 @@ def _placed_chain(graph: CostGraph, opts: CostOptions, start: float, deadline: f
                        chain_reads=_chains(opts))
     charged = say("charged DP", _merged(bracket, exact))
     return say("finer passes", _finer(graph, opts, start, deadline,
-                                      say("exact cuts", _cuts_exact(graph, opts, start, deadline, charged))))
+                                      say("exact cuts", _cuts_exact(graph, opts, start, deadline, charged)),
+                                      prove_by))
 
 
 def _said_placed(progress: Optional[Callable[[str], None]], start: float, label: str,
@@ -640,7 +645,7 @@ def _merged(found: Optional[PartitionResult], other: Optional[PartitionResult]) 
 
 
 def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
-           found: Optional[PartitionResult]) -> Optional[PartitionResult]:
+           found: Optional[PartitionResult], prove_by: Optional[float] = None) -> Optional[PartitionResult]:
     """``found`` where it is proven within ``FINE_ABOVE``; else, with ``FINE_LEFT`` seconds or more
     left, the charged DP on the lattice that keeps the shape reads (folded up to ``QUIET`` of sum C / K),
     between ``found``'s bound and plan. The DPs before it fold every read (``segment_plan.QUIET_PLACED``):
@@ -652,7 +657,9 @@ def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
     devices 1.64 -> 1.31 %, on 512 2.35 -> 1.82 %, with a faster plan). The better plan and the higher
     bound are kept. Each pass gives up as ``_cuts_exact``'s does (``fake_above``): on the folded lattice
     after a pass 1 % under the plan finds only a "plan" scoring far above its T, so the finer lattice,
-    whose plans are real, has the time (8 blocks on 128 devices under ``pow2``: 1.40 -> 0.49 %)."""
+    whose plans are real, has the time (8 blocks on 128 devices under ``pow2``: 1.40 -> 0.49 %).
+    ``prove_by``: each pass's first one, 1 % under the plan, may run on until then (the polish's time,
+    ``driver.partition``) at a pace that ends by then (``chain.solve``): it alone can prove the plan."""
     passes = [] if _chains(opts) else [(True, None)]  # (chain_reads, quiet): the chained folded lattice first
     passes.append((_chains(opts), QUIET))
     for chained, quiet in passes:
@@ -660,7 +667,7 @@ def _finer(graph: CostGraph, opts: CostOptions, start: float, deadline: float,
             return found
         found = _merged(found, chain_plan(graph, opts, start, deadline, found.bound_s, found.bottleneck_s,
                                           quiet=quiet, plain=True, chain_reads=chained,
-                                          fake_above=placed.SETTLE_ABOVE))
+                                          fake_above=placed.SETTLE_ABOVE, prove_by=prove_by))
     return found
 
 

@@ -110,3 +110,15 @@ def planning(limit_mb: Optional[float] = None) -> Iterator[MemoryGuard]:
 def past(deadline: float) -> bool:
     """Whether a search must stop now: the deadline has passed, or the planning budget is spent."""
     return time.monotonic() > deadline or (_active is not None and _active.tripped)
+
+
+def pass_deadline(began: float, done: float, soft: float, deadline: float) -> float:
+    """Until when a pass begun at ``began``, with the share ``done`` (0 to 1) of its work behind it, may
+    run: ``deadline`` where its pace so far brings it to its end by then, else ``soft`` (where earlier).
+    ``chain.solve`` lets the one pass that can prove the caller's plan within 1 % run past the search's
+    deadline (``soft``) into the time of the polish that follows: only a pass that will finish there
+    takes that time, one that could not stops at ``soft`` as any other pass would."""
+    if soft >= deadline:
+        return deadline
+    on_pace = done > 0 and began + (time.monotonic() - began) / done <= deadline
+    return deadline if on_pace else soft

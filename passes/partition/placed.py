@@ -41,6 +41,7 @@ and memory limits are bracketed by the driver with the flat models.
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -54,7 +55,7 @@ from passes.partition.canon import Canon
 from passes.partition.pool_rows import RowStore
 from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_floors, every_offset,
                                       intervals, targets, tied_intervals)
-from passes.partition.memory_guard import past
+from passes.partition.memory_guard import pass_deadline, past
 
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
 PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
@@ -233,7 +234,7 @@ class PlacedChainSolver(ChainSolver):
         floor[:, self.tie[0]] = np.where(has1 & ~has0, a0, np.where(has0 & ~has1, a1, 1))
         return floor
 
-    def devices_needed(self, T: float, deadline: float = math.inf):
+    def devices_needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
         """(devices for the whole graph, back-pointers ``(point, state, replicas)`` per point and state: the
         offset within a node, and with ``charged.py``'s ``exact_cuts`` the previous stage's count class).
 
@@ -246,17 +247,18 @@ class PlacedChainSolver(ChainSolver):
         other holder its least; T is infeasible when every range is, and the answer stands once a
         plan's holder counts are the ones charged or it meets T as ``evaluate`` charges it. At most
         ``TIE_PASSES`` passes per T: past them the first plan is returned (T not proven infeasible, as
-        without the search)."""
+        without the search). Past ``soft`` a pass goes on to ``deadline`` only at a pace that ends by then
+        (``memory_guard.pass_deadline``)."""
         K = self.opts.devices
         if not self.SPLIT_HOLDERS or self.tie is None:
-            return self._needed(T, deadline)
+            return self._needed(T, deadline, soft)
         todo, first, back = [((1, K), (1, K))], None, None
         try:
             for _ in range(TIE_PASSES):
                 if not todo:
                     break
                 self.holders = todo.pop()
-                need, back = self._needed(T, deadline)
+                need, back = self._needed(T, deadline, soft)
                 if need > K:
                     continue
                 first = first or (need, back, self.end_offset)
@@ -276,17 +278,18 @@ class PlacedChainSolver(ChainSolver):
         finally:
             self.holders = ((1, K), (1, K))
 
-    def _needed(self, T: float, deadline: float = math.inf):
+    def _needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
         """``devices_needed`` with the tied weight's holders held to ``holders``."""
         K, G = self.opts.devices, self.G
+        began, self.deadline = time.monotonic(), deadline
         S = G * self.R  # states per point: offset within a node, and the previous stage's count class
-        self.deadline = deadline  # a charged pass also checks it inside a segment (``charged.py``)
         total = self.offsets[-1]
         dev_all = np.full((total, S), K + 1, dtype=np.int64)
         back = np.zeros((total, S, 3), dtype=np.int64)
         pool = None  # earlier points that may still start a stage (``_from_pool``)
         for a, seg in enumerate(self.segs):
-            if past(deadline):
+            self.deadline = pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)
+            if past(self.deadline):  # a charged pass also checks it inside a segment (``charged.py``)
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full((d, S), K + 1, dtype=np.int64)

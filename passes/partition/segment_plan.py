@@ -121,11 +121,12 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
     ``bound_kept``: False for a caller that drops the bound (``driver._flat_wide`` scores the plan on a
     two-level machine, where the flat bound does not hold): the wide path then spends no time on
     ``early_bound`` (on nodes of 8 it made the 24-layer Llama's 64- and 256-device plans 0.25 and 0.16 % slower).
-    ``prove_by``: a time after ``deadline`` until which the wide path's pass of ``finer_bound`` 1 % under
-    the best plan may run (the caller's time for what follows, ``driver.partition``'s polish): that
-    one pass decides whether the plan is proven within 1 %, and on the 96-layer Llama it takes
-    2.2-4.4 s (by the hour) of the 3.8-3.9 s the plans left it, so a slower hour cut it off (1,024
-    devices: 3.4 % open instead of 0.99 %).
+    ``prove_by``: a time after ``deadline`` until which the pass 1 % under ``ceiling`` (on the wide path,
+    ``finer_bound``'s under the best plan) may run (the caller's time for what follows,
+    ``driver.partition``'s polish): that one pass decides whether the plan is proven within 1 %, and on
+    the 96-layer Llama it takes 2.2-4.4 s (by the hour) of the 3.8-3.9 s the plans left it, so a slower
+    hour cut it off (1,024 devices: 3.4 % open instead of 0.99 %). Past ``deadline`` it goes on only at a
+    pace that ends by ``prove_by`` (``memory_guard.pass_deadline``).
     ``progress``: called with a line for each plan and bound of the wide path (its searches take seconds).
     Under PipeDream's charges on a two-level machine (not ``plain``) the charged DP's bisection may
     stop early for the search that keeps the folded nodes' compute (``_settle_near``).
@@ -145,7 +146,7 @@ def chain_plan(graph: CostGraph, opts: CostOptions, start: float, deadline: floa
                                         machine=machine, settle_by=settle_by, bound_only=bound_only,
                                         plan_by=plan_by, tolerance=tolerance, quiet=quiet, exact_cuts=exact_cuts,
                                         chain_reads=chain_reads, settle_near=_settle_near(opts, plain, machine),
-                                        fake_above=fake_above)
+                                        fake_above=fake_above, prove_by=-math.inf if prove_by is None else prove_by)
     early: Optional[float] = None  # the wide path's bound under its first plan (``early_bound``)
     wide: list = []  # the searches on narrowed and paired (and chained and merged, where the bound is dropped)
     # wide segments (``wide_segments.py``) that answered, the first being ``found``: restrictions, no bound of their own
@@ -617,14 +618,15 @@ def searched(graph: CostGraph, opts: CostOptions, deadline: float, cones: List["
               plan_by: float = math.inf, tolerance: Optional[float] = None, quiet: Optional[float] = None,
               pieces: int = 1, exact_cuts: bool = False, chain_reads: bool = False,
               widen: Optional[Callable[[Units], Optional[Units]]] = None,
-              settle_near: Optional[Tuple[float, float]] = None, fake_above: Optional[float] = None):
+              settle_near: Optional[Tuple[float, float]] = None, fake_above: Optional[float] = None,
+              prove_by: float = -math.inf):
     """(plan on ``graph``'s nodes, the chain DP's answer, fold margin, units) from the segment DP on
     ``graph`` with each cone as ``pieces`` nodes in a chain (``branches.contracted``), or None."""
     merged = branches.contracted(graph, cones, pieces) if cones else graph
     solved = segment_dp(merged, opts, deadline, keep_dead, floor=floor, ceiling=ceiling, machine=machine,
                         settle_by=settle_by, bound_only=bound_only, plan_by=plan_by, tolerance=tolerance,
                         quiet=quiet, exact_cuts=exact_cuts, chain_reads=chain_reads, widen=widen,
-                        settle_near=settle_near, fake_above=fake_above)
+                        settle_near=settle_near, fake_above=fake_above, prove_by=prove_by)
     if solved is None:
         return None
     units, found, margin = solved
@@ -718,7 +720,8 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
         found = chain_solve(units, segs, opts, deadline, score, charged.solver_for(units, segs, opts, exact_cuts),
                             tolerance or placed.TOLERANCE, placed.LADDER, placed.PROBE_WITHIN, floor, ceiling,
                             settle_by=settle_by, bound_only=bound_only, plan_by=plan_by,
-                            settle_above=placed.SETTLE_ABOVE, settle_near=settle_near, fake_above=fake_above)
+                            settle_above=placed.SETTLE_ABOVE, settle_near=settle_near, fake_above=fake_above,
+                            prove_by=prove_by)
     elif machine is not None:  # the flat model at B1 of ``machine``, all-reduces floored by node count
         # no ladder: its first pass, at twice the bound (1 % under a ceiling, if given), finds a plan
         found = chain_solve(units, segs, opts, deadline, score, node_floor.NodeFloorSolver(units, segs, machine),

@@ -21,6 +21,7 @@ point that reaches k - 1 and starts a stage that meets T.
 from __future__ import annotations
 
 import math
+import time
 from typing import List, Tuple
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from passes.partition.chain import ChainSolver, DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
-from passes.partition.memory_guard import past
+from passes.partition.memory_guard import pass_deadline, past
 from passes.partition.segments import Segment
 
 
@@ -71,14 +72,16 @@ class StageCountSolver(ChainSolver):
         return self._r(self.compute[j], self.params[j], self.shared[j], self.cut[j],
                        self.compute[i], self.params[i], self.shared[i], self.cut[i], T) == 1
 
-    def devices_needed(self, T: float, deadline: float = math.inf):
-        """(K if a plan of exactly K stages meets T, else K + 1; no back-pointers: ``plan`` reads ``reach``)."""
+    def devices_needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
+        """(K if a plan of exactly K stages meets T, else K + 1; no back-pointers: ``plan`` reads ``reach``);
+        past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then (``memory_guard.pass_deadline``)."""
+        began = time.monotonic()
         K = self.opts.devices
         total_compute = self.segs[-1].compute[-1]
         reach = np.zeros((self.offsets[-1], self.words), dtype=np.uint64)
         pool = np.zeros(0, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            if past(deadline):
+            if past(pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)):
                 raise DeadlineExceeded()
             d, off = len(seg.compute), self.offsets[a]
             mine = reach[off:off + d]

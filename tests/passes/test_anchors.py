@@ -315,11 +315,11 @@ def test_finer_bound_first_pass_proves_the_plan_within_one_percent(llama, monkey
     asked = []
     real = chain.ChainSolver.devices_needed
 
-    def one_pass(self, T, deadline=math.inf):
+    def one_pass(self, T, deadline=math.inf, soft=math.inf):
         if asked:
             raise chain.DeadlineExceeded()
         asked.append((T, self._floor_span is not None))
-        return real(self, T, deadline)
+        return real(self, T, deadline, soft)
 
     monkeypatch.setattr(chain.ChainSolver, "devices_needed", one_pass)
     for over, proven in ((1.02, True), (1.05, False)):
@@ -345,8 +345,8 @@ def test_early_bound_bisects_coarsely_once_its_relaxation_runs_one_percent_under
     passes = []
     real = chain.ChainSolver.devices_needed
 
-    def counted(self, T, deadline=math.inf):
-        out = real(self, T, deadline)
+    def counted(self, T, deadline=math.inf, soft=math.inf):
+        out = real(self, T, deadline, soft)
         passes.append((T, out[0] <= opts.devices))
         return out
 

@@ -386,9 +386,9 @@ def _recorded_chain():
     asked = []
 
     class Recording(ChainSolver):
-        def devices_needed(self, T, deadline=float("inf")):
+        def devices_needed(self, T, deadline=float("inf"), soft=float("inf")):
             asked.append(T)
-            return super().devices_needed(T, deadline)
+            return super().devices_needed(T, deadline, soft)
 
     score = lambda stage_of, reps: unit_bottleneck(units, stage_of, reps, opts)  # noqa: E731
     return units, segs, opts, score, Recording(units, segs, opts), asked
@@ -582,9 +582,58 @@ def test_exact_cut_and_finer_passes_give_up_on_fake_plans(monkeypatch, replicati
     monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: calls.append(k))
     later = time.monotonic() + 60
     driver._cuts_exact(None, opts, 0.0, later, found)
-    driver._finer(None, opts, 0.0, later, found)
+    driver._finer(None, opts, 0.0, later, found, later + 0.5)
     assert len(calls) == (3 if replication == "pow2" else 1)
     assert all(k.get("fake_above") == placed.SETTLE_ABOVE for k in calls)
+    # each finer pass's first one, 1 % under the plan, may run into the polish's time (``chain.solve``)
+    assert [k.get("prove_by") for k in calls[-(2 if replication == "pow2" else 1):]] == \
+        [later + 0.5] * (2 if replication == "pow2" else 1)
+
+
+def test_two_level_search_lets_its_proving_pass_run_into_the_polish_time(monkeypatch):
+    """On a two-level machine ``partition`` hands the placed segment DP the polish's time for the finer
+    lattice's pass 1 % under the plan (``driver._finer``), as on a flat one (``prove_by``: the searches'
+    deadline plus ``polish.reserve``), through ``_placed_chain`` and ``_finer`` to the placed DP's bisection
+    in ``chain_plan``; where the exact downset DP may follow, the segment DP has a share of the time and
+    no more."""
+    from passes.partition import driver, polish
+    from passes.partition.result import PartitionResult
+
+    given = []
+    real = driver._placed_chain
+
+    def spy(graph, opts, start, deadline, progress=None, prove_by=None):
+        given.append((deadline, prove_by))
+        return real(graph, opts, start, deadline, progress, prove_by)
+
+    monkeypatch.setattr(driver, "_placed_chain", spy)
+    machine = dict(gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10, cost_model="pipedream")
+    g = transformer_graph(4, seed=1, tied=False)
+    partition(g, 16, time_limit=5.0, downset_limit=1, **machine)
+    (deadline, prove_by), = given
+    assert prove_by - deadline == pytest.approx(polish.reserve(5.0), abs=1e-9)
+    given.clear()
+    partition(g, 16, time_limit=5.0, **machine)
+    assert given and given[0][1] is None
+    # and ``_placed_chain`` hands it on to the finer passes, after the bracket and the charged DP
+    found = PartitionResult(assignment={}, replicas=[16], stages=[], bottleneck_s=1.0, options=None,
+                            status="FEASIBLE", objective_s=1.0, bound_s=0.9, wall_s=0.0, units=1)
+    monkeypatch.setattr(driver, "_bracketed", lambda *a, **k: found)
+    monkeypatch.setattr(driver, "chain_plan", lambda *a, **k: None)
+    monkeypatch.setattr(driver, "_cuts_exact", lambda *a: a[-1])
+    finer = []
+    monkeypatch.setattr(driver, "_finer", lambda *a: finer.append(a[-1]) or a[-2])
+    later = time.monotonic() + 60
+    assert real(g, CostOptions(devices=16, **machine), 0.0, later, None, later + 0.5) is found
+    assert finer == [later + 0.5]
+    # which ``chain_plan`` gives the placed DP's bisection (``chain.solve``)
+    from passes.partition import segment_plan
+
+    solved = []
+    monkeypatch.setattr(segment_plan, "chain_solve", lambda *a, **k: solved.append(k.get("prove_by")))
+    segment_plan.chain_plan(g, CostOptions(devices=16, **machine), 0.0, later, 0.5, 1.0, plain=True,
+                            prove_by=later + 0.5)
+    assert solved == [later + 0.5]
 
 
 def test_settle_near_only_for_the_charged_search_that_a_restricted_one_follows():
@@ -641,10 +690,10 @@ def test_bound_only_answers_the_bound_when_cut_before_any_plan():
     full = solve(units, segs, opts, float("inf"), score)
 
     class CutAfterFirst(type(recording)):
-        def devices_needed(self, T, deadline=float("inf")):
+        def devices_needed(self, T, deadline=float("inf"), soft=float("inf")):
             if asked:
                 raise DeadlineExceeded()
-            return super().devices_needed(T, deadline)
+            return super().devices_needed(T, deadline, soft)
 
     ideal = sum(units.compute) / opts.devices
     for bound_only in (False, True):
@@ -673,10 +722,10 @@ def test_descend_steps_down_from_a_plan_and_proves_more_in_the_same_passes():
     theta = solve(units, segs, opts, float("inf"), score).bound  # the DP's threshold (within TOLERANCE)
 
     class CutAfterThree(type(recording)):
-        def devices_needed(self, T, deadline=float("inf")):
+        def devices_needed(self, T, deadline=float("inf"), soft=float("inf")):
             if len(asked) == 3:
                 raise DeadlineExceeded()
-            return super().devices_needed(T, deadline)
+            return super().devices_needed(T, deadline, soft)
 
     def inflated(stage_of, reps):
         return score(stage_of, reps) * 1.05
@@ -801,9 +850,9 @@ def test_a_pass_at_a_plans_own_time_finds_a_plan(K):
     asked = []
 
     class Recording(chain.ChainSolver):
-        def devices_needed(self, T, deadline=float("inf")):
+        def devices_needed(self, T, deadline=float("inf"), soft=float("inf")):
             asked.append(T)
-            return super().devices_needed(T, deadline)
+            return super().devices_needed(T, deadline, soft)
 
     found = chain.solve(units, segs, opts, float("inf"), score)
     for f in (1.0, 1.001, 1.01):  # the optimum's own time, and plans a little slower
@@ -953,9 +1002,9 @@ def test_flat_search_bisects_under_a_given_ceiling_to_a_given_tolerance(monkeypa
     full = chain_plan(g, opts, time.monotonic(), math.inf, plain=True)
     tried, real = [], chain.ChainSolver.devices_needed
 
-    def recording(self, T, deadline=math.inf):
+    def recording(self, T, deadline=math.inf, soft=math.inf):
         tried.append(T)
-        return real(self, T, deadline)
+        return real(self, T, deadline, soft)
 
     monkeypatch.setattr(chain.ChainSolver, "devices_needed", recording)
     ceiling = full.bottleneck_s * 1.3
@@ -1235,16 +1284,19 @@ def test_proving_pass_may_run_until_prove_by_and_the_others_until_the_deadline()
     """Under a caller's plan far above the bound, ``chain.solve``'s first pass sits ``PROVE_WITHIN`` under
     it: one infeasible pass there proves the plan within 1 %, so it may run until ``prove_by`` (the
     96-layer Llama's finer bound on 1,024 devices: that pass took 3.5-4.4 s where the plans left it 3.8);
-    every later pass, and every pass without ``prove_by``, stops at the deadline."""
+    every later pass, and every pass without ``prove_by``, stops at the deadline. Past the deadline the
+    proving pass goes on only at a pace that ends by ``prove_by`` (its ``soft`` limit, the deadline:
+    ``memory_guard.pass_deadline``)."""
     from passes.partition.chain import PROVE_WITHIN, SLACK, solve
 
     units, segs, opts, score, recording, asked = _recorded_chain()
-    deadlines = []
+    deadlines, softs = [], []
 
     class Deadlines(type(recording)):
-        def devices_needed(self, T, deadline=float("inf")):
+        def devices_needed(self, T, deadline=float("inf"), soft=float("inf")):
             deadlines.append(deadline)
-            return super().devices_needed(T, deadline)
+            softs.append(soft)
+            return super().devices_needed(T, deadline, soft)
 
     plain = solve(units, segs, opts, float("inf"), score)
     ideal = sum(units.compute) / opts.devices
@@ -1252,12 +1304,78 @@ def test_proving_pass_may_run_until_prove_by_and_the_others_until_the_deadline()
     for prove_by, first in ((deadline + 60.0, deadline + 60.0), (None, deadline)):
         asked.clear()
         deadlines.clear()
+        softs.clear()
         extra = {} if prove_by is None else {"prove_by": prove_by}
         found = solve(units, segs, opts, deadline, score, Deadlines(units, segs, opts), floor=ideal,
                       ceiling=plain.objective * 1.05, **extra)
         assert asked[0] == pytest.approx(plain.objective * 1.05 / (1 + PROVE_WITHIN) * (1 + SLACK), rel=1e-12)
         assert deadlines[0] == first and len(deadlines) > 1 and set(deadlines[1:]) == {deadline}
+        assert softs[0] == deadline and set(softs[1:]) == {float("inf")}
         assert found.objective == pytest.approx(plain.objective, rel=1e-3)
+
+
+class _Clock:
+    """A monotonic clock that moves ``step`` seconds each time it is read: a pass's pace, made exact."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 1000.0, step
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_pass_deadline_gives_the_time_after_soft_only_to_a_pass_on_pace(monkeypatch):
+    """``memory_guard.pass_deadline``: a pass may run past ``soft`` to its deadline only where the pace of
+    its work so far ends it by then; with nothing done yet, or at a slower pace, it stops at ``soft``
+    (where ``soft`` is not earlier, the deadline stands)."""
+    from passes.partition import memory_guard
+    from passes.partition.memory_guard import pass_deadline
+
+    clock = _Clock(0.0)
+    monkeypatch.setattr(memory_guard, "time", clock)
+    began = clock.now - 8.0  # 8 s into the pass
+    assert pass_deadline(began, 0.8, clock.now - 1.0, began + 10.5) == began + 10.5  # ends at 10 s
+    assert pass_deadline(began, 0.8, clock.now + 1.0, began + 10.5) == began + 10.5
+    assert pass_deadline(began, 0.7, clock.now - 1.0, began + 10.5) == clock.now - 1.0  # ends at 11.4 s
+    assert pass_deadline(began, 0.0, clock.now - 1.0, began + 60.0) == clock.now - 1.0  # no pace yet
+    assert pass_deadline(began, 0.0, began + 70.0, began + 60.0) == began + 60.0
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+def test_pass_runs_past_soft_only_at_a_pace_that_ends_by_its_deadline(monkeypatch, two_level):
+    """A pass (``devices_needed``) given ``soft`` goes on after it only while its pace ends it by the
+    deadline, on the flat DP and on the charged placed one. The clock moves a fixed step each time it is
+    read, so a pass takes a fixed D of its time: with ``soft`` at D / 2 and the deadline at 3 D the pass
+    ends with the answer it gives without either; with the deadline at 0.8 D it stops right after
+    ``soft`` (not at the deadline, where it stopped before); begun after ``soft`` (no pace yet) it stops
+    at once."""
+    from passes.partition import chain, memory_guard, placed
+    from passes.partition.chain import ChainSolver, DeadlineExceeded
+    from passes.partition.charged import ChargedChainSolver
+    from tests.passes.test_placed import _opts
+
+    opts = _opts(64, 8, cost_model="pipedream", replication="any") if two_level else CostOptions(devices=8)
+    units, _ = folded_units(transformer_graph(24, seed=4, tied=False), opts)
+    segs = build_segments(units)
+    make = lambda: (ChargedChainSolver if two_level else ChainSolver)(units, segs, opts)  # noqa: E731
+    module = placed if two_level else chain
+    T = 2.0 * sum(units.compute) / opts.devices
+    clock = _Clock(1e-3)
+    monkeypatch.setattr(memory_guard, "time", clock)
+    monkeypatch.setattr(module, "time", clock)
+    start = clock.now
+    need, back = make().devices_needed(T)
+    D = clock.now - start
+    assert need <= opts.devices and D >= 0.02  # read often enough for a pace
+    start = clock.now
+    again = make().devices_needed(T, start + 3 * D, start + D / 2)
+    assert again[0] == need and np.array_equal(again[1], back) and clock.now - start > D / 2
+    for soft, stopped_by in ((D / 2, 0.65 * D), (-1.0, 0.1 * D)):
+        start = clock.now
+        with pytest.raises(DeadlineExceeded):
+            make().devices_needed(T, start + 0.8 * D, start + soft)
+        assert clock.now - start < stopped_by
 
 
 def test_loose_search_tries_just_above_its_bound_after_its_first_plan():
