@@ -229,7 +229,8 @@ class ChainSolver:
 
     def devices_needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
         """(devices for the whole graph, back-pointers) at bottleneck T; devices > K means infeasible.
-        Past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then (``memory_guard.pass_deadline``)."""
+        Past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then
+        (``memory_guard.pass_deadline``)."""
         K = self.opts.devices
         self.deadline = deadline
         began = time.monotonic()

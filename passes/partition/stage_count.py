@@ -74,7 +74,8 @@ class StageCountSolver(ChainSolver):
 
     def devices_needed(self, T: float, deadline: float = math.inf, soft: float = math.inf):
         """(K if a plan of exactly K stages meets T, else K + 1; no back-pointers: ``plan`` reads ``reach``);
-        past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then (``memory_guard.pass_deadline``)."""
+        past ``soft`` the pass goes on to ``deadline`` only at a pace that ends by then
+        (``memory_guard.pass_deadline``)."""
         began = time.monotonic()
         K = self.opts.devices
         total_compute = self.segs[-1].compute[-1]
