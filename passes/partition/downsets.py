@@ -231,6 +231,11 @@ def _walk_back(choice, masks, n, i, m, value) -> Solution:
 
 # ------------------------------------------------------------ two-level machine
 
+MAX_PLACED_CELLS = 1 << 23  # states (downsets x device totals x last counts) the placed DP keeps at most:
+# 8 bytes each, and 16 more for the choices (about 200 MB); any count on 256 devices of a 256-downset lattice
+# has 16.8 million
+
+
 def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, upper: float,
                  deadline: float = math.inf) -> Optional[Solution]:
     """The same search when costs depend on where a stage sits (``opts.gpus_per_node``).
@@ -241,9 +246,17 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
     stage's replica count: ``best[downset, devices used, last r]``. Each cut is
     charged when the stage after it is added, so the answer is exact for
     ``costmodel.evaluate`` under the contiguous placement (``topology.py``).
+    None past ``deadline`` or where its states pass ``MAX_PLACED_CELLS``: with any count on
+    many devices (K counts per state) the tables alone took the time and the memory (a 2-block GPT on
+    256 devices: 110 s of a 10-s limit in the placement tables, 2.8 million cut charges).
     """
     D, K, R = len(masks), opts.devices, opts.allowed_replicas()
-    coeff, load = _placement_tables(opts, R)
+    if D * (K + 1) * len(R) > MAX_PLACED_CELLS:
+        return None
+    tables = _placement_tables(opts, R, deadline)
+    if tables is None:
+        return None
+    coeff, load = tables
     best = np.full((D, K + 1, len(R)), np.inf)
     choice = np.zeros((D, K + 1, len(R), 2), dtype=np.int64)
     bound = upper * (1 + 1e-9)
@@ -281,20 +294,43 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
     return Solution(stage_of, list(reversed(replicas)), value)
 
 
-def _placement_tables(opts: CostOptions, R: List[int]):
+def _placement_tables(opts: CostOptions, R: List[int], deadline: float = math.inf):
     """coeff[first, r]: all-reduce weight of a stage at ``first``; load[first, r_prev, r]: a cut's
     seconds per byte when the stage before it starts at ``first`` (0 where the stages do not fit:
-    the states that would use them are unreachable, so they stay infinite)."""
-    K = opts.devices
-    coeff = np.zeros((K + 1, len(R)))
-    load = np.zeros((K + 1, len(R), len(R)))
-    for ri, r in enumerate(R):
-        for first in range(K - r + 1):
-            coeff[first, ri] = allreduce_coeff_at(first, r, opts)
-        for pi, rp in enumerate(R):
-            for first in range(K - r - rp + 1):
-                load[first, pi, ri] = cut_at(0.5, first, rp, r, opts)  # seconds per byte, as the cut array counts both ways
-    return coeff, load
+    the states that would use them are unreachable, so they stay infinite); None past ``deadline``.
+
+    Both depend on ``first`` only through its offset in a node (a stage a whole node later crosses
+    the same links), so each is worked out for the G offsets and repeated. A cut where each side has
+    a rank whose partners all sit on other nodes (a rank on a node the other side does not touch)
+    loads that rank most, ``1 / (B2 min(r_prev, r))`` (``topology.pair_load``: its partners carry
+    ``1 / r`` of its microbatches between them, all at B2, and a rank with partners nearby carries
+    less where B1 >= B2); only cuts with a side inside the node the two share are counted rank by
+    rank (on 256 devices, any count: 2.8 million charges before, a few thousand now)."""
+    K, G = opts.devices, int(opts.gpus_per_node)
+    counts = np.asarray(R, dtype=np.int64)
+    n = len(R)
+    coeff_at, load_at = np.zeros((G, n)), np.zeros((G, n, n))
+    far = opts.intra_bw >= opts.bandwidth  # the closed form's premise: a partner nearby costs no more
+    for m in range(G):
+        if past(deadline):
+            return None
+        for ri, r in enumerate(R):
+            if m + r > K:
+                continue
+            coeff_at[m, ri] = allreduce_coeff_at(m, r, opts)
+            for pi, rp in enumerate(R):
+                if m + rp + r > K:
+                    continue
+                b0 = m + rp  # the first rank after the cut
+                node = b0 // G
+                shared = b0 % G != 0  # the last rank before and the first after share a node
+                alone = not shared or (m < node * G and b0 + r > (node + 1) * G)
+                load_at[m, pi, ri] = 1.0 / (opts.bandwidth * min(rp, r)) if far and alone \
+                    else cut_at(0.5, m, rp, r, opts)  # seconds per byte, as the cut array counts both ways
+    first = np.arange(K + 1)
+    coeff = coeff_at[first % G] * (first[:, None] + counts[None, :] <= K)
+    fits = first[:, None, None] + counts[None, :, None] + counts[None, None, :] <= K
+    return coeff, load_at[first % G] * fits
 
 
 def _devices_within(comp, K: int, bound: float):

@@ -139,6 +139,64 @@ def test_exact_dp_with_an_upper_bound_keeps_the_optimum(model, replication, seed
     assert under is None or under[2] >= free[2] * (1 - 1e-12)
 
 
+@pytest.mark.parametrize("model,replication", [("fxpipe", "any"), ("pipedream", "any"), ("pipedream", "pow2")])
+@pytest.mark.parametrize("K,G", [(16, 4), (24, 8), (32, 8)])
+@pytest.mark.parametrize("b1,b2", [(1e11, 1.25e10), (1e9, 4e9), (5e9, 5e9)])
+def test_placement_tables_equal_the_charges_rank_by_rank(model, replication, K, G, b1, b2):
+    """The placed downset DP's tables (``downsets._placement_tables``), worked out for the G offsets in a
+    node and with the cut's closed form where each side has a rank with no partner nearby, equal the
+    charges at every first rank and pair of counts (``allreduce_coeff_at``, ``cut_at``), a slower link
+    inside a node than between nodes included (where the closed form does not apply)."""
+    from passes.partition.costmodel import allreduce_coeff_at
+    from passes.partition.downsets import _placement_tables
+
+    opts = CostOptions(devices=K, gpus_per_node=G, intra_bandwidth=b1, bandwidth=b2, cost_model=model,
+                       replication=replication)
+    R = opts.allowed_replicas()
+    coeff, load = _placement_tables(opts, R)
+    assert coeff.shape == (K + 1, len(R)) and load.shape == (K + 1, len(R), len(R))
+    for ri, r in enumerate(R):
+        for first in range(K + 1):
+            want = allreduce_coeff_at(first, r, opts) if first + r <= K else 0.0
+            assert coeff[first, ri] == pytest.approx(want, rel=1e-12, abs=0.0)
+            for pi, rp in enumerate(R):
+                want = cut_at(0.5, first, rp, r, opts) if first + rp + r <= K else 0.0
+                assert load[first, pi, ri] == pytest.approx(want, rel=1e-12, abs=0.0)
+
+
+def test_placed_downset_dp_gives_up_at_its_deadline_and_past_its_states(monkeypatch):
+    """The placed downset DP answers None once its deadline has passed (its tables are the first thing
+    it builds) and where its states would pass ``MAX_PLACED_CELLS`` (any count on many devices), rather
+    than run past the time limit: a 2-block GPT on 256 devices spent 110 s of a 10-s limit there."""
+    from passes.partition import downsets
+
+    g = random_dag(12, seed=2)
+    opts = CostOptions(devices=16, gpus_per_node=4, intra_bandwidth=1e11, bandwidth=1.25e10)
+    units = build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+    masks = enumerate_downsets(units, 5000)
+    assert downset_dp(units, opts, masks=masks) is not None
+    assert downset_dp(units, opts, masks=masks, deadline=0.0) is None
+    monkeypatch.setattr(downsets, "MAX_PLACED_CELLS", len(masks) * (opts.devices + 1) * 16 - 1)
+    assert downset_dp(units, opts, masks=masks) is None
+
+
+def test_two_level_plan_of_a_small_graph_on_many_devices_keeps_the_time_limit():
+    """The 2-block GPT profiled on an H100 (``tools/bench/data/h100``) on 128 devices, nodes of 8, under
+    PipeDream's charges: the segment DP leaves it open after a second or so, and its lattice is small
+    enough for the placed downset DP, whose tables for every count up to 128 took 10 s (on 256 devices
+    110 s of a 10-s limit); the answer now comes within the limit + 1 s (it came after 13 s here)."""
+    import time
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench" / "data" / "h100" / "gpt-2block-profile.json"
+    g = CostGraph.load(path)
+    began = time.monotonic()
+    res = partition(g, 128, time_limit=3.0, gpus_per_node=8, intra_bandwidth=1e11, bandwidth=1.25e10,
+                    cost_model="pipedream")
+    assert time.monotonic() - began <= 4.0
+    assert res.bottleneck_s >= res.bound_s > 0 and sum(res.replicas) == 128
+
+
 @pytest.mark.parametrize("model,replication", [("fxpipe", "any"), ("fxpipe", "pow2"), ("pipedream", "any")])
 @pytest.mark.parametrize("seed", [5, 7])
 def test_cheapest_cut_plan_is_a_restriction_of_the_exact_dp(model, replication, seed):
