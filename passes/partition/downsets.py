@@ -295,42 +295,40 @@ def _topology_dp(masks, n, comp, par, work, cut, packed, opts: CostOptions, uppe
 
 
 def _placement_tables(opts: CostOptions, R: List[int], deadline: float = math.inf):
-    """coeff[first, r]: all-reduce weight of a stage at ``first``; load[first, r_prev, r]: a cut's
-    seconds per byte when the stage before it starts at ``first`` (0 where the stages do not fit:
-    the states that would use them are unreachable, so they stay infinite); None past ``deadline``.
+    """By offset m in a node (``first mod G``): coeff[m, r], the all-reduce weight of a stage starting
+    there; load[m, r_prev, r], a cut's seconds per byte when the stage before it starts there (0
+    where no stages of those counts fit from such an offset); None past ``deadline``.
 
-    Both depend on ``first`` only through its offset in a node (a stage a whole node later crosses
-    the same links), so each is worked out for the G offsets and repeated. A cut where each side has
-    a rank whose partners all sit on other nodes (a rank on a node the other side does not touch)
-    loads that rank most, ``1 / (B2 min(r_prev, r))`` (``topology.pair_load``: its partners carry
-    ``1 / r`` of its microbatches between them, all at B2, and a rank with partners nearby carries
-    less where B1 >= B2); only cuts with a side inside the node the two share are counted rank by
-    rank (on 256 devices, any count: 2.8 million charges before, a few thousand now)."""
+    A stage a whole node later crosses the same links, so the offset is all the tables need (the DP
+    reads them at ``first % G``; a pair that fits at no such first is never read: its states stay
+    infinite). A cut where each side has a rank whose partners all sit on other nodes (a rank on a
+    node the other side does not touch) loads that rank most, ``1 / (B2 min(r_prev, r))``
+    (``topology.pair_load``: its partners carry ``1 / r`` of its microbatches between them, all at B2,
+    and a rank with a partner nearby carries less where B1 >= B2); only cuts with a side inside the
+    node the two share are counted rank by rank. On 256 devices with any count: 2.8 million rank-by-rank
+    charges before (110 s), about 32 thousand now, and tables of G rows instead of K + 1."""
     K, G = opts.devices, int(opts.gpus_per_node)
     counts = np.asarray(R, dtype=np.int64)
     n = len(R)
-    coeff_at, load_at = np.zeros((G, n)), np.zeros((G, n, n))
-    far = opts.intra_bw >= opts.bandwidth  # the closed form's premise: a partner nearby costs no more
-    for m in range(G):
-        if past(deadline):
-            return None
-        for ri, r in enumerate(R):
-            if m + r > K:
-                continue
-            coeff_at[m, ri] = allreduce_coeff_at(m, r, opts)
-            for pi, rp in enumerate(R):
-                if m + rp + r > K:
-                    continue
-                b0 = m + rp  # the first rank after the cut
-                node = b0 // G
-                shared = b0 % G != 0  # the last rank before and the first after share a node
-                alone = not shared or (m < node * G and b0 + r > (node + 1) * G)
-                load_at[m, pi, ri] = 1.0 / (opts.bandwidth * min(rp, r)) if far and alone \
-                    else cut_at(0.5, m, rp, r, opts)  # seconds per byte, as the cut array counts both ways
-    first = np.arange(K + 1)
-    coeff = coeff_at[first % G] * (first[:, None] + counts[None, :] <= K)
-    fits = first[:, None, None] + counts[None, :, None] + counts[None, None, :] <= K
-    return coeff, load_at[first % G] * fits
+    coeff, load = np.zeros((G, n)), np.zeros((G, n, n))
+    rp, r = counts[:, None], counts[None, :]
+    for m in range(min(G, K)):
+        fits = m + rp + r <= K
+        b0 = m + rp  # the first rank after the cut
+        node = b0 // G
+        alone = (b0 % G == 0) | ((m < node * G) & (b0 + r > (node + 1) * G))  # each side has a rank alone
+        if opts.intra_bw >= opts.bandwidth:  # the closed form's premise: a partner nearby costs no more
+            load[m] = np.where(fits & alone, 1.0 / (opts.bandwidth * np.minimum(rp, r)), 0.0)
+        else:
+            alone = np.zeros_like(alone)
+        for ri in range(n):
+            if past(deadline):
+                return None
+            if m + R[ri] <= K:
+                coeff[m, ri] = allreduce_coeff_at(m, R[ri], opts)
+            for pi in np.nonzero(fits[:, ri] & ~alone[:, ri])[0]:
+                load[m, pi, ri] = cut_at(0.5, m, R[pi], R[ri], opts)  # seconds per byte, as the cut array counts both ways
+    return coeff, load
 
 
 def _devices_within(comp, K: int, bound: float):
@@ -357,10 +355,11 @@ def _relax_placed(i, ri, r, js, comp, par, cut, coeff, load, best, choice, R, K,
     d = np.arange(d_lo, d_hi + 1)
     first = d - r
     compute = (comp[i] - comp[js])[:, None]
-    allreduce = coeff[first, ri][None, :] * (par[i] - par[js])[:, None] / r  # allreduce_at, per (j, first)
+    G = coeff.shape[0]  # the tables hold one node's offsets (``_placement_tables``)
+    allreduce = coeff[first % G, ri][None, :] * (par[i] - par[js])[:, None] / r  # allreduce_at, per (j, first)
     stage = combine_stage_time(compute, r, allreduce, 0.0)  # no cut before it (the first stage)
     prev_first = first[:, None] - np.asarray(R)[None, :]
-    ld = load[np.clip(prev_first, 0, None), np.arange(len(R))[None, :], ri]  # prev_first < 0: best is inf there
+    ld = load[np.clip(prev_first, 0, None) % G, np.arange(len(R))[None, :], ri]  # prev_first < 0: best is inf there
     timed = combine_stage_time(compute[:, :, None], r, allreduce[:, :, None], cut[js][:, None, None] * ld[None])
     cand = np.maximum(best[js][:, first, :], timed)
     start = js == 0  # the first stage: no cut before it, and it starts at rank 0

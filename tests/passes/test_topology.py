@@ -145,8 +145,9 @@ def test_exact_dp_with_an_upper_bound_keeps_the_optimum(model, replication, seed
 def test_placement_tables_equal_the_charges_rank_by_rank(model, replication, K, G, b1, b2):
     """The placed downset DP's tables (``downsets._placement_tables``), worked out for the G offsets in a
     node and with the cut's closed form where each side has a rank with no partner nearby, equal the
-    charges at every first rank and pair of counts (``allreduce_coeff_at``, ``cut_at``), a slower link
-    inside a node than between nodes included (where the closed form does not apply)."""
+    charges at every first rank where the stages fit, read at its offset as the DP reads them
+    (``allreduce_coeff_at``, ``cut_at``), a slower link inside a node than between nodes included
+    (where the closed form does not apply)."""
     from passes.partition.costmodel import allreduce_coeff_at
     from passes.partition.downsets import _placement_tables
 
@@ -154,14 +155,17 @@ def test_placement_tables_equal_the_charges_rank_by_rank(model, replication, K, 
                        replication=replication)
     R = opts.allowed_replicas()
     coeff, load = _placement_tables(opts, R)
-    assert coeff.shape == (K + 1, len(R)) and load.shape == (K + 1, len(R), len(R))
+    assert coeff.shape == (G, len(R)) and load.shape == (G, len(R), len(R))
+    closed = 0
     for ri, r in enumerate(R):
-        for first in range(K + 1):
-            want = allreduce_coeff_at(first, r, opts) if first + r <= K else 0.0
-            assert coeff[first, ri] == pytest.approx(want, rel=1e-12, abs=0.0)
+        for first in range(K - r + 1):
+            assert coeff[first % G, ri] == pytest.approx(allreduce_coeff_at(first, r, opts), rel=1e-12, abs=0.0)
             for pi, rp in enumerate(R):
-                want = cut_at(0.5, first, rp, r, opts) if first + rp + r <= K else 0.0
-                assert load[first, pi, ri] == pytest.approx(want, rel=1e-12, abs=0.0)
+                if first + rp + r <= K:
+                    want = cut_at(0.5, first, rp, r, opts)
+                    assert load[first % G, pi, ri] == pytest.approx(want, rel=1e-12, abs=0.0)
+                    closed += first < G and want == pytest.approx(1.0 / (b2 * min(rp, r)), rel=1e-12)
+    assert closed > 0  # some cuts are charged in closed form
 
 
 def test_placed_downset_dp_gives_up_at_its_deadline_and_past_its_states(monkeypatch):
