@@ -239,9 +239,7 @@ class ChainSolver:
         back = np.zeros((self.offsets[-1], 2), dtype=np.int64)
         dev_all = np.full(self.offsets[-1], K + 1, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            self.deadline = pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)
-            if past(self.deadline):
-                raise DeadlineExceeded()
+            self._segment_deadline(a, began, soft, deadline)
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full(d, K + 1, dtype=np.int64)
             src = np.zeros((d, 2), dtype=np.int64)
@@ -278,6 +276,14 @@ class ChainSolver:
             if not pool[0].size:
                 return K + 1, back  # nothing can start the next stage: infeasible
         return int(dev_all[-1]), back
+
+    def _segment_deadline(self, a: int, began: float, soft: float, deadline: float) -> None:
+        """Before segment ``a`` of a pass begun at ``began``: ``self.deadline``, which the work inside the
+        segment checks, from ``memory_guard.pass_deadline`` with the share of the points done so far;
+        ``DeadlineExceeded`` once it has passed. Every solver's pass runs its segments through this."""
+        self.deadline = pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)
+        if past(self.deadline):
+            raise DeadlineExceeded()
 
     def _pool_r(self, a: int, gid: np.ndarray, T: float, starts: tuple, ends: tuple) -> np.ndarray:
         """``_r`` of every pool point (rows, ``starts``) with every point of segment ``a`` and its closing

@@ -317,16 +317,15 @@ def _placement_tables(opts: CostOptions, R: List[int], deadline: float = math.in
         b0 = m + rp  # the first rank after the cut
         node = b0 // G
         alone = (b0 % G == 0) | ((m < node * G) & (b0 + r > (node + 1) * G))  # each side has a rank alone
-        if opts.intra_bw >= opts.bandwidth:  # the closed form's premise: a partner nearby costs no more
-            load[m] = np.where(fits & alone, 1.0 / (opts.bandwidth * np.minimum(rp, r)), 0.0)
-        else:
-            alone = np.zeros_like(alone)
+        # the closed form's premise besides: a partner nearby costs no more
+        closed = fits & alone & (opts.intra_bw >= opts.bandwidth)
+        load[m] = np.where(closed, 1.0 / (opts.bandwidth * np.minimum(rp, r)), 0.0)
         for ri in range(n):
             if past(deadline):
                 return None
             if m + R[ri] <= K:
                 coeff[m, ri] = allreduce_coeff_at(m, R[ri], opts)
-            for pi in np.nonzero(fits[:, ri] & ~alone[:, ri])[0]:
+            for pi in np.nonzero(fits[:, ri] & ~closed[:, ri])[0]:
                 load[m, pi, ri] = cut_at(0.5, m, R[pi], R[ri], opts)  # seconds per byte, as the cut array counts both ways
     return coeff, load
 

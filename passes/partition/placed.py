@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from passes.costgraph import closure
-from passes.partition.chain import ChainSolver, DeadlineExceeded, _stage_sums, stage_compute, unit_bottleneck
+from passes.partition.chain import ChainSolver, _stage_sums, stage_compute, unit_bottleneck
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_at, flat_bound, stage_time_s, tied_floor_s
 from passes.partition.segments import Segment
@@ -55,7 +55,6 @@ from passes.partition.canon import Canon
 from passes.partition.pool_rows import RowStore
 from passes.partition.offsets import (EPS, Sources, Stages, crossing_start, cut_floors, every_offset,
                                       intervals, targets, tied_intervals)
-from passes.partition.memory_guard import pass_deadline, past
 
 TOLERANCE = 8e-4  # where the bisection stops (relative): a pass costs more than a flat one
 PROBE_WITHIN = 1.05  # bracket (hi / lo) below which the bisection checks just under a plan's time
@@ -288,9 +287,7 @@ class PlacedChainSolver(ChainSolver):
         back = np.zeros((total, S, 3), dtype=np.int64)
         pool = None  # earlier points that may still start a stage (``_from_pool``)
         for a, seg in enumerate(self.segs):
-            self.deadline = pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)
-            if past(self.deadline):  # a charged pass also checks it inside a segment (``charged.py``)
-                raise DeadlineExceeded()
+            self._segment_deadline(a, began, soft, deadline)  # a charged pass checks it inside too (``charged.py``)
             d, off = len(seg.compute), self.offsets[a]
             dev = np.full((d, S), K + 1, dtype=np.int64)
             src_b = np.zeros((d, S, 3), dtype=np.int64)

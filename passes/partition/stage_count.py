@@ -26,10 +26,9 @@ from typing import List, Tuple
 
 import numpy as np
 
-from passes.partition.chain import ChainSolver, DeadlineExceeded
+from passes.partition.chain import ChainSolver
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions
-from passes.partition.memory_guard import pass_deadline, past
 from passes.partition.segments import Segment
 
 
@@ -82,8 +81,7 @@ class StageCountSolver(ChainSolver):
         reach = np.zeros((self.offsets[-1], self.words), dtype=np.uint64)
         pool = np.zeros(0, dtype=np.int64)
         for a, seg in enumerate(self.segs):
-            if past(pass_deadline(began, self.offsets[a] / self.offsets[-1], soft, deadline)):
-                raise DeadlineExceeded()
+            self._segment_deadline(a, began, soft, deadline)
             d, off = len(seg.compute), self.offsets[a]
             mine = reach[off:off + d]
             if a == 0:
