@@ -8,7 +8,8 @@ charged once with the replicas of the stage before it and once with those of
 the stage after it, which is exactly ``2A / (B·min(r_before, r_after))``.
 
 Memory and shared (tied) weights are ignored here; CP-SAT checks them.
-Cost: O(n · |allowed r|) numpy operations on n × K arrays.
+Cost: O(n · |allowed r|) numpy operations on n × K arrays; ``order_bisect.best_order_dp``
+bisects on T instead where that is large.
 """
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def topo_orders(units: Units) -> List[List[int]]:
     valid = []
     for order in orders:
         pos = {u: i for i, u in enumerate(order)}
-        if len(order) == len(units) and all(pos[u] < pos[v] for u, v in units.edges) and order not in valid:
-            valid.append(_inputs_first_output_last(order, units))
+        if len(order) == len(units) and all(pos[u] < pos[v] for u, v in units.edges):
+            order = _inputs_first_output_last(order, units)
+            if order not in valid:
+                valid.append(order)
     return valid
 
 
@@ -61,13 +64,10 @@ def _inputs_first_output_last(order: List[int], units: Units) -> List[int]:
 
 def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: float = math.inf) -> Optional[Solution]:
     """Best contiguous partition of ``order``; None if no plan uses the devices as required
-    or the deadline (``time.monotonic()``) passes first."""
+    or the deadline (``time.monotonic()``) passes first. Its table holds the best bottleneck of every
+    prefix on every device total: where that is large, ``order_bisect`` finds the same optimum."""
     n, K = len(order), opts.devices
-    comp = np.concatenate([[0.0], np.cumsum([units.compute[u] for u in order])])
-    par = np.concatenate([[0.0], np.cumsum([units.param_bytes[u] for u in order])])
-    work = np.concatenate([[0], np.cumsum([int(units.has_compute[u]) for u in order])])
-    cut = _cut_bytes(units, order)
-    first_cut = 1 + max([i for i, u in enumerate(order) if units.is_input[u]], default=-1)
+    comp, par, work, cut, first_cut = order_sums(units, order)
     best = np.full((n + 1, K + 1), np.inf)
     best[0, 0] = 0.0
     choice = np.zeros((n + 1, K + 1, 2), dtype=np.int64)
@@ -92,6 +92,17 @@ def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: fl
     if not np.isfinite(best[n, m]):
         return None
     return _walk_back(choice, order, n, m, float(best[n, m]))
+
+
+def order_sums(units: Units, order: Sequence[int]):
+    """Prefix sums along ``order`` (compute, weight bytes, units with compute), the bytes crossing each
+    position (``_cut_bytes``), and the first position a stage may start at after position 0 (every
+    input lies in the first stage)."""
+    comp = np.concatenate([[0.0], np.cumsum([units.compute[u] for u in order])])
+    par = np.concatenate([[0.0], np.cumsum([units.param_bytes[u] for u in order])])
+    work = np.concatenate([[0], np.cumsum([int(units.has_compute[u]) for u in order])])
+    first_cut = 1 + max([i for i, u in enumerate(order) if units.is_input[u]], default=-1)
+    return comp, par, work, _cut_bytes(units, order), first_cut
 
 
 def _cut_bytes(units: Units, order: Sequence[int]) -> np.ndarray:
@@ -121,8 +132,3 @@ def _walk_back(choice: np.ndarray, order: Sequence[int], n: int, m: int, value: 
         for p in range(j, i):
             stage_of[order[p]] = s
     return Solution(stage_of, replicas, value)
-
-
-def best_order_dp(units: Units, opts: CostOptions, deadline: float = math.inf) -> Optional[Solution]:
-    results = [s for s in (order_dp(units, opts, o, deadline) for o in topo_orders(units)) if s is not None]
-    return min(results, key=lambda s: s.objective) if results else None
