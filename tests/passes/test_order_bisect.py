@@ -97,3 +97,22 @@ def test_gnmt_large_on_256_devices_is_proven_by_the_order_dp(monkeypatch):
     res = driver.partition(g, 256, time_limit=10)
     assert res.status == "OPTIMAL" and res.method.startswith("order DP")
     assert res.gap <= 1e-3 and sum(res.replicas) == 256
+
+
+def test_the_exact_count_rows_give_up_at_the_deadline(monkeypatch):
+    """The rows take about a second a call on 300 units and 1,024 devices: each prefix checks the clock."""
+    monkeypatch.setattr(order_bisect, "_padded", lambda *a: None)  # padding fails: the rows must answer
+    g = CostGraph.load(PROFILES / "gnmt.txt")
+    opts = CostOptions(devices=16)
+    units = _units(g, opts)
+    order = heuristic.topo_orders(units)[0]
+    reads = []
+    monkeypatch.setattr(order_bisect, "past", lambda deadline: reads.append(1) and False)
+    assert order_bisect.bisected(units, opts, order) is not None
+    rows = []
+    counts = order_bisect._counts
+    monkeypatch.setattr(order_bisect, "_counts", lambda *a: rows.append(counts(*a)) or rows[-1])
+    clock = iter(range(10**6))  # the clock trips 3 reads before the end: inside the last call's rows
+    monkeypatch.setattr(order_bisect, "past", lambda deadline: next(clock) >= len(reads) - 3)
+    assert order_bisect.bisected(units, opts, order, deadline=0.0) is None
+    assert rows and rows[-1] is None  # the rows gave up themselves
