@@ -383,9 +383,12 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
     if quick is not None and chained is not None and opts.memory is None and not fine.shared \
             and quick.objective <= chained.bound_s * (1 + OPTIMAL_GAP):
         # the order DP's plan meets the segment DP's bound: proven, nothing left for CP-SAT (gnmt_large on
-        # 256 devices: its plan is the optimum the segment DP's restricted plans missed by 5 %)
+        # 256 devices: its plan is the optimum the segment DP's restricted plans missed by 5 %), where the
+        # graph scores it as the DP charged it
         solved = SolveResult("FEASIBLE", *quick, ideal_s(graph, opts), time.monotonic() - start)
-        return _result(graph, fine, opts, solved, start, quick.objective, "order DP")
+        ordered = _result(graph, fine, opts, solved, start, quick.objective, "order DP")
+        if ordered.bottleneck_s <= chained.bound_s * (1 + OPTIMAL_GAP):
+            return ordered
     units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
     known = exact if exact is not None else quick  # found on ``fine``: still good where coarsening kept it
     warm = known if known is not None and len(units) == len(fine) else best_order_dp(units, opts, deadline)

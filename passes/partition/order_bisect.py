@@ -14,7 +14,9 @@ charges it). T is feasible iff ``dev[n] <= K``, and ``dev`` only falls as T
 grows, so the least feasible T is bisected (geometrically, within
 ``TOLERANCE``) over O(n^2) pairs per step, whatever K is. The plan found
 there is padded to exactly K devices as the segment DP's are
-(``chain.pad``); where that fails the caller falls back to ``order_dp``.
+(``chain.pad``); where that fails, rows of the device counts each prefix can
+use exactly find the plan (``_exactly``), and past their size the caller
+falls back to ``order_dp``.
 """
 from __future__ import annotations
 
@@ -123,13 +125,19 @@ def _bottleneck(ranges: List[Tuple[int, int, int]], sums, opts: CostOptions, rep
     return float(np.max(stage_time_s(*(s[k] for s in sums), reps, opts)))
 
 
-def _padded(units: Units, opts: CostOptions, order: Sequence[int], ranges, sums, T: float) -> Optional[Solution]:
-    """The plan on exactly K devices (``chain.pad``), scored as ``order_dp`` scores its plans."""
+def _stage_of(order: Sequence[int], ranges: List[Tuple[int, int, int]]) -> List[int]:
+    """Stage per unit of the plan whose stages start at ``ranges``' first positions along ``order``."""
     stage_of = [0] * len(order)
     starts = [j for _, j, _ in ranges] + [len(order)]
     for s in range(len(ranges)):
         for p in range(starts[s], starts[s + 1]):
             stage_of[order[p]] = s
+    return stage_of
+
+
+def _padded(units: Units, opts: CostOptions, order: Sequence[int], ranges, sums, T: float) -> Optional[Solution]:
+    """The plan on exactly K devices (``chain.pad``), scored as ``order_dp`` scores its plans."""
+    stage_of = _stage_of(order, ranges)
     replicas = pad(units, stage_of, [r for _, _, r in ranges], opts, T)
     if replicas is None:
         return None
@@ -172,12 +180,7 @@ def _exactly(units: Units, opts: CostOptions, order: Sequence[int], sums, ii, jj
         else:
             lo = mid
     ranges = _walk_counts(rows, ii, jj, ends, n, K, opts)
-    stage_of = [0] * len(order)
-    starts = [j for _, j, _ in ranges] + [len(order)]
-    for s in range(len(ranges)):
-        for p in range(starts[s], starts[s + 1]):
-            stage_of[order[p]] = s
-    return Solution(stage_of, [r for _, _, r in ranges], _bottleneck(ranges, sums, opts))
+    return Solution(_stage_of(order, ranges), [r for _, _, r in ranges], _bottleneck(ranges, sums, opts))
 
 
 def _fitting(sums, T: float, opts: CostOptions):
