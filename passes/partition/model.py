@@ -325,12 +325,12 @@ class PartitionModel:
         counts = [sum(r * y for r, y in self.y[k].items()) for k in range(S)]
         window = self._windows(counts) if opts.schedule in ("1f1b-flush", "zb-h1", "2bw") else None
         self.flight = []  # per stage slot: the microbatches in flight the memory constraint uses
+        most = most_in_flight(opts)
         for b in range(S):
-            most = most_in_flight(opts)
             w = {n: m.NewBoolVar(f"w{b}_{n}") for n in range(1, most + 1)}
             m.Add(sum(w.values()) == self.used[b])
             # one variable for the count, so each replica choice's bound on it is two terms, not a copy of
-            # the whole one-hot sum (4K terms): gnmt_large on 256 devices took 10 s and 700 MB to build
+            # the whole one-hot sum (up to 2K terms): gnmt_large on 256 devices took 10 s and 700 MB to build
             flight = m.NewIntVar(0, most, f"nf{b}")
             m.Add(flight == sum(n * v for n, v in w.items()))
             self.flight.append(flight)
