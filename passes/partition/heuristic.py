@@ -14,7 +14,7 @@ bisects on T instead where that is large.
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import networkx as nx
 import numpy as np
@@ -62,10 +62,17 @@ def _inputs_first_output_last(order: List[int], units: Units) -> List[int]:
     return inputs + rest + outputs
 
 
-def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: float = math.inf) -> Optional[Solution]:
+def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: float = math.inf,
+             times: Optional[Callable] = None) -> Optional[Solution]:
     """Best contiguous partition of ``order``; None if no plan uses the devices as required
     or the deadline (``time.monotonic()``) passes first. Its table holds the best bottleneck of every
-    prefix on every device total: where that is large, ``order_bisect`` finds the same optimum."""
+    prefix on every device total: where that is large, ``order_bisect`` finds the same optimum.
+    ``times(compute, params, cut_in, cut_out, r, width)``: the stage times of the ranges ending at a
+    position (one row each) for r replicas and each of the ``width`` device totals before the stage,
+    or one column for all (the default: ``stage_time_s``; ``order_placed`` charges the ranks)."""
+    if times is None:
+        def times(c, p, cut_in, cut_out, r, width):
+            return stage_time_s(c, p, cut_in, cut_out, r, opts)[:, None]
     n, K = len(order), opts.devices
     comp, par, work, cut, first_cut = order_sums(units, order)
     best = np.full((n + 1, K + 1), np.inf)
@@ -79,9 +86,9 @@ def order_dp(units: Units, opts: CostOptions, order: Sequence[int], deadline: fl
         if not ok.any():
             continue
         for r in opts.allowed_replicas():
-            g = stage_time_s(comp[i] - comp[:i], par[i] - par[:i], cut[:i], cut[i], r, opts)
+            g = np.array(times(comp[i] - comp[:i], par[i] - par[:i], cut[:i], cut[i], r, K + 1 - r), dtype=float)
             g[~ok] = np.inf
-            cand = np.maximum(best[:i, : K + 1 - r], g[:, None])
+            cand = np.maximum(best[:i, : K + 1 - r], g)
             arg = np.argmin(cand, axis=0)
             val = cand[arg, np.arange(K + 1 - r)]
             better = val < best[i, r:]
