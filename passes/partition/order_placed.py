@@ -12,7 +12,8 @@ neighbours' ranks; charged here at the slower bandwidth on every pair, no
 cut costs more than that (``topology.pair_load``), so the DP's bottleneck
 is never below the plan's real time, and the plan is scored by ``evaluate``.
 The table is O(n^2 · R · K) like ``heuristic.order_dp``'s (K starts per
-count): it runs where that is at most ``PLACED_CELLS``.
+count): it runs where that is at most ``PLACED_CELLS``, each order until
+its share of the time ends (``driver._placed_order``).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_span, combine_stage_time
 from passes.partition.heuristic import Solution, order_dp, topo_orders
 
-PLACED_CELLS = 1 << 27  # n^2 · R · K / 2 cells up to which an order is tabled on a two-level machine (about
-# 2.5 s for gnmt_large's 93 units on 256 devices, any count)
+PLACED_CELLS = 1 << 29  # n^2 · R · K / 2 cells up to which an order is tabled on a two-level machine:
+# gnmt_large (93 units) on 256 devices, any count, is 2.8e8 cells, about 2.5 s an order here
 
 
 def fits(units: Units, opts: CostOptions) -> bool:

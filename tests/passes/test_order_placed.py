@@ -46,6 +46,7 @@ def test_with_one_bandwidth_it_is_the_flat_order_dp():
 def test_large_tables_are_left_out():
     _, opts, units = _setup("gnmt_large", 64, "fxpipe")
     assert order_placed.fits(units, opts)
+    assert order_placed.fits(units, dataclasses.replace(opts, devices=256))
     assert not order_placed.fits(units, dataclasses.replace(opts, devices=1024))
 
 
