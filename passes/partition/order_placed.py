@@ -25,6 +25,7 @@ import numpy as np
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, allreduce_span, combine_stage_time
 from passes.partition.heuristic import Solution, order_dp, topo_orders
+from passes.partition.memory_guard import past
 
 PLACED_CELLS = 1 << 29  # n^2 · R · K / 2 cells up to which an order is tabled on a two-level machine:
 # gnmt_large (93 units) on 256 devices, any count, is 2.8e8 cells, about 2.5 s an order here
@@ -41,9 +42,10 @@ def best_placed_order(units: Units, opts: CostOptions, deadline: float = math.in
     found = []
     for order in topo_orders(units):
         plan = placed_order_dp(units, opts, order, deadline)
-        if plan is None:
+        if plan is not None:
+            found.append(plan)
+        elif past(deadline):
             break
-        found.append(plan)
     return min(found, key=lambda s: s.objective) if found else None
 
 
