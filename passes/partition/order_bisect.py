@@ -30,6 +30,7 @@ from passes.partition.costmodel import CostOptions, fastest_index, min_replicas,
 from passes.partition.chain import pad
 from passes.partition.heuristic import Solution, order_dp, order_sums, topo_orders
 from passes.partition.memory_guard import past
+from passes.partition.offsets import least_fitting
 
 TOLERANCE = 1e-4  # the bisection stops with its plan this close to the order's least feasible T
 ORDER_CELLS = 1 << 22  # n^2 · R · K / 2 above which an order is bisected rather than tabled (``order_dp``)
@@ -187,7 +188,8 @@ def _fitting(sums, T: float, opts: CostOptions):
     """Per range: whether one replica fits T, and the interval [first, last] of indices into the allowed
     counts from 2 on whose time fits T (first > last where none does). From two replicas on a stage's
     time falls and then rises (``costmodel.min_replicas`` says why), so the counts that fit are one run
-    of them: the fastest is found by bisection on the slope, each end of the run by bisection."""
+    of them: the fastest is found by bisection on the slope (``costmodel.fastest_index``), each end of
+    the run by bisection (``offsets.least_fitting``, within its ``EPS``)."""
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
     top = len(allowed) - 1
 
@@ -200,23 +202,11 @@ def _fitting(sums, T: float, opts: CostOptions):
         return one, np.ones(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
     fast = fastest_index(time_at, np.ones(m, dtype=np.int64), np.full(m, top, dtype=np.int64))
     fits = time_at(fast) <= T
-    first = _edge(lambda idx, k: time_at(idx, k) <= T, np.ones(m, dtype=np.int64), fast.copy())
-    last = _edge(lambda idx, k: time_at(idx, k) > T, fast.copy(), np.full(m, top, dtype=np.int64))
-    last = np.where(time_at(last) <= T, last, last - 1)
-    return one, np.where(fits, first, top + 1), np.where(fits, last, 0)
-
-
-def _edge(test, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Per element, the first index in [lo, hi] where ``test`` (false, then true along the run) holds
-    (hi where it holds nowhere before)."""
-    while True:
-        k = np.nonzero(lo < hi)[0]
-        if not k.size:
-            return lo
-        mid = (lo[k] + hi[k]) // 2
-        yes = test(mid, k)
-        hi[k] = np.where(yes, mid, hi[k])
-        lo[k] = np.where(yes, lo[k], mid + 1)
+    # the first fit where the time falls, [1, fast]; the last where it rises, [fast, top], read backwards
+    # (index fast + top - j falls as j grows) so the same bisection finds it (``offsets.least_fitting``)
+    first = least_fitting(time_at, np.ones(m, dtype=np.int64), fast, T)
+    back = least_fitting(lambda j, k: time_at(fast[k] + top - j, k), fast, np.full(m, top, dtype=np.int64), T)
+    return one, np.where(fits, first, top + 1), np.where(fits, fast + top - back, 0)
 
 
 def _counts(sums, ii, jj, ends, n: int, T: float, opts: CostOptions, deadline: float = math.inf):
