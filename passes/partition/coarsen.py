@@ -137,11 +137,13 @@ def build_units(graph: CostGraph, opts: CostOptions, groups: List[List[str]]) ->
     return units
 
 
-def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300, deadline: float = math.inf) -> Units:
+def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300, deadline: float = math.inf,
+            most: float = 0.2) -> Units:
     """Units for the solver: one per node if the graph is small, else merged groups.
 
     Past ``deadline`` (``time.monotonic()``) no further merge round starts: the
-    groups so far are valid units, only more of them.
+    groups so far are valid units, only more of them. A merge makes a unit of at
+    most ``most`` x sum C / K of compute (a stage on one device runs about sum C / K).
     """
     names = model_nodes(graph, opts)
     if len(names) <= target:
@@ -151,7 +153,7 @@ def coarsen(graph: CostGraph, opts: CostOptions, target: int = 300, deadline: fl
     ideal = graph.total_compute_s() / opts.devices
     for merge in (merger.merge_modules, merger.merge_chains):  # whole modules before chains cross them
         cap = 0.05 * ideal
-        while len(merger.items) > target and cap <= 0.2 * ideal and time.monotonic() < deadline:
+        while len(merger.items) > target and cap <= most * ideal and time.monotonic() < deadline:
             merge(target, cap)
             cap *= 2
     return build_units(graph, opts, merger.groups())

@@ -184,7 +184,7 @@ def _exactly(units: Units, opts: CostOptions, order: Sequence[int], sums, ii, jj
     return Solution(_stage_of(order, ranges), [r for _, _, r in ranges], _bottleneck(ranges, sums, opts))
 
 
-def _fitting(sums, T: float, opts: CostOptions):
+def fitting(sums, T: float, opts: CostOptions):
     """Per range: whether one replica fits T, and the interval [first, last] of indices into the allowed
     counts from 2 on whose time fits T (first > last where none does). From two replicas on a stage's
     time falls and then rises (``costmodel.min_replicas`` says why), so the counts that fit are one run
@@ -210,12 +210,12 @@ def _fitting(sums, T: float, opts: CostOptions):
 
 
 def _counts(sums, ii, jj, ends, n: int, T: float, opts: CostOptions, deadline: float = math.inf):
-    """(rows, fitting): ``rows[i, k]`` whether the first i positions of the order split into stages
-    within T on exactly k devices; ``fitting`` as ``_fitting`` answers for T. None once the deadline
+    """(rows, fits): ``rows[i, k]`` whether the first i positions of the order split into stages
+    within T on exactly k devices; ``fits`` as ``fitting`` answers for T. None once the deadline
     passes (a call on 300 units and 1,024 devices takes about a second)."""
     K = opts.devices
     allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
-    one, first, last = fitting = _fitting(sums, T, opts)
+    one, first, last = fits = fitting(sums, T, opts)
     contiguous = len(allowed) == allowed[-1]  # any count: a run of indices is a run of counts
     rows = np.zeros((n + 1, K + 1), dtype=bool)
     rows[0, 0] = True
@@ -244,7 +244,7 @@ def _counts(sums, ii, jj, ends, n: int, T: float, opts: CostOptions, deadline: f
                     if on.size and r <= K:
                         rows[i, r:] |= rows[j[on]][:, :K + 1 - r].any(axis=0)
         csum[i] = np.concatenate([[0], np.cumsum(rows[i])])
-    return rows, fitting
+    return rows, fits
 
 
 def _walk_counts(got, ii, jj, ends, n: int, K: int, opts: CostOptions) -> List[Tuple[int, int, int]]:

@@ -1,0 +1,133 @@
+"""The order DP under a memory limit (``order_memory``) against every plan of an order, scored by
+``evaluate``."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from passes.costgraph import CostGraph
+from passes.partition import heuristic, is_convex, order_memory, partition, uniform
+from passes.partition.coarsen import build_units, model_nodes, to_nodes
+from passes.partition.costmodel import CostOptions, evaluate
+from passes.partition.order_memory import TOLERANCE
+from tests.passes.test_partition import random_dag
+from tests.profiles import PROFILES
+
+
+def _units(g: CostGraph, opts: CostOptions):
+    return build_units(g, opts, [[n] for n in model_nodes(g, opts)])
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def _every_plan(g: CostGraph, units, opts: CostOptions, order):
+    """(bottleneck, peak memory) of every contiguous split of ``order`` on exactly K devices (allowed counts)
+    that the order DPs search: each stage runs some compute, the inputs lie in the first."""
+    n, K = len(order), opts.devices
+    inputs = [p for p, u in enumerate(order) if units.is_input[u]]
+    for S in range(1, min(n, K) + 1):
+        for sizes in _compositions(n, S):
+            starts = [sum(sizes[:j]) for j in range(S)]
+            if inputs and S > 1 and starts[1] <= max(inputs) or \
+                    not all(any(units.has_compute[order[p]] for p in range(a, a + size))
+                            for a, size in zip(starts, sizes)):
+                continue
+            stage_of = [0] * n
+            pos = 0
+            for j, size in enumerate(sizes):
+                for p in range(pos, pos + size):
+                    stage_of[order[p]] = j
+                pos += size
+            assignment = to_nodes(g, units, stage_of)
+            for replicas in _compositions(K, S):
+                if not set(replicas) <= set(opts.allowed_replicas()):
+                    continue
+                ev = evaluate(g, assignment, replicas, opts)
+                yield ev.bottleneck_s, ev.peak_memory_bytes
+
+
+def _limits(g, units, opts, order, rng):
+    """A memory limit between the least any plan needs and what the fastest plan needs (so it binds)."""
+    plans = list(_every_plan(g, units, opts, order))
+    fastest = min(plans)[1]
+    least = min(m for _, m in plans)
+    return plans, int(least + rng.random() * max(0, fastest - least))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-stash", "gpipe", "1f1b-flush", "2bw"])
+@pytest.mark.parametrize("seed", range(10))
+def test_the_walk_finds_the_best_plan_within_memory(schedule, seed):
+    """Exact on the order (within the bisection's tolerance) under 1F1B-stash and GPipe; under 1F1B-flush
+    and 2BW never below the best plan, and on these graphs no more than 1 % above it."""
+    rng = random.Random(seed)
+    g = random_dag(rng.randint(3, 6), seed)
+    K = rng.randint(2, 6)
+    free = CostOptions(devices=K, bandwidth=rng.choice([1e8, 1e9]), schedule=schedule, microbatches=2 * K)
+    units = _units(g, free)
+    order = heuristic.topo_orders(units)[0]
+    plans, limit = _limits(g, units, free, order, rng)
+    opts = CostOptions(**{**free.__dict__, "memory": limit})
+    best = min(t for t, m in plans if m <= limit)
+    found = order_memory.Walk(units, opts, order).bisected()
+    assert found is not None
+    assert sum(found.replicas) == K
+    ev = evaluate(g, to_nodes(g, units, found.stage_of), found.replicas, opts)
+    assert ev.peak_memory_bytes <= limit
+    assert ev.bottleneck_s == pytest.approx(found.objective, rel=1e-9)
+    assert found.objective >= best * (1 - 1e-9)
+    slack = TOLERANCE if schedule in ("1f1b-stash", "gpipe") else 0.01
+    assert found.objective <= best * (1 + slack)
+
+
+def test_none_where_no_plan_fits():
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    opts = CostOptions(devices=8, memory=10**6)
+    assert order_memory.memory_order_dp(_units(g, opts), opts) is None
+
+
+def _deep():
+    from tests.passes.test_partition_scale import transformer_graph
+    g = transformer_graph(16, seed=3)
+    free = partition(g, 64, time_limit=10)
+    return g, free, max(st.memory_bytes for st in free.stages)
+
+
+def test_a_limit_the_fastest_plan_meets_changes_nothing():
+    g, free, peak = _deep()
+    res = partition(g, 64, time_limit=10, memory=peak)
+    assert res.status == "OPTIMAL" and res.bottleneck_s == pytest.approx(free.bottleneck_s, rel=1e-9)
+    assert max(st.memory_bytes for st in res.stages) <= peak
+
+
+@pytest.mark.parametrize("share", [0.5, 0.3])
+def test_a_binding_limit_gets_a_plan_within_it_in_time(share):
+    """Where no hand-made uniform layout fits at all, the walk still finds a plan within the limit; its bound
+    is the segment DP's without the limit, so it is never above the plan nor below that bound."""
+    g, free, peak = _deep()
+    limit = int(share * peak)
+    assert uniform.best_layout(g, CostOptions(devices=64, memory=limit)) is None
+    start = time.monotonic()
+    res = partition(g, 64, time_limit=5, memory=limit)
+    assert time.monotonic() - start < 6
+    ev = evaluate(g, res.assignment, res.replicas, CostOptions(devices=64, memory=limit))
+    assert ev.peak_memory_bytes <= limit and sum(res.replicas) == 64 and is_convex(g, res.assignment)
+    assert res.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12)
+    assert free.bound_s * (1 - 1e-9) <= res.bound_s <= res.bottleneck_s
+    assert res.bottleneck_s >= free.bottleneck_s * (1 - 1e-9)
+
+
+def test_a_binding_limit_on_a_two_level_machine():
+    g, free, peak = _deep()
+    machine = dict(bandwidth=1.25e9, intra_bandwidth=2e10, gpus_per_node=8)
+    limit = int(0.5 * peak)
+    res = partition(g, 64, time_limit=5, memory=limit, **machine)
+    ev = evaluate(g, res.assignment, res.replicas, CostOptions(devices=64, memory=limit, **machine))
+    assert ev.peak_memory_bytes <= limit and sum(res.replicas) == 64
+    assert res.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and res.bound_s <= res.bottleneck_s
