@@ -29,7 +29,7 @@ from passes.partition.downsets import cheap_cut_plan, default_limit, downset_dp,
 from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_weights
 from passes.partition.heuristic import Solution
 from passes.partition.order_bisect import best_order_dp
-from passes.partition.order_memory import memory_order_dp
+from passes.partition.order_memory import least_memory, memory_order_dp
 from passes.partition.memory_guard import MemoryGuard, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
@@ -388,8 +388,9 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     it fits, competes (an optimal one that fits is the answer); on a flat machine CP-SAT, warm-started by
     the walk's plan, in the time left. The faster plan within the limit and the higher bound are kept.
     None where the walk found no plan on a two-level machine (``_placed`` then searches as before)."""
-    walked = _memory_walk(graph, opts, start, start + MEMORY_WALK_SHARE * (deadline - start), coarsen_above,
-                          progress)
+    walk_by = start + MEMORY_WALK_SHARE * (deadline - start)
+    walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress)
+    least = least_memory(units, opts, walk_by) if walked is None else None  # for the message if none fits
     placed_machine = opts.gpus_per_node is not None
     if walked is None and placed_machine:
         return None
@@ -415,18 +416,20 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     try:
         other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, "auto",
                          downset_limit, progress, walked)
-    except InfeasibleError:
-        if walked is None:
-            raise
-        return walked
+    except InfeasibleError as err:
+        if walked is not None:
+            return walked
+        if least is not None and least < getattr(err, "fits_in", math.inf):
+            raise _no_fit(opts, least, getattr(err, "at_least", None), "the order DP's plans") from None
+        raise
     return _better(walked, other)
 
 
 def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: float, coarsen_above: int,
-                 progress) -> Optional[PartitionResult]:
-    """The order DP's plan within ``opts.memory`` (``order_memory``), scored on ``graph`` under ``opts``;
-    None where it finds none, or where ``evaluate`` finds the plan over the limit (the units' sums are
-    the DP's). On a two-level machine the walk runs under both flat models (``flat_bound``: every link
+                 progress) -> tuple:
+    """(plan, units): the order DP's plan within ``opts.memory`` (``order_memory``), scored on ``graph``
+    under ``opts``, and the units it walked; the plan None where it finds none, or where ``evaluate``
+    finds it over the limit (the units' sums are the DP's). On a two-level machine the walk runs under both flat models (``flat_bound``: every link
     at the faster, then at the slower bandwidth), half the time each, and the plan scored faster on the
     machine is kept."""
     units = coarsen(graph, opts, target=max(coarsen_above, MEMORY_UNITS), deadline=deadline, most=MEMORY_UNIT_MOST)
@@ -445,7 +448,7 @@ def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: fl
     if best is not None and progress is not None:
         progress(f"partition: order DP within {_fmt_bytes(opts.memory)} per device: "
                  f"{best.bottleneck_s * 1e3:.3f} ms per microbatch ({time.monotonic() - start:.2f} s)")
-    return best
+    return best, units
 
 
 def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, time_limit: float,
@@ -1048,15 +1051,31 @@ def _raise_infeasible(units: Units, opts: CostOptions, solved: SolveResult,
     if warm is not None:
         probe.hint(warm.stage_of, warm.replicas)
     least = probe.solve(max(0.05, deadline - time.monotonic()), workers=workers)
-    what = (f"the smallest memory per device that fits on {opts.devices} devices is "
-            f"{_fmt_bytes(least.objective)}" if least.stage_of is not None
-            else "no plan fits any memory in the time given")
-    if least.stage_of is not None and least.status != "OPTIMAL":
-        what += f" (found within the time limit; at least {_fmt_bytes(least.bound)})"
-    raise InfeasibleError(
+    if least.stage_of is None:
+        raise _no_fit(opts, None, None, "CP-SAT")
+    proven = least.status == "OPTIMAL"
+    raise _no_fit(opts, least.objective, None if proven else least.bound, "CP-SAT", proven)
+
+
+def _no_fit(opts: CostOptions, fits_in: Optional[float], at_least: Optional[float], by: str,
+            proven: bool = False) -> InfeasibleError:
+    """The error for a memory limit no plan meets: the least memory a plan was found in (by ``by``;
+    ``proven`` the least there is), and the proven floor where known. Both ride on the error
+    (``fits_in``, ``at_least``), so a caller with a plan in less memory can say so instead."""
+    if fits_in is None:
+        what = "no plan fits any memory in the time given"
+    else:
+        what = f"a plan fits in {_fmt_bytes(fits_in)} per device on {opts.devices} devices ({by}"
+        what += "; proven the least)" if proven else \
+            f", found within the time limit; at least {_fmt_bytes(at_least)} is needed)" if at_least is not None \
+            else ", the least it found; not proven the least)"
+    err = InfeasibleError(
         f"partition: no plan fits in {_fmt_bytes(opts.memory)} per device "
         f"({opts.schedule}, optimizer state {opts.optimizer_state}x weights); {what}. "
         "Raise --memory, add devices, or use --schedule 1f1b-flush/gpipe with fewer microbatches.")
+    err.fits_in = math.inf if fits_in is None else fits_in
+    err.at_least = at_least
+    return err
 
 
 def _fmt_bytes(n: float) -> str:

@@ -313,3 +313,32 @@ class Floors(NamedTuple):
         own = np.ceil(np.multiply(behind, per, out=np.zeros(len(pairs)), where=behind > 0))
         own = np.where(behind > 0, own, self.last[pairs])
         return np.minimum(own, self.capped[pairs])
+
+
+LEAST_TOLERANCE = 0.01  # ``least_memory`` stops with a limit this close (relative) above the least that fits
+
+
+def least_memory(units: Units, opts: CostOptions, deadline: float = math.inf) -> Optional[int]:
+    """The least ``--memory`` (within ``LEAST_TOLERANCE``) under which the walk finds a plan of the first
+    topological order at any T, for the message that says no plan fits; None where the deadline passes
+    first. Geometric bisection between a limit no plan meets (every device holds at least one unit's
+    weights and one microbatch of its activations) and one that the walk meets (doubled until it does)."""
+    order = topo_orders(units)[0]
+    extra = 1.0 + opts.optimizer_state
+    lo = max(1.0, max(p * (1 + extra) + a for p, a in zip(units.param_bytes, units.act_bytes)) - 1)
+    hi = 2 * lo
+
+    def fits(limit: float) -> bool:
+        trial = CostOptions(**{**opts.__dict__, "memory": int(limit)})
+        return Walk(units, trial, order).walk(math.inf) is not None
+
+    while not fits(hi):
+        if past(deadline) or hi > 2.0 ** 80:
+            return None
+        lo, hi = hi, 2 * hi
+    while hi > lo * (1 + LEAST_TOLERANCE):
+        if past(deadline):
+            break
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return int(math.ceil(hi))

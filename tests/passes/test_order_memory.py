@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from passes.partition import heuristic, is_convex, order_memory, partition, unif
 from passes.partition.coarsen import build_units, model_nodes, to_nodes
 from passes.partition.costmodel import CostOptions, evaluate
 from passes.partition.order_memory import TOLERANCE
+from passes.partition.result import InfeasibleError
 from tests.passes.test_partition import random_dag
 from tests.profiles import PROFILES
 
@@ -131,3 +133,16 @@ def test_a_binding_limit_on_a_two_level_machine():
     ev = evaluate(g, res.assignment, res.replicas, CostOptions(devices=64, memory=limit, **machine))
     assert ev.peak_memory_bytes <= limit and sum(res.replicas) == 64
     assert res.bottleneck_s == pytest.approx(ev.bottleneck_s, rel=1e-12) and res.bound_s <= res.bottleneck_s
+
+
+def test_the_error_states_the_least_memory_the_walk_fits():
+    """vgg16 on 64 devices under 2 GB: no plan fits; the walk's least memory (4.6 GiB here) is far below
+    the CP-SAT probe's (58 GiB in the run that found this), and a plan does fit there."""
+    g = CostGraph.load(PROFILES / "vgg16.txt")
+    with pytest.raises(InfeasibleError, match="the order DP's plans") as info:
+        partition(g, 64, memory=2 * 10**9, time_limit=4)
+    stated = int(re.search(r"a plan fits in [^(]*\((\d+) bytes\)", str(info.value))[1])
+    res = partition(g, 64, memory=stated, time_limit=4)
+    assert max(st.memory_bytes for st in res.stages) <= stated
+    opts = CostOptions(devices=64, memory=stated)
+    assert order_memory.least_memory(_units(g, opts), opts) == stated
