@@ -77,7 +77,7 @@ class Walk:
         n = self.n = len(order)
         comp, par, work, cut, first_cut = order_sums(units, order)
         acts = np.concatenate([[0.0], np.cumsum([units.act_bytes[u] for u in order])])
-        ss, ee = np.triu_indices(n + 1, k=1)  # every range [s, e) of the order, by start, ends rising
+        ss, ee = _ranges_within(par, acts, opts)  # the ranges [s, e) one microbatch can fit, by start, ends rising
         keep = (work[ee] - work[ss] >= 1) & ((ss == 0) | (ss >= first_cut))
         self.ss, self.ee = ss[keep], ee[keep]
         self.sums = (comp[self.ee] - comp[self.ss], par[self.ee] - par[self.ss], cut[self.ss], cut[self.ee])
@@ -100,14 +100,17 @@ class Walk:
             out += np.where(first < self.ee, float(nbytes), 0.0)
         return out
 
-    def bisected(self, deadline: float = math.inf) -> Optional[Solution]:
+    def bisected(self, deadline: float = math.inf, hi: Optional[float] = None) -> Optional[Solution]:
         """The least T (within ``TOLERANCE``) whose walk finds a plan, as a ``Solution``; None where no
-        T does (the limit is too small for any plan of this order) or the deadline passes."""
+        T does (the limit is too small for any plan of this order) or the deadline passes. ``hi``: a T
+        where a plan is expected (a coarser walk's), tried first, so the bisection starts from there."""
         K = self.opts.devices
         lo = self.comp_total / K  # every plan spends sum C over at most K devices
         if not lo > 0:
             return None
         best = self.walk(lo)
+        if best is None and hi is not None and hi > lo:
+            best = self.walk(hi)
         if best is None:
             best = self.walk(math.inf)  # memory alone decides: if no plan fits at any T, none fits
             if best is None:
@@ -271,6 +274,36 @@ def _in_flight(replicas: np.ndarray, opts: CostOptions) -> np.ndarray:
         window = int(replicas[j]) * n
         out[j] = n if M is None else min(n, -(-M // int(replicas[j])))
     return out
+
+
+def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
+    """How many ranges a ``Walk`` of ``order`` holds (``_ranges_within``, before the compute and input
+    rules), from prefix sums alone: about 100 bytes each while it walks, so a caller can size it first."""
+    _, par, _, _, _ = order_sums(units, order)
+    acts = np.concatenate([[0.0], np.cumsum([units.act_bytes[u] for u in order])])
+    return int(np.sum(_last_ends(par, acts, opts) - np.arange(len(par))))
+
+
+def _last_ends(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
+    """Per start s, the last end e of a range whose untied weights and one microbatch of activations fit."""
+    n = len(par) - 1
+    extra = 1.0 + opts.optimizer_state
+    per_weight = 1.0 + extra + (1.0 if opts.schedule == "2bw" else 0.0)  # stash: one version per microbatch
+    reach = par * per_weight + acts  # nondecreasing: a range's need is reach[e] - reach[s]
+    last = np.searchsorted(reach, reach + float(opts.memory) * (1 + SLACK), side="right") - 1
+    return np.minimum(np.maximum(last, np.arange(n + 1)), n)
+
+
+def _ranges_within(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> Tuple[np.ndarray, np.ndarray]:
+    """Every range [s, e) of the order (prefix sums ``par``, ``acts``) whose untied weights and one
+    microbatch of activations fit the limit (``_most_in_flight`` >= 1, tied weights aside): a longer
+    range never fits, so under a tight limit the walk looks at far fewer than the n^2 / 2 ranges (the
+    96-block GPT under 256 MiB on 64 devices: its stages are a few units long)."""
+    n = len(par) - 1
+    counts = _last_ends(par, acts, opts) - np.arange(n + 1)
+    ss = np.repeat(np.arange(n + 1), counts)
+    ee = ss + 1 + (np.arange(len(ss)) - np.repeat(np.cumsum(counts) - counts, counts))
+    return ss, ee
 
 
 def _most_in_flight(params: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:

@@ -77,7 +77,9 @@ def test_the_walk_finds_the_best_plan_within_memory(schedule, seed):
     plans, limit = _limits(g, units, free, order, rng)
     opts = CostOptions(**{**free.__dict__, "memory": limit})
     best = min(t for t, m in plans if m <= limit)
-    found = order_memory.Walk(units, opts, order).bisected()
+    walk = order_memory.Walk(units, opts, order)
+    assert order_memory.range_count(units, opts, order) >= len(walk.ss)  # the sizing counts every range it holds
+    found = walk.bisected()
     assert found is not None
     assert sum(found.replicas) == K
     ev = evaluate(g, to_nodes(g, units, found.stage_of), found.replicas, opts)

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import resource
 import subprocess
@@ -255,7 +256,8 @@ def deep_gpt(depth: int, base: Optional[CostGraph] = None) -> CostGraph:
 
 
 def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
-    """Best uniform PP x DP layout (equal blocks per stage, embedding first, head last): (bottleneck, 'PPxDP')."""
+    """Best uniform PP x DP layout (equal blocks per stage, embedding first, head last) within ``opts.memory``
+    if set: (bottleneck, 'PPxDP'), or (inf, 'none') where no layout fits."""
     block = {n: _block_of(nd) for n, nd in graph.nodes.items()}
     depth = max(b for b in block.values() if b is not None) + 1
     names = list(graph.nodes)
@@ -272,9 +274,10 @@ def megatron_layout(graph: CostGraph, opts: CostOptions) -> Tuple[float, str]:
         for i, n in enumerate(names):
             b = block[n]
             stage[n] = (b // per) if b is not None else (0 if i < first_block else pp - 1)
-        cost = evaluate(graph, stage, [dp] * pp, opts).bottleneck_s
-        best = min(best, (cost, f"{pp}x{dp}"))
-    return best
+        ev = evaluate(graph, stage, [dp] * pp, opts)
+        if opts.memory is None or ev.peak_memory_bytes <= opts.memory:
+            best = min(best, (ev.bottleneck_s, f"{pp}x{dp}"))
+    return best if best[1] else (float("inf"), "none")
 
 
 def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -> Dict[str, object]:
@@ -294,7 +297,7 @@ def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -
     uniform, layout = megatron_layout(graph, res.options)
     return {"depth": depth, "nodes": len(graph.nodes), "K": devices, "wall_s": wall, "status": res.status,
             "method": res.method, "gap": res.gap, "plan_s": res.bottleneck_s, "stages": len(res.replicas),
-            "uniform_s": uniform, "uniform": layout,
+            "uniform_s": uniform, "uniform": layout, "peak_mib": max(st.memory_bytes for st in res.stages) / 2**20,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -331,6 +334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drop-guards", action="store_true",
                     help="plan the HF graphs without export's _assert_tensor_metadata nodes, as capture now "
                          "erases them (the bundled HF GPT-2 and 24-layer Llama profiles predate that)")
+    ap.add_argument("--memory", type=float, default=None,
+                    help="bytes per device the plans (and the uniform layouts) must fit; default unchecked")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # depth,K: run one row, print JSON
     args = ap.parse_args(argv)
     global PROFILES, DEVICE, DROP_GUARDS
@@ -341,7 +346,8 @@ def main(argv=None) -> int:
         ap.error("--device cuda measures new profiles: add --reprofile")
     machine = {"bandwidth": args.bandwidth, "gpus_per_node": args.gpus_per_node,
                "intra_bandwidth": args.intra_bandwidth, "cost_model": args.cost_model,
-               "replication": args.replication, "schedule": args.schedule}
+               "replication": args.replication, "schedule": args.schedule,
+               "memory": None if args.memory is None else int(args.memory)}
     if args.row:
         from fxpipe.runtime.heap import keep_freed_memory
 
@@ -381,18 +387,23 @@ def main(argv=None) -> int:
                 print(out.stderr, file=sys.stderr)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
+            fits = math.isfinite(r["uniform_s"])
             rows.append([r["depth"], r["nodes"], r["K"], f"{r['wall_s']:.2f}", f"{r['rss_mb']:.0f}", r["status"],
                          f"{100 * r['gap']:.3f}%", r["stages"], f"{r['plan_s'] * 1e3:.3f}", r["uniform"],
-                         f"{r['uniform_s'] * 1e3:.3f}", f"{r['uniform_s'] / r['plan_s']:.2f}"])
+                         f"{r['uniform_s'] * 1e3:.3f}" if fits else "-",
+                         f"{r['uniform_s'] / r['plan_s']:.2f}" if fits else "-"]
+                        + ([f"{r['peak_mib']:.0f}"] if args.memory else []))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
              if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
-        + f"; {args.cost_model} cost model, replication {args.replication}, schedule {args.schedule}"
+        + f"; {args.cost_model} cost model, replication {args.replication}, schedule {args.schedule}" \
+        + (f"; memory {args.memory:g} B per device (plans and uniform layouts within it)" if args.memory else "")
     made = f"made on this machine ({args.device})" if args.reprofile else "read"
     guards = "; export's metadata checks dropped from the HF graphs" if args.drop_guards else ""
     print(f"machine: {where}; time limit {args.time_limit:g} s; profiles: {made}, {_shown(PROFILES)}{guards}")
     print(tabulate(rows, headers=["blocks", "nodes", "K", "wall s", "RSS MB", "status", "gap", "stages",
-                                  "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"], tablefmt="github"))
+                                  "plan ms", "uniform PPxDP", "uniform ms", "plan speedup"]
+                   + (["plan peak MiB"] if args.memory else []), tablefmt="github"))
     return 0
 
 
