@@ -148,3 +148,20 @@ def test_the_error_states_the_least_memory_the_walk_fits():
     assert max(st.memory_bytes for st in res.stages) <= stated
     opts = CostOptions(devices=64, memory=stated)
     assert order_memory.least_memory(_units(g, opts), opts) == stated
+
+
+def test_the_scale_benchmark_plans_within_memory_and_keeps_rows_without_a_plan():
+    """``tools.bench.partition_scale --memory``: the plan and the uniform layouts it is compared with fit the
+    limit; a limit nothing fits is a row of its own with the least memory a plan was found in."""
+    from tools.bench import partition_scale as bench
+
+    g = bench.deep_gpt(8)
+    free = partition(g, 16, time_limit=5)
+    limit = int(0.6 * max(st.memory_bytes for st in free.stages))
+    machine = dict(bandwidth=1.25e9, memory=limit)
+    row = bench.run_row("8", 16, 5.0, machine)
+    assert row["status"] in ("OPTIMAL", "FEASIBLE") and row["peak_mib"] * 2**20 <= limit
+    uniform, layout = bench.megatron_layout(g, CostOptions(devices=16, **machine))
+    assert layout == "none" or uniform >= row["plan_s"] * (1 - 1e-9)
+    none = bench.run_row("8", 16, 3.0, dict(bandwidth=1.25e9, memory=10**5))
+    assert none["status"] == "no plan" and none["peak_mib"] * 2**20 > 10**5

@@ -75,6 +75,7 @@ from typing import Dict, List, Optional, Tuple
 from passes.costgraph import CostGraph, CostNode
 from passes.partition import CostOptions, evaluate, partition
 from passes.partition.costmodel import COST_MODELS, DEFAULT_SCHEDULE, REPLICATION, SCHEDULES
+from passes.partition.result import InfeasibleError
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = Path(__file__).resolve().parent / "data"  # the profiles the README's tables were measured on
@@ -292,7 +293,14 @@ def run_row(depth, devices: int, time_limit: float, machine: Dict[str, float]) -
     graph = without_guards(graph) if DROP_GUARDS else graph
     extra = {k: v for k, v in machine.items() if v is not None}
     start = time.monotonic()
-    res = partition(graph, devices, time_limit=time_limit, **extra)
+    try:
+        res = partition(graph, devices, time_limit=time_limit, **extra)
+    except InfeasibleError as err:  # under --memory: a row of its own, with the least memory a plan was found in
+        uniform, layout = megatron_layout(graph, CostOptions(devices=devices, **extra))
+        return {"depth": depth, "nodes": len(graph.nodes), "K": devices, "wall_s": time.monotonic() - start,
+                "status": "no plan", "method": "", "gap": math.nan, "plan_s": math.nan, "stages": 0,
+                "uniform_s": uniform, "uniform": layout, "peak_mib": getattr(err, "fits_in", math.nan) / 2**20,
+                "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     wall = time.monotonic() - start
     uniform, layout = megatron_layout(graph, res.options)
     return {"depth": depth, "nodes": len(graph.nodes), "K": devices, "wall_s": wall, "status": res.status,
@@ -387,12 +395,14 @@ def main(argv=None) -> int:
                 print(out.stderr, file=sys.stderr)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            fits = math.isfinite(r["uniform_s"])
+            fits, planned = math.isfinite(r["uniform_s"]), math.isfinite(r["plan_s"])
             rows.append([r["depth"], r["nodes"], r["K"], f"{r['wall_s']:.2f}", f"{r['rss_mb']:.0f}", r["status"],
-                         f"{100 * r['gap']:.3f}%", r["stages"], f"{r['plan_s'] * 1e3:.3f}", r["uniform"],
+                         f"{100 * r['gap']:.3f}%" if planned else "-", r["stages"],
+                         f"{r['plan_s'] * 1e3:.3f}" if planned else "-", r["uniform"],
                          f"{r['uniform_s'] * 1e3:.3f}" if fits else "-",
-                         f"{r['uniform_s'] / r['plan_s']:.2f}" if fits else "-"]
-                        + ([f"{r['peak_mib']:.0f}"] if args.memory else []))
+                         f"{r['uniform_s'] / r['plan_s']:.2f}" if fits and planned else "-"]
+                        + ([f"{r['peak_mib']:.0f}" if planned else f"(a plan fits {r['peak_mib']:.0f})"]
+                           if args.memory else []))
             print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
     where = (f"{args.gpus_per_node} devices per node, {args.intra_bandwidth or args.bandwidth:g} B/s inside, "
              if args.gpus_per_node else "flat, ") + f"{args.bandwidth:g} B/s between stages" \
