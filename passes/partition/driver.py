@@ -373,15 +373,18 @@ def _better(chained: Optional[PartitionResult], other: PartitionResult) -> Parti
     return best
 
 
-MEMORY_WALK_SHARE = 0.5  # under --memory, of the search time at most, for the order DP's walk (``order_memory``)
-MEMORY_LOOSE = 0.9  # ... which stops after the coarse units where their plan's peak stays under this share of the
-# limit (the limit did not bind: the segment DP without it, whose plan then fits, gets the time)
-MEMORY_COARSE_SHARE = 0.3  # ... of which the coarse units' pass gets at most this share (``_memory_walk``)
-MEMORY_RANGES = 1_500_000  # ... and the finer pass only where it holds at most this many ranges (~100 bytes each:
-# the 96-layer Llama on 1,024 devices under 600 MB, 4.3 M ranges, stopped the searches at the planning budget)
-MEMORY_UNITS = 800  # ... on at most about this many units (``coarsen``'s target; a step of T walks every range
-MEMORY_UNIT_MOST = 3.2  # of them), each of up to this many x sum C / K of compute: the 96-layer Llama on 256
-# devices under 600 MB, 842 units (0.15 s a step) plan 1.3 % slower than on 2,514 (0.6 s a step), 435 units 3.4 %
+# Under --memory (``_within_memory``, ``_memory_walk``): the order DP's walk (``order_memory``) gets at most
+MEMORY_WALK_SHARE = 0.5  # of the search time, first on coarse units:
+MEMORY_UNITS = 800  # at most about this many (``coarsen``'s target; a step of T walks every range of them),
+MEMORY_UNIT_MOST = 3.2  # each of up to this many x sum C / K of compute (the 96-layer Llama on 256 devices under
+# 600 MB: 842 units, 0.15 s a step, plan 1.3 % slower than on 2,514 units, 0.6 s a step; 435 units 3.4 %);
+MEMORY_COARSE_SHARE = 0.3  # that pass gets this share of the walk's time where finer units follow: CP-SAT's,
+MEMORY_RANGES = 1_500_000  # where they hold at most this many ranges (~115 bytes each at the peak: the 96-layer
+# Llama on 1,024 devices under 600 MB, 4.3 M ranges, stopped the searches at the planning budget), else units
+# coarsened to about sqrt(2 x this),
+MEMORY_FINER = 1.2  # and at least this many times the coarse units (else the coarse pass gets all the time);
+MEMORY_LOOSE = 0.9  # no finer pass where the coarse plan's peak stays under this share of the limit (it did not
+# bind: the segment DP without it, whose plan then fits, gets the time)
 
 
 def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
@@ -442,25 +445,28 @@ def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: fl
     devices: 107.6 ms on 296 units, 60.3 ms on 2,598). On a two-level machine both run under both flat
     models (``flat_bound``: every link at the faster, then at the slower bandwidth), half the time
     each, and the plan scored faster on the machine is kept."""
-    units = coarsen(graph, opts, target=max(coarsen_above, MEMORY_UNITS), deadline=deadline, most=MEMORY_UNIT_MOST)
-    fine = None
+    flat = flat_bound(opts, fast=False)  # a two-level machine's units would keep its node walls: 2,598 for 1,314
+    units = coarsen(graph, flat, target=max(coarsen_above, MEMORY_UNITS), deadline=deadline, most=MEMORY_UNIT_MOST)
+    fine = coarsen(graph, flat, target=coarsen_above, deadline=deadline)
+    if range_count(fine, flat, topo_orders(fine)[0]) > MEMORY_RANGES:  # as many units as that holds
+        fine = coarsen(graph, flat, target=int(math.sqrt(2 * MEMORY_RANGES)), deadline=deadline, most=MEMORY_UNIT_MOST)
+    order = topo_orders(fine)[0]
+    finer = len(fine) > MEMORY_FINER * len(units) and range_count(fine, flat, order) <= MEMORY_RANGES
     models = [opts] if opts.gpus_per_node is None else [flat_bound(opts, fast=True), flat_bound(opts, fast=False)]
     best = None
     for i, model in enumerate(models):
         by = time.monotonic() + (deadline - time.monotonic()) / (len(models) - i)
-        walked = memory_order_dp(units, model, time.monotonic() + MEMORY_COARSE_SHARE * (by - time.monotonic()))
+        share = MEMORY_COARSE_SHARE if finer else 1.0  # no finer units (the 96-block GPT on 1,024 devices): all of it
+        walked = memory_order_dp(units, model, time.monotonic() + share * (by - time.monotonic()))
         coarse = _walk_scored(graph, units, opts, walked, start)
         best = coarse if best is None or (coarse is not None and coarse.bottleneck_s < best.bottleneck_s) else best
-        if past(by) or (coarse is not None and coarse.stages and  # the limit did not bind: the unlimited DP's turn
-                        max(st.memory_bytes for st in coarse.stages) < MEMORY_LOOSE * opts.memory):
+        if not finer or past(by) or (coarse is not None and coarse.stages and  # a loose limit: the unlimited DP's turn
+                                     max(st.memory_bytes for st in coarse.stages) < MEMORY_LOOSE * opts.memory):
             continue
-        fine = fine or coarsen(graph, opts, target=coarsen_above, deadline=by)
-        order = topo_orders(fine)[0]
-        if len(fine) > len(units) and range_count(fine, model, order) <= MEMORY_RANGES:
-            finer = Walk(fine, model, order).bisected(by, hi=walked.objective if walked else None)
-            scored = _walk_scored(graph, fine, opts, finer, start)
-            if scored is not None and (best is None or scored.bottleneck_s < best.bottleneck_s):
-                best = scored
+        plan = Walk(fine, model, order).bisected(by, hi=walked.objective if walked else None)
+        scored = _walk_scored(graph, fine, opts, plan, start)
+        if scored is not None and (best is None or scored.bottleneck_s < best.bottleneck_s):
+            best = scored
     if best is not None and progress is not None:
         progress(f"partition: order DP within {_fmt_bytes(opts.memory)} per device: "
                  f"{best.bottleneck_s * 1e3:.3f} ms per microbatch ({time.monotonic() - start:.2f} s)")

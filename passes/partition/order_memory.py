@@ -50,6 +50,7 @@ class Plan(NamedTuple):
 SCHEDULES = ("1f1b-flush", "2bw", "1f1b-stash", "gpipe")  # the ones whose windows the walk from the end knows
 TOLERANCE = 1e-3  # the bisection stops with its plan this close to the least T the walk reaches (the polish
 # that follows moves boundaries by more; each step is a walk over every range: 0.1-0.25 s on 800-1,300 units)
+CHUNK = 1 << 18  # ranges per ``min_replicas`` call in a walk
 PAD_TRIES = 8  # first-stage ends tried by ``_padded`` per T, from the fewest devices up
 SLACK = 1e-9  # relative: a microbatch count whose memory lands this close to the limit still fits
 
@@ -86,6 +87,7 @@ class Walk:
         held = self.sums[1] + self._shared_held()
         self.nmax = _most_in_flight(held, acts[self.ee] - acts[self.ss], opts)
         self.floors = Floors.of(self.nmax, opts)
+        del self.ss  # ``starts`` says where each start's ranges lie: ~80 bytes a range are kept (``range_count``)
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
 
     def _shared_held(self) -> np.ndarray:
@@ -130,7 +132,9 @@ class Walk:
     def walk(self, T: float) -> Optional[Solution]:
         """A plan with every stage within T and the memory limit, or None: the walk from the end."""
         n, K = self.n, self.opts.devices
-        least = np.asarray(min_replicas(*self.sums, T, self.opts), dtype=float)  # K + 1 where no count meets T
+        least = np.empty(len(self.ee))  # the fewest replicas meeting T, K + 1 where none does; in chunks, so the
+        for a in range(0, len(least), CHUNK):  # temporaries of ``min_replicas`` stay small beside the ranges
+            least[a:a + CHUNK] = min_replicas(*(x[a:a + CHUNK] for x in self.sums), T, self.opts)
         dev = np.full(n + 1, np.inf)
         win = np.full(n + 1, np.inf)
         took = np.full(n + 1, -1, dtype=np.int64)
@@ -278,7 +282,7 @@ def _in_flight(replicas: np.ndarray, opts: CostOptions) -> np.ndarray:
 
 def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
     """How many ranges a ``Walk`` of ``order`` holds (``_ranges_within``, before the compute and input
-    rules), from prefix sums alone: about 100 bytes each while it walks, so a caller can size it first."""
+    rules), from prefix sums alone: about 115 bytes each at the peak (building them) while it walks, so a caller can size it first."""
     _, par, _, _, _ = order_sums(units, order)
     acts = np.concatenate([[0.0], np.cumsum([units.act_bytes[u] for u in order])])
     return int(np.sum(_last_ends(par, acts, opts) - np.arange(len(par))))

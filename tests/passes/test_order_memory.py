@@ -78,7 +78,7 @@ def test_the_walk_finds_the_best_plan_within_memory(schedule, seed):
     opts = CostOptions(**{**free.__dict__, "memory": limit})
     best = min(t for t, m in plans if m <= limit)
     walk = order_memory.Walk(units, opts, order)
-    assert order_memory.range_count(units, opts, order) >= len(walk.ss)  # the sizing counts every range it holds
+    assert order_memory.range_count(units, opts, order) >= len(walk.ee)  # the sizing counts every range it holds
     found = walk.bisected()
     assert found is not None
     assert sum(found.replicas) == K
