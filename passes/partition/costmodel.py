@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -799,29 +800,38 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
       has run as many backwards as the deepest stage's window: every stage
       holds ``max_k n_k`` of 1F1B-flush, the input stage's count.
     """
-    r = replicas[stage]
-    cap = math.inf if microbatches is None else math.ceil(microbatches / r)
+    return in_flight_all(replicas[stage:] if schedule != "zb-h1" else replicas, schedule, microbatches,
+                         first=stage if schedule == "zb-h1" else 0)[0]
+
+
+def in_flight_all(replicas: Sequence[int], schedule: str, microbatches: Optional[int] = None,
+                  first: int = 0) -> List[int]:
+    """``in_flight`` of stages ``first`` on at once, in one pass from the last stage (the windows of a
+    suffix depend on that suffix alone; ZB-H1's on every stage, so it takes them all)."""
+    S = len(replicas)
+    caps = [math.inf if microbatches is None else math.ceil(microbatches / r) for r in replicas]
     if schedule == "gpipe":
         if microbatches is None:
             raise FxpipeError("partition: gpipe holds every microbatch of a step; say how many (microbatches)")
-        return int(cap)
+        return [int(c) for c in caps[first:]]
     if schedule == "1f1b-stash":
-        window = math.ceil(sum(replicas[stage:]) / r)
-    elif schedule in ("1f1b-flush", "2bw"):  # 2bw: flush's order, without the drain
-        window = _flush_window(stage, replicas)
-    elif schedule == "zb-h1":  # a microbatch's activations live until its deferred W
-        window = max(_flush_window(k, replicas) for k in range(len(replicas)))
+        behind = list(itertools.accumulate(reversed(replicas)))[::-1]  # devices of each stage and those after it
+        windows = [math.ceil(behind[j] / replicas[j]) for j in range(S)]
+    elif schedule in ("1f1b-flush", "2bw", "zb-h1"):  # 2bw: flush's order, without the drain
+        windows = _flush_windows(replicas)
+        if schedule == "zb-h1":  # a microbatch's activations live until its deferred W
+            windows = [max(windows)] * S
     else:
         raise FxpipeError(f"partition: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    return int(min(window, cap))
+    return [int(min(w, c)) for w, c in zip(windows[first:], caps[first:])]
 
 
-def _flush_window(stage: int, replicas: Sequence[int]) -> int:
-    """1F1B-flush's forwards before the first backward, uncapped (``in_flight`` says why)."""
-    window = 1
-    for j in range(len(replicas) - 2, stage - 1, -1):
-        window = 1 + math.ceil(replicas[j + 1] * window / replicas[j])
-    return window
+def _flush_windows(replicas: Sequence[int]) -> List[int]:
+    """1F1B-flush's forwards before the first backward per stage, uncapped (``in_flight`` says why)."""
+    windows = [1] * len(replicas)
+    for j in range(len(replicas) - 2, -1, -1):
+        windows[j] = 1 + math.ceil(replicas[j + 1] * windows[j + 1] / replicas[j])
+    return windows
 
 
 def most_in_flight(opts: CostOptions) -> int:

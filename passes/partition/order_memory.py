@@ -1,9 +1,9 @@
 """The order DP under a memory limit: contiguous stages of a topological order, each within T and
 within ``--memory`` per device, by parametric search on T.
 
-A stage's memory depends on the stages after it: under 1F1B-flush (and 2BW,
-ZB-H1's order) a rank of stage j holds ``n_j = 1 + ceil(W_{j+1} / r_j)``
-microbatches, ``W_j = r_j · n_j`` (``costmodel.in_flight``); under 1F1B-stash
+A stage's memory depends on the stages after it: under 1F1B-flush (and 2BW)
+a rank of stage j holds ``n_j = 1 + ceil(W_{j+1} / r_j)`` microbatches,
+``W_j = r_j · n_j`` (``costmodel.in_flight``); under 1F1B-stash
 ``ceil(d_j / r_j)`` with ``d_j`` the devices of stage j and every stage after
 it; under GPipe ``ceil(M / r_j)``. So the order is walked from its end: for a
 T, each suffix keeps the fewest devices that reach T with every stage within
@@ -14,15 +14,18 @@ microbatch do not change with its replicas, so the limit is a floor on them,
 weights), and the stage takes the fewest allowed replicas meeting both T and
 that floor (the counts meeting T form one run, ``order_bisect.fitting``). The
 first stage takes every device left, where T and the allowed counts let it
-(more replicas there cost no other stage memory), so the plan uses exactly K.
+(more replicas there cost no other stage memory); else replicas are stepped
+in where they keep T and the limit (``Walk._padded``), so the plan uses
+exactly K. Ranges that cannot hold one microbatch are never built.
 
-Exact for the order under 1F1B-stash and GPipe (the suffix's devices are all
-a stage before it needs); under 1F1B-flush the fewest devices are kept before
-the least ``W``, which can miss a suffix with one device more and a smaller
-window. ZB-H1 holds the deepest window on every stage: not searched here. A
-tied weight is counted in the memory of every stage holding it, its sync is
-left to ``evaluate`` (as in ``heuristic.order_dp``). O(n^2) pairs per step
-of T, whatever K is.
+A heuristic, even on its order: the fewest devices are kept before the least
+``W``, and a suffix with more devices can be the one a stage before it
+needs, to keep T where padding cannot (on 600 random small graphs it found
+the best plan of the order on 593; docs/limitations.md). ZB-H1 holds the
+deepest window on every stage: not searched here. A tied weight is counted
+in the memory of every stage holding it, its sync is left to ``evaluate`` (as
+in ``heuristic.order_dp``). O(ranges) per step of T, whatever K is.
+``least_memory`` bisects on the limit for the error that says none fits.
 """
 from __future__ import annotations
 
@@ -32,11 +35,12 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from passes.partition.coarsen import Units
-from passes.partition.costmodel import CostOptions, min_replicas, planned_microbatches, stage_time_s
+from passes.partition.costmodel import CostOptions, in_flight_all, min_replicas, planned_microbatches, stage_time_s
 from passes.partition.heuristic import Solution, order_sums, topo_orders
 from passes.partition.memory_guard import past
 from passes.partition.offsets import EPS
 from passes.partition.order_bisect import fitting
+
 
 class Plan(NamedTuple):
     """A ``Solution`` with the walk's range (pair index) per stage."""
@@ -237,7 +241,8 @@ class Walk:
                 trial = replicas.copy()
                 trial[j] = allowed[pos]
                 fast = stage_time_s(*(x[j] for x in sums), float(trial[j]), self.opts) <= T * (1 + EPS)
-                if fast and np.all(_in_flight(trial, self.opts) <= nmax):
+                flight = in_flight_all([int(x) for x in trial], self.opts.schedule, planned_microbatches(self.opts))
+                if fast and np.all(np.array(flight) <= nmax):
                     replicas = trial
                     break
             else:
@@ -264,25 +269,9 @@ class Walk:
         return Plan(stage_of, replicas, objective, pairs)
 
 
-def _in_flight(replicas: np.ndarray, opts: CostOptions) -> np.ndarray:
-    """Per stage, the microbatches a device holds (``costmodel.in_flight``, all stages at once)."""
-    M = planned_microbatches(opts)
-    S = len(replicas)
-    if opts.schedule == "gpipe":
-        return np.ceil(M / replicas)
-    if opts.schedule == "1f1b-stash":
-        return np.ceil(np.cumsum(replicas[::-1])[::-1] / replicas)
-    out, window = np.zeros(S), 0
-    for j in range(S - 1, -1, -1):
-        n = 1 + -(-window // int(replicas[j]))
-        window = int(replicas[j]) * n
-        out[j] = n if M is None else min(n, -(-M // int(replicas[j])))
-    return out
-
-
 def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
     """How many ranges a ``Walk`` of ``order`` holds (``_ranges_within``, before the compute and input
-    rules), from prefix sums alone: about 115 bytes each at the peak (building them) while it walks, so a caller can size it first."""
+    rules), from prefix sums alone, so a caller can size it first: about 115 bytes each at the peak."""
     _, par, _, _, _ = order_sums(units, order)
     acts = np.concatenate([[0.0], np.cumsum([units.act_bytes[u] for u in order])])
     return int(np.sum(_last_ends(par, acts, opts) - np.arange(len(par))))

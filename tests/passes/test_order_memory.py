@@ -7,12 +7,13 @@ import random
 import re
 import time
 
+import numpy as np
 import pytest
 
 from passes.costgraph import CostGraph
 from passes.partition import heuristic, is_convex, order_memory, partition, uniform
 from passes.partition.coarsen import build_units, model_nodes, to_nodes
-from passes.partition.costmodel import CostOptions, evaluate
+from passes.partition.costmodel import CostOptions, device_memory_bytes, evaluate
 from passes.partition.order_memory import TOLERANCE
 from passes.partition.result import InfeasibleError
 from tests.passes.test_partition import random_dag
@@ -165,3 +166,23 @@ def test_the_scale_benchmark_plans_within_memory_and_keeps_rows_without_a_plan()
     assert layout == "none" or uniform >= row["plan_s"] * (1 - 1e-9)
     none = bench.run_row("8", 16, 3.0, dict(bandwidth=1.25e9, memory=10**5))
     assert none["status"] == "no plan" and none["peak_mib"] * 2**20 > 10**5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-stash", "gpipe", "1f1b-flush", "2bw"])
+def test_the_microbatches_that_fit_invert_the_memory_formula(schedule):
+    """``_most_in_flight`` is ``costmodel.device_memory_bytes`` solved for the microbatches: n of them fit
+    the limit and n + 1 do not (stash keeps a weight version per microbatch, 2BW two)."""
+    rng = random.Random(schedule)
+    for _ in range(200):
+        P, A, limit = rng.randint(0, 10**7), rng.randint(1, 10**7), rng.randint(10**6, 10**9)
+        opts = CostOptions(devices=8, memory=limit, schedule=schedule, optimizer_state=rng.choice([0.0, 1.0, 2.0]))
+        n = order_memory._most_in_flight(np.array([float(P)]), np.array([float(A)]), opts)[0]
+        extra = 1 + opts.optimizer_state
+
+        def need(k):
+            versions = k if schedule == "1f1b-stash" else 2 if schedule == "2bw" else 1
+            return device_memory_bytes(P, A, versions, k, extra)
+
+        if n >= 1:
+            assert need(int(n)) <= limit
+        assert need(int(max(n, 0)) + 1) > limit
