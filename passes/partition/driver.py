@@ -539,7 +539,7 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
     if solved.stage_of is None:
         _raise_infeasible(units, opts, solved, warm, deadline, workers)
         solved = SolveResult("HEURISTIC", *warm, ideal_s(graph, opts), solved.wall_s)
-    elif len(units) < len(fine) and opts.memory is None:
+    elif len(units) < len(fine):  # with a memory limit too: its bound is still the coarsened problem's
         solved = _restricted(solved, ideal_s(graph, opts))
     coarse = _result(graph, units, opts, solved, start, heuristic_s, "CP-SAT")
     # the coarsened run stops early once its restricted optimum is proven: the time left goes to every node
