@@ -19,7 +19,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 from passes.costgraph import CostGraph
@@ -263,7 +263,7 @@ def _searched_plan(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
                        progress, prove_by)
     if opts.memory is not None and solver == "auto":
         return _within_memory(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above,
-                              downset_limit, progress, prove_by)
+                              downset_limit, progress, prove_by)[0]
     chained = chain_plan(graph, opts, start, deadline, prove_by=prove_by, progress=progress) \
         if solver == "auto" else None
     if chained is not None and (chained.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
@@ -390,19 +390,21 @@ MEMORY_LOOSE = 0.9  # no finer pass where the coarse plan's peak stays under thi
 
 def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
                    time_limit: float, workers: int, coarsen_above: int, downset_limit: Optional[int], progress,
-                   prove_by: Optional[float]) -> Optional[PartitionResult]:
+                   prove_by: Optional[float]) -> Tuple[Optional[PartitionResult], Optional[int]]:
     """Under ``--memory``: the order DP's walk from the end (``order_memory``: a plan within the limit in a
     second or two, where no other search scales), then the segment DP without the limit (flat, or placed
     on a two-level machine), whose bound holds under it (a limit only removes plans) and whose plan, where
     it fits, competes (an optimal one that fits is the answer); on a flat machine CP-SAT, warm-started by
-    the walk's plan, in the time left. The faster plan within the limit and the higher bound are kept.
-    None where the walk found no plan on a two-level machine (``_placed`` then searches as before)."""
+    the walk's plan, in the time left. The faster plan within the limit and the higher bound are kept,
+    with None beside it; on a two-level machine where the walk found no plan, (None, the least memory it
+    fits a plan in) (``_placed`` then searches as before, and says that memory if it finds none)."""
     walk_by = start + MEMORY_WALK_SHARE * (deadline - start)
     walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress)
-    least = least_memory(units, opts, walk_by) if walked is None else None  # for the message if none fits
     placed_machine = opts.gpus_per_node is not None
+    # for the message if none fits (the bandwidths change no plan's memory: the flat model's walk says it)
+    least = least_memory(units, flat_bound(opts, fast=False), walk_by) if walked is None else None
     if walked is None and placed_machine:
-        return None
+        return None, least
     free = dataclasses.replace(opts, memory=None, microbatches=opts.num_microbatches)
     if placed_machine:
         chained = _placed_chain(graph, free, start, deadline, progress, prove_by)
@@ -410,28 +412,36 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
             chained = _flat_wide(graph, free, start, deadline)
     else:
         chained = chain_plan(graph, free, start, deadline, prove_by=prove_by, progress=progress)
-    if chained is not None and chained.status != "BOUND":
-        ev = evaluate(graph, chained.assignment, chained.replicas, opts)
-        fits = ev.peak_memory_bytes <= opts.memory
+    if chained is not None:
         bound = chained.bound_s
-        chained = dataclasses.replace(chained, options=opts, stages=ev.stages, bottleneck_s=ev.bottleneck_s) \
-            if fits else None
         if walked is not None:  # the bound without the limit bounds every plan within it
             walked.bound_s = min(max(walked.bound_s, bound), walked.bottleneck_s)
             walked.status = "OPTIMAL" if walked.gap <= OPTIMAL_GAP else "FEASIBLE"
-        walked = _better(chained, walked) if walked is not None else chained  # ties: the segment DP's plan
+        fits = None
+        if chained.status != "BOUND":  # a plan too (BOUND: the bound alone)
+            ev = evaluate(graph, chained.assignment, chained.replicas, opts)
+            if ev.peak_memory_bytes <= opts.memory:
+                fits = dataclasses.replace(chained, options=opts, stages=ev.stages, bottleneck_s=ev.bottleneck_s)
+        if fits is not None:
+            walked = _better(fits, walked) if walked is not None else fits  # ties: the segment DP's plan
     if walked is not None and (placed_machine or walked.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
-        return walked
+        return walked, None
     try:
         other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, "auto",
                          downset_limit, progress, walked)
     except InfeasibleError as err:
         if walked is not None:
-            return walked
-        if least is not None and least < getattr(err, "fits_in", math.inf):
-            raise _no_fit(opts, least, getattr(err, "at_least", None), "the order DP's plans") from None
-        raise
-    return _better(walked, other)
+            return walked, None
+        raise _with_least(err, opts, least) from None
+    return _better(walked, other), None
+
+
+def _with_least(err: InfeasibleError, opts: CostOptions, least: Optional[int]) -> InfeasibleError:
+    """``err``, or the memory error with the walk's least memory where that is below what the search
+    found (or the search said only that it found no plan)."""
+    if least is not None and least < getattr(err, "fits_in", math.inf):
+        return _no_fit(opts, least, getattr(err, "at_least", None), "the order DP's plans")
+    return err
 
 
 def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: float, coarsen_above: int,
@@ -590,11 +600,23 @@ def _placed(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dead
     and left 6.5 % open; the exact DP proves a 2.2 % faster plan in 2-4 s).
     ``prove_by``: until when the finer lattice's pass 1 % under the plan may run (``_finer``).
     """
+    least = None
     if opts.memory is not None and solver == "auto":
-        found = _within_memory(graph, fine, opts, start, deadline, deadline - start, workers, coarsen_above,
-                               downset_limit, progress, prove_by)
+        found, least = _within_memory(graph, fine, opts, start, deadline, deadline - start, workers, coarsen_above,
+                                      downset_limit, progress, prove_by)
         if found is not None:  # (PipeDream's hierarchical optimizer checks no memory: nothing to compare)
             return found
+    try:
+        return _placed_searched(graph, fine, opts, start, deadline, workers, coarsen_above, solver, downset_limit,
+                                progress, prove_by)
+    except InfeasibleError as err:
+        raise _with_least(err, opts, least) from None
+
+
+def _placed_searched(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
+                     workers: int, coarsen_above: int, solver: str, downset_limit: Optional[int], progress,
+                     prove_by: Optional[float]) -> PartitionResult:
+    """``_placed``'s searches (its docstring says which), where no walk under a memory limit answered."""
     limit = default_limit(fine) if downset_limit is None else downset_limit
     masks = enumerate_downsets(fine, max(limit, min(CHEAP_CUTS_CAP * limit, CHEAP_CUTS_WORK // len(fine))),
                                deadline) if solver == "auto" else None  # once, for both DPs below

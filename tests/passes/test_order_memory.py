@@ -199,3 +199,14 @@ def test_cpsat_on_coarsened_units_under_memory_does_not_call_its_bound_the_graph
     walked = partition(g, 8, time_limit=10, memory=268_000_000)
     assert searched.bound_s <= walked.bottleneck_s * (1 + 1e-9)
     assert walked.bound_s <= searched.bottleneck_s * (1 + 1e-9)
+
+
+def test_no_plan_on_a_two_level_machine_names_the_memory_a_plan_fits_in():
+    """It said only "no plan found in 4s; raise --time-limit" before."""
+    g, _, _ = _deep()
+    machine = dict(bandwidth=1.25e9, intra_bandwidth=2e10, gpus_per_node=8)
+    with pytest.raises(InfeasibleError, match="a plan fits in") as info:
+        partition(g, 64, time_limit=4, memory=10**5, **machine)
+    stated = int(re.search(r"a plan fits in [^(]*\((\d+) bytes\)", str(info.value))[1])
+    res = partition(g, 64, time_limit=4, memory=stated, **machine)
+    assert max(st.memory_bytes for st in res.stages) <= stated
