@@ -28,6 +28,8 @@ with the last), each of the PP stages replicated DP times, scored by
         [--reprofile [--device cpu|cuda]]   # profile the models here (cached in fxpipe-out/) instead
         [--profiles DIR]   # read (with --reprofile: make) the profiles in DIR, e.g. tools/bench/data/h100
         [--drop-guards]   # the HF profiles without export's ``_assert_tensor_metadata`` nodes (see below)
+        [--memory BYTES]   # plans and uniform layouts within this memory per device (a row with none: the
+                           # least memory a plan was found in)
 
 HF GPT-2 (``--hf-gpt2``): GPT2LMHeadModel from a tiny config (vocab 512,
 context 64, width 64, 12 layers, 2 heads; batch 4), captured through export
