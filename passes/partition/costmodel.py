@@ -800,20 +800,19 @@ def in_flight(stage: int, replicas: Sequence[int], schedule: str, microbatches: 
       has run as many backwards as the deepest stage's window: every stage
       holds ``max_k n_k`` of 1F1B-flush, the input stage's count.
     """
-    return in_flight_all(replicas[stage:] if schedule != "zb-h1" else replicas, schedule, microbatches,
-                         first=stage if schedule == "zb-h1" else 0)[0]
+    if schedule == "zb-h1":  # the deepest window of the whole plan
+        return in_flight_all(replicas, schedule, microbatches)[stage]
+    return in_flight_all(replicas[stage:], schedule, microbatches)[0]  # a suffix's windows are its own
 
 
-def in_flight_all(replicas: Sequence[int], schedule: str, microbatches: Optional[int] = None,
-                  first: int = 0) -> List[int]:
-    """``in_flight`` of stages ``first`` on at once, in one pass from the last stage (the windows of a
-    suffix depend on that suffix alone; ZB-H1's on every stage, so it takes them all)."""
+def in_flight_all(replicas: Sequence[int], schedule: str, microbatches: Optional[int] = None) -> List[int]:
+    """``in_flight`` of every stage at once, in one pass from the last stage."""
     S = len(replicas)
     caps = [math.inf if microbatches is None else math.ceil(microbatches / r) for r in replicas]
     if schedule == "gpipe":
         if microbatches is None:
             raise FxpipeError("partition: gpipe holds every microbatch of a step; say how many (microbatches)")
-        return [int(c) for c in caps[first:]]
+        return [int(c) for c in caps]
     if schedule == "1f1b-stash":
         behind = list(itertools.accumulate(reversed(replicas)))[::-1]  # devices of each stage and those after it
         windows = [math.ceil(behind[j] / replicas[j]) for j in range(S)]
@@ -823,7 +822,7 @@ def in_flight_all(replicas: Sequence[int], schedule: str, microbatches: Optional
             windows = [max(windows)] * S
     else:
         raise FxpipeError(f"partition: schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    return [int(min(w, c)) for w, c in zip(windows[first:], caps[first:])]
+    return [int(min(w, c)) for w, c in zip(windows, caps)]
 
 
 def _flush_windows(replicas: Sequence[int]) -> List[int]:

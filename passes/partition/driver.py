@@ -419,7 +419,7 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
             walked.status = "OPTIMAL" if walked.gap <= OPTIMAL_GAP else "FEASIBLE"
         fits = None
         if chained.status != "BOUND":  # a plan too (BOUND: the bound alone)
-            ev = evaluate(graph, chained.assignment, chained.replicas, opts)
+            ev = evaluate(graph, chained.assignment, chained.replicas, opts)  # its memory under the limit's options
             if ev.peak_memory_bytes <= opts.memory:
                 fits = dataclasses.replace(chained, options=opts, stages=ev.stages, bottleneck_s=ev.bottleneck_s)
         if fits is not None:
@@ -459,9 +459,10 @@ def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: fl
     flat = flat_bound(opts, fast=False)  # a two-level machine's units would keep its node walls: 2,598 for 1,314
     units = coarsen(graph, flat, target=max(coarsen_above, MEMORY_UNITS), deadline=deadline, most=MEMORY_UNIT_MOST)
     fine = coarsen(graph, flat, target=coarsen_above, deadline=deadline)
-    if range_count(fine, flat, topo_orders(fine)[0]) > MEMORY_RANGES:  # as many units as that holds
-        fine = coarsen(graph, flat, target=int(math.sqrt(2 * MEMORY_RANGES)), deadline=deadline, most=MEMORY_UNIT_MOST)
     order = topo_orders(fine)[0]
+    if range_count(fine, flat, order) > MEMORY_RANGES:  # as many units as that holds
+        fine = coarsen(graph, flat, target=int(math.sqrt(2 * MEMORY_RANGES)), deadline=deadline, most=MEMORY_UNIT_MOST)
+        order = topo_orders(fine)[0]
     finer = len(fine) > MEMORY_FINER * len(units) and range_count(fine, flat, order) <= MEMORY_RANGES
     # a two-level machine: the slower flat model first (its plans cost no more placed than it charges them), with
     # MEMORY_SLOW_SHARE of the time, then the faster one (its plans can be faster placed: the 96-block GPT on
@@ -474,14 +475,12 @@ def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: fl
         share = MEMORY_COARSE_SHARE if finer else 1.0  # no finer units (the 96-block GPT on 1,024 devices): all of it
         walked = memory_order_dp(units, model, time.monotonic() + share * (by - time.monotonic()))
         coarse = _walk_scored(graph, units, opts, walked, start)
-        best = coarse if best is None or (coarse is not None and coarse.bottleneck_s < best.bottleneck_s) else best
-        if not finer or past(by) or (coarse is not None and coarse.stages and  # a loose limit: the unlimited DP's turn
-                                     max(st.memory_bytes for st in coarse.stages) < MEMORY_LOOSE * opts.memory):
+        best = _faster(best, coarse)
+        if not finer or past(by) or (coarse is not None and  # a loose limit: the unlimited DP's turn
+                                     _peak(coarse) < MEMORY_LOOSE * opts.memory):
             continue
         plan = Walk(fine, model, order).bisected(by, hi=walked.objective if walked else None)
-        scored = _walk_scored(graph, fine, opts, plan, start)
-        if scored is not None and (best is None or scored.bottleneck_s < best.bottleneck_s):
-            best = scored
+        best = _faster(best, _walk_scored(graph, fine, opts, plan, start))
     if best is not None and progress is not None:
         progress(f"partition: order DP within {_fmt_bytes(opts.memory)} per device: "
                  f"{best.bottleneck_s * 1e3:.3f} ms per microbatch ({time.monotonic() - start:.2f} s)")
@@ -496,7 +495,17 @@ def _walk_scored(graph: CostGraph, units: Units, opts: CostOptions, plan: Option
         return None
     solved = SolveResult("HEURISTIC", *plan, ideal_s(graph, opts), time.monotonic() - start)
     scored = _result(graph, units, opts, solved, start, plan.objective, "order DP within memory")
-    return scored if scored.stages and max(st.memory_bytes for st in scored.stages) <= opts.memory else None
+    return scored if _peak(scored) <= opts.memory else None
+
+
+def _peak(found: PartitionResult) -> int:
+    """The most memory one device of ``found`` holds."""
+    return max(st.memory_bytes for st in found.stages)
+
+
+def _faster(a: Optional[PartitionResult], b: Optional[PartitionResult]) -> Optional[PartitionResult]:
+    """The faster of two plans, either of which may be missing (``a`` on a tie)."""
+    return b if a is None or (b is not None and b.bottleneck_s < a.bottleneck_s) else a
 
 
 def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float, time_limit: float,

@@ -84,24 +84,23 @@ class Walk:
         acts = np.concatenate([[0.0], np.cumsum([units.act_bytes[u] for u in order])])
         ss, ee = _ranges_within(par, acts, opts)  # the ranges [s, e) one microbatch can fit, by start, ends rising
         keep = (work[ee] - work[ss] >= 1) & ((ss == 0) | (ss >= first_cut))
-        self.ss, self.ee = ss[keep], ee[keep]
-        self.sums = (comp[self.ee] - comp[self.ss], par[self.ee] - par[self.ss], cut[self.ss], cut[self.ee])
-        self.starts = np.searchsorted(self.ss, np.arange(n + 2))  # ranges starting at s: starts[s] .. starts[s+1]
+        ss, self.ee = ss[keep], ee[keep]  # ``starts`` says where each start's ranges lie: ``ss`` is not kept
+        self.sums = (comp[self.ee] - comp[ss], par[self.ee] - par[ss], cut[ss], cut[self.ee])
+        self.starts = np.searchsorted(ss, np.arange(n + 2))  # ranges starting at s: starts[s] .. starts[s+1]
         self.comp_total = float(comp[n])
-        held = self.sums[1] + self._shared_held()
-        self.nmax = _most_in_flight(held, acts[self.ee] - acts[self.ss], opts)
+        held = self.sums[1] + self._shared_held(ss)
+        self.nmax = _most_in_flight(held, acts[self.ee] - acts[ss], opts)
         self.floors = Floors.of(self.nmax, opts)
-        del self.ss  # ``starts`` says where each start's ranges lie: ~80 bytes a range are kept (``range_count``)
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
 
-    def _shared_held(self) -> np.ndarray:
-        """Per range, the bytes of tied weights it holds (each once): a weight is held where one of its
-        units lies in the range."""
+    def _shared_held(self, ss: np.ndarray) -> np.ndarray:
+        """Per range (starting at ``ss``), the bytes of tied weights it holds (each once): a weight is held
+        where one of its units lies in the range."""
         pos = {u: p for p, u in enumerate(self.order)}
-        out = np.zeros(len(self.ss))
+        out = np.zeros(len(ss))
         for nbytes, holders in self.units.shared.values():
             at = np.sort([pos[u] for u in holders])
-            nxt = np.searchsorted(at, self.ss)  # the first holder at or after the range's start
+            nxt = np.searchsorted(at, ss)  # the first holder at or after the range's start
             first = np.where(nxt < len(at), at[np.minimum(nxt, len(at) - 1)], self.n)
             out += np.where(first < self.ee, float(nbytes), 0.0)
         return out
@@ -280,9 +279,7 @@ def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
 def _last_ends(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Per start s, the last end e of a range whose untied weights and one microbatch of activations fit."""
     n = len(par) - 1
-    extra = 1.0 + opts.optimizer_state
-    per_weight = 1.0 + extra + (1.0 if opts.schedule == "2bw" else 0.0)  # stash: one version per microbatch
-    reach = par * per_weight + acts  # nondecreasing: a range's need is reach[e] - reach[s]
+    reach = par * _weight_copies(opts, 1) + acts  # nondecreasing: a range's need is reach[e] - reach[s]
     last = np.searchsorted(reach, reach + float(opts.memory) * (1 + SLACK), side="right") - 1
     return np.minimum(np.maximum(last, np.arange(n + 1)), n)
 
@@ -299,16 +296,24 @@ def _ranges_within(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> Tupl
     return ss, ee
 
 
+def _weight_copies(opts: CostOptions, n: int) -> float:
+    """Copies of its weights a device holds with n microbatches in flight: the versions kept
+    (``costmodel.weight_versions``: one per microbatch under 1F1B-stash, two under 2BW, else one), a
+    gradient buffer and the optimizer state."""
+    versions = n if opts.schedule == "1f1b-stash" else 2 if opts.schedule == "2bw" else 1
+    return versions + 1.0 + opts.optimizer_state
+
+
 def _most_in_flight(params: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Per range, the most microbatches a device of it may hold within ``opts.memory``
     (``costmodel.device_memory_bytes``): weights × (versions + a gradient buffer + optimizer state)
     + activations × microbatches; 1F1B-stash keeps a weight version per microbatch. Below 1: none fits."""
-    limit, extra = float(opts.memory), 1.0 + opts.optimizer_state
+    limit = float(opts.memory)
     with np.errstate(divide="ignore", invalid="ignore"):
-        if opts.schedule == "1f1b-stash":
-            room, per = limit - params * extra, params + acts
+        if opts.schedule == "1f1b-stash":  # weights x (n + extra) + acts x n
+            room, per = limit - params * _weight_copies(opts, 0), params + acts
         else:
-            room, per = limit - params * ((2.0 if opts.schedule == "2bw" else 1.0) + extra), acts
+            room, per = limit - params * _weight_copies(opts, 0), acts
         most = np.where(per > 0, np.floor(room / per + SLACK), np.where(room >= 0, np.inf, -1.0))
     return most
 
