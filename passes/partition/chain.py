@@ -154,6 +154,16 @@ class ChainSolver:
                              "segment_plan.segment_dp does for the placed DPs) or fold without bridge")
 
     # ------------------------------------------------------------ one T
+    def fewest_replicas(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
+        """The fewest allowed replicas of each stage (j, i) that meet T (K + 1: none), the points' compute,
+        weight bytes, ``Segment.shared`` rows and cuts given as broadcastable arrays (``_r``)."""
+        return self._r(cj, pj, sj, cutj, ci, pi, si, cuti, T)
+
+    def inside_replicas(self, T: float) -> Sequence[np.ndarray]:
+        """``fewest_replicas`` of every stage with both ends in one segment, per segment, in the order of
+        its ``sub_j`` / ``sub_i`` pairs (``_near``)."""
+        return self._near(T)
+
     def _r(self, cj, pj, sj, cutj, ci, pi, si, cuti, T):
         """Fewest replicas for stages (j, i) given as broadcastable arrays of the two points, in pieces of
         about ``R_CHUNK`` stages along the first axis (``_stage_r`` each)."""

@@ -30,6 +30,7 @@ from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_w
 from passes.partition.heuristic import Solution, topo_orders
 from passes.partition.order_bisect import best_order_dp
 from passes.partition.order_memory import Walk, least_memory, memory_order_dp, range_count
+from passes.partition.memory_bound import raise_bound
 from passes.partition.memory_guard import MemoryGuard, past, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
@@ -386,6 +387,8 @@ MEMORY_FINER = 1.2  # and at least this many times the coarse units (else the co
 MEMORY_SLOW_SHARE = 0.6  # on a two-level machine, the walk under the slower flat model gets this share of its time;
 MEMORY_LOOSE = 0.9  # no finer pass where the coarse plan's peak stays under this share of the limit (it did not
 # bind: the segment DP without it, whose plan then fits, gets the time)
+MEMORY_BOUND_SHARE = 0.8  # of the time the segment DP without the limit leaves, for the bound that knows the limit
+# (``memory_bound``) where it binds; CP-SAT gets the rest
 
 
 def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
@@ -394,8 +397,9 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     """Under ``--memory``: the order DP's walk from the end (``order_memory``: a plan within the limit in a
     second or two, where no other search scales), then the segment DP without the limit (flat, or placed
     on a two-level machine), whose bound holds under it (a limit only removes plans) and whose plan, where
-    it fits, competes (an optimal one that fits is the answer); on a flat machine CP-SAT, warm-started by
-    the walk's plan, in the time left. The faster plan within the limit and the higher bound are kept,
+    it fits, competes (an optimal one that fits is the answer); where the limit binds, the bound that knows
+    it (``memory_bound``) from there up; on a flat machine CP-SAT, warm-started by the walk's plan, in the
+    time left. The faster plan within the limit and the higher bound are kept,
     with None beside it; on a two-level machine where the walk found no plan, (None, the least memory it
     fits a plan in) (``_placed`` then searches as before, and says that memory if it finds none)."""
     walk_by = start + MEMORY_WALK_SHARE * (deadline - start)
@@ -424,6 +428,10 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
                 fits = dataclasses.replace(chained, options=opts, stages=ev.stages, bottleneck_s=ev.bottleneck_s)
         if fits is not None:
             walked = _better(fits, walked) if walked is not None else fits  # ties: the segment DP's plan
+    if walked is not None and walked.status != "OPTIMAL" and _peak(walked) >= MEMORY_LOOSE * opts.memory:
+        # the limit binds: a bound that knows it, from the one without it up
+        raise_bound(graph, opts, walked, time.monotonic() + MEMORY_BOUND_SHARE * (deadline - time.monotonic()),
+                    progress)
     if walked is not None and (placed_machine or walked.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
         return walked, None
     try:
@@ -530,7 +538,14 @@ def _general(graph: CostGraph, fine: Units, opts: CostOptions, start: float, dea
             return ordered
     units = coarsen(graph, opts, target=coarsen_above, deadline=deadline)
     known = exact if exact is not None else quick  # found on ``fine``: still good where coarsening kept it
-    warm = known if known is not None and len(units) == len(fine) else best_order_dp(units, opts, deadline)
+    if known is not None and len(units) == len(fine):
+        warm = known
+    elif opts.memory is not None and chained is not None:  # the walk's plan starts it (below): the order DP
+        # knows no memory, and on units coarsened under a limit (2,600 for the 96-block GPT on 256 devices) one
+        # pass of it took seconds past the deadline
+        warm = None
+    else:
+        warm = best_order_dp(units, opts, deadline)
     heuristic_s, warm_fits = None, True
     if warm is not None:
         ev = evaluate(graph, to_nodes(graph, units, warm.stage_of), warm.replicas, opts)

@@ -27,7 +27,7 @@ import numpy as np
 
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, fastest_index, min_replicas, stage_time_s
-from passes.partition.chain import pad
+from passes.partition.chain import DeadlineExceeded, pad
 from passes.partition.heuristic import Solution, order_dp, order_sums, topo_orders
 from passes.partition.memory_guard import past
 from passes.partition.offsets import least_fitting
@@ -70,6 +70,8 @@ def bisected(units: Units, opts: CostOptions, order: Sequence[int],
 
     def fewest(T: float):
         """(devices, chosen range per end) of the best plan with every stage within T."""
+        if past(deadline):  # a pass over a few thousand units takes seconds
+            raise DeadlineExceeded()
         r = np.asarray(min_replicas(*sums, T, opts), dtype=float)
         dev, took = np.full(n + 1, math.inf), np.full(n + 1, -1)
         dev[0] = 0.0
@@ -85,24 +87,25 @@ def bisected(units: Units, opts: CostOptions, order: Sequence[int],
     lo = float(comp[n]) / K  # every plan spends sum C over at most K devices
     if not lo > 0:
         return None  # nothing to bisect on: the table answers
-    used, took, r = fewest(lo)
-    if used > K:
-        hi = float(stage_time_s(comp[n], par[n], 0.0, 0.0, 1, opts))  # one stage on one device
-        used, took, r = fewest(hi)
-    if used > K:
-        return None
-    best = _ranges(took, r, ii, jj, n)
-    hi = _bottleneck(best, sums, opts)
-    while hi > lo * (1 + TOLERANCE):
-        if past(deadline):
+    try:  # a pass past the deadline raises: the search has no plan in time
+        used, took, r = fewest(lo)
+        if used > K:
+            hi = float(stage_time_s(comp[n], par[n], 0.0, 0.0, 1, opts))  # one stage on one device
+            used, took, r = fewest(hi)
+        if used > K:
             return None
-        T = math.sqrt(lo * hi)
-        used, took, r = fewest(T)
-        if used <= K:
-            best = _ranges(took, r, ii, jj, n)
-            hi = min(T, _bottleneck(best, sums, opts))
-        else:
-            lo = T
+        best = _ranges(took, r, ii, jj, n)
+        hi = _bottleneck(best, sums, opts)
+        while hi > lo * (1 + TOLERANCE):
+            T = math.sqrt(lo * hi)
+            used, took, r = fewest(T)
+            if used <= K:
+                best = _ranges(took, r, ii, jj, n)
+                hi = min(T, _bottleneck(best, sums, opts))
+            else:
+                lo = T
+    except DeadlineExceeded:
+        return None
     padded = _padded(units, opts, order, best, sums, hi)
     if padded is not None or opts.fewer_devices:
         return padded

@@ -89,7 +89,7 @@ class Walk:
         self.starts = np.searchsorted(ss, np.arange(n + 2))  # ranges starting at s: starts[s] .. starts[s+1]
         self.comp_total = float(comp[n])
         held = self.sums[1] + self._shared_held(ss)
-        self.nmax = _most_in_flight(held, acts[self.ee] - acts[ss], opts)
+        self.nmax = microbatches_fit(held, acts[self.ee] - acts[ss], opts)
         self.floors = Floors.of(self.nmax, opts)
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
 
@@ -279,14 +279,14 @@ def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
 def _last_ends(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Per start s, the last end e of a range whose untied weights and one microbatch of activations fit."""
     n = len(par) - 1
-    reach = par * _weight_copies(opts, 1) + acts  # nondecreasing: a range's need is reach[e] - reach[s]
+    reach = par * weight_copies(opts, 1) + acts  # nondecreasing: a range's need is reach[e] - reach[s]
     last = np.searchsorted(reach, reach + float(opts.memory) * (1 + SLACK), side="right") - 1
     return np.minimum(np.maximum(last, np.arange(n + 1)), n)
 
 
 def _ranges_within(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> Tuple[np.ndarray, np.ndarray]:
     """Every range [s, e) of the order (prefix sums ``par``, ``acts``) whose untied weights and one
-    microbatch of activations fit the limit (``_most_in_flight`` >= 1, tied weights aside): a longer
+    microbatch of activations fit the limit (``microbatches_fit`` >= 1, tied weights aside): a longer
     range never fits, so under a tight limit the walk looks at far fewer than the n^2 / 2 ranges (the
     96-block GPT under 256 MiB on 64 devices: its stages are a few units long)."""
     n = len(par) - 1
@@ -296,7 +296,7 @@ def _ranges_within(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> Tupl
     return ss, ee
 
 
-def _weight_copies(opts: CostOptions, n: int) -> float:
+def weight_copies(opts: CostOptions, n: int) -> float:
     """Copies of its weights a device holds with n microbatches in flight: the versions kept
     (``costmodel.weight_versions``: one per microbatch under 1F1B-stash, two under 2BW, else one), a
     gradient buffer and the optimizer state."""
@@ -304,16 +304,16 @@ def _weight_copies(opts: CostOptions, n: int) -> float:
     return versions + 1.0 + opts.optimizer_state
 
 
-def _most_in_flight(params: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
+def microbatches_fit(params: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Per range, the most microbatches a device of it may hold within ``opts.memory``
     (``costmodel.device_memory_bytes``): weights × (versions + a gradient buffer + optimizer state)
     + activations × microbatches; 1F1B-stash keeps a weight version per microbatch. Below 1: none fits."""
     limit = float(opts.memory)
     with np.errstate(divide="ignore", invalid="ignore"):
         if opts.schedule == "1f1b-stash":  # weights x (n + extra) + acts x n
-            room, per = limit - params * _weight_copies(opts, 0), params + acts
+            room, per = limit - params * weight_copies(opts, 0), params + acts
         else:
-            room, per = limit - params * _weight_copies(opts, 0), acts
+            room, per = limit - params * weight_copies(opts, 0), acts
         most = np.where(per > 0, np.floor(room / per + SLACK), np.where(room >= 0, np.inf, -1.0))
     return most
 

@@ -340,7 +340,7 @@ def _exact(graph: CostGraph, opts: CostOptions, deadline: float, scored: list, b
     best = min(e.bottleneck_s for e, _, _ in scored)
     if best <= max(bound, ideal) * (1 + OPTIMAL_GAP):
         return None
-    exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best, _tiny_input(opts, ideal))
+    exact = wide_blocks.exact_plan(graph, opts, deadline, max(bound, ideal), best, tiny_input(opts, ideal))
     if exact is None:
         return None
     assignment, reps, proven = exact
@@ -364,7 +364,7 @@ def _in_pieces(graph: CostGraph, plan_graph: CostGraph, opts: CostOptions, deadl
             scored.append(finish(evaluate(graph, *again[0], judge), *again[0]))
 
 
-def _tiny_input(opts: CostOptions, ideal: float) -> float:
+def tiny_input(opts: CostOptions, ideal: float) -> float:
     """Compute up to which a weightless node of the inputs alone is left out like an input (fxpipe's
     model, where every rank loads the inputs; PipeDream's puts them in stage 0)."""
     return 0.02 * ideal if opts.cost_model == "fxpipe" else -1.0
@@ -682,7 +682,7 @@ def segment_dp(graph: CostGraph, opts: CostOptions, deadline: float, keep_dead: 
     if past(deadline):
         return None
     ideal = graph.total_compute_s() / opts.devices
-    fold = dict(tiny=1e-5 * ideal, tiny_input=_tiny_input(opts, ideal))
+    fold = dict(tiny=1e-5 * ideal, tiny_input=tiny_input(opts, ideal))
     placed_dp = opts.gpus_per_node is not None or machine is not None
     quiet = quiet if quiet is not None else QUIET_PLACED if placed_dp else QUIET
     silent = math.inf if quiet == math.inf else quiet * ideal

@@ -170,13 +170,13 @@ def test_the_scale_benchmark_plans_within_memory_and_keeps_rows_without_a_plan()
 
 @pytest.mark.parametrize("schedule", ["1f1b-stash", "gpipe", "1f1b-flush", "2bw"])
 def test_the_microbatches_that_fit_invert_the_memory_formula(schedule):
-    """``_most_in_flight`` is ``costmodel.device_memory_bytes`` solved for the microbatches: n of them fit
+    """``microbatches_fit`` is ``costmodel.device_memory_bytes`` solved for the microbatches: n of them fit
     the limit and n + 1 do not (stash keeps a weight version per microbatch, 2BW two)."""
     rng = random.Random(schedule)
     for _ in range(200):
         P, A, limit = rng.randint(0, 10**7), rng.randint(1, 10**7), rng.randint(10**6, 10**9)
         opts = CostOptions(devices=8, memory=limit, schedule=schedule, optimizer_state=rng.choice([0.0, 1.0, 2.0]))
-        n = order_memory._most_in_flight(np.array([float(P)]), np.array([float(A)]), opts)[0]
+        n = order_memory.microbatches_fit(np.array([float(P)]), np.array([float(A)]), opts)[0]
         extra = 1 + opts.optimizer_state
 
         def need(k):

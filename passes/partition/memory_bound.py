@@ -1,0 +1,321 @@
+"""A lower bound on the bottleneck under ``--memory``: the segment DP's lattice walked from the end.
+
+Without a limit, the segment DP (``chain.py``) keeps per downset the fewest
+devices its stages need at T. Under a limit that is not enough: a stage's
+memory grows with the devices behind it (``costmodel.in_flight``: under
+1F1B-stash a rank of stage j holds ``1 + ceil(behind / r_j)`` microbatches,
+``behind`` the devices of every later stage; under 1F1B-flush, 2BW and ZB-H1
+at least that many, since ``W_{j+1} = r_{j+1} n_{j+1} >= behind`` by
+induction from the last stage; under GPipe ``ceil(M / r_j)``). So this DP
+runs from the end: per downset, the fewest devices its complement's stages
+can have within T, each stage given at least the replicas that meet T (the
+segment DP's own counts, ``ChainSolver.fewest_replicas``) and the fewest
+whose microbatches fit beside its weights with that many devices behind it
+(``order_memory.Floors``); fewer devices behind never ask more of a stage.
+And, since a plan uses exactly K devices, the most it can have: each stage at
+most the largest count that meets T, behind it at most the devices its
+memory can feed (``n`` microbatches fitting: ``d <= (n - 1) r``). A plan
+within T and the limit has, suffix by suffix, a device count between the
+two, so a T where K lies outside them for the whole graph is a proven lower
+bound. The bottleneck is searched between the bound without the limit and
+the best plan found, first down a ladder from the plan.
+
+What the relaxation leaves out, so that it holds for every plan of the
+graph: tied weights' bytes (only a unit's own weights count), the
+activations of nodes folded into a unit (a plan may run them elsewhere: only
+each unit's first node's output counts, the node whose stage is the unit's),
+nodes left out of the units, the compute of folded nodes that send nothing,
+and which counts inside a suffix's interval are reachable. The compute of the
+other folded nodes is ``segments.fold_margin``'s, subtracted as the segment
+DP does.
+
+An end is dropped for good once a stage from the current segment's whole
+cannot feed the devices behind it (``_alive``), or a smaller point with no
+more devices behind and no larger cut replaces it (``_next_pool``).
+Checked against every plan of 60 random small graphs in the tests; its
+passes take 0.5-2 s on a 96-block GPT (64-1,024 devices).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+from passes.costgraph import CostGraph
+from passes.partition import wide_segments
+from passes.partition.chain import ChainSolver, DeadlineExceeded
+from passes.partition.coarsen import Units
+from passes.partition.costmodel import CostOptions, flat_bound, planned_microbatches
+from passes.partition.memory_guard import past
+from passes.partition.order_memory import Floors, microbatches_fit
+from passes.partition.result import OPTIMAL_GAP, PartitionResult
+from passes.partition.segment_plan import QUIET, floors, tiny_input
+from passes.partition.segments import Segment, build_segments, fold_margin, folded_units
+
+SCHEDULES = ("1f1b-flush", "1f1b-stash", "2bw", "zb-h1", "gpipe")
+PROVE_WITHIN = 0.01  # the first pass sits this far under the plan: infeasible there proves it within 1 %
+TOLERANCE = 2e-3  # the bisection stops with the bound and the lowest feasible T this close (relative)
+MAX_PAIRS = 1_000_000  # stages inside segments a pass may read: past it, the nodes that send nothing fold whatever
+# they cost (the 32-block GPT on 1,024 devices: 10.5 million pairs, 95 s a pass, at the segment DP's folding)
+PAIRS = 1 << 16  # stages from a segment's points to the pool's ends worked out at once (a few dozen arrays of
+# this many: at 1,024 devices the whole pool at once took the planning past its 600-MB budget)
+LADDER = 3.0  # until a pass fails, each steps this many times further under the plan than the one before
+
+
+class MemorySuffixDP:
+    """Per T, the fewest devices of every downset's complement within T and the memory limit."""
+
+    def __init__(self, units: Units, segs: List[Segment], opts: CostOptions, acts: np.ndarray) -> None:
+        """``acts``: per unit, the activation bytes a stage holding it surely keeps per microbatch."""
+        self.units, self.segs, self.opts = units, segs, opts
+        self.solver = ChainSolver(units, segs, opts)  # the counts that meet T
+        self.K = opts.devices
+        self.offsets = self.solver.offsets
+        self.end = np.concatenate([self.solver.end_of(s) for s in segs])
+        self.start = np.concatenate([self.solver.start_of(s) for s in segs])
+        self.params = np.concatenate([s.params for s in segs])
+        self.cut = np.concatenate([s.cut for s in segs])
+        self.shared = np.concatenate([s.shared for s in segs])
+        self.acts = np.concatenate([float(np.sum(acts[:s.units[0]])) + s.member @ acts[s.units[0]:s.units[-1] + 1]
+                                    for s in segs])
+        self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
+        self.tied = bool(units.shared)
+        self._inside: dict = {}
+
+    def _terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
+               nmax: Optional[np.ndarray] = None) -> tuple:
+        """What a pass reads of stages (gj, gi) (global points, flat arrays) besides the suffixes after
+        them: the fewest allowed count meeting T (``r_t``), the memory floor's terms (``Floors``), the
+        most replicas that meet T (``_most_replicas``) and the most devices that count lets behind the
+        stage. ``nmax``: the microbatches that fit (``order_memory.microbatches_fit``), where known.
+
+        With n microbatches fitting beside the stage's weights, a device holds ``1 + ceil(d / r) <= n``
+        for ``d`` devices behind, so ``d <= (n - 1) r`` (1F1B-flush, ZB-H1: ``W >= d`` in place of
+        ``d``); where ``ceil(M / r)`` caps the window within n, or under GPipe, d is free."""
+        params = self.params[gi] - self.params[gj]
+        if nmax is None:
+            nmax = microbatches_fit(params, self.acts[gi] - self.acts[gj], self.opts)
+        floors = Floors.of(nmax, self.opts)
+        hi = self._most_replicas(self.end[gi] - self.start[gj], params, T)
+        M = planned_microbatches(self.opts)
+        with np.errstate(invalid="ignore"):
+            cap = np.where(nmax >= 1, (nmax - 1) * hi, -1.0)
+            if self.opts.schedule == "gpipe":
+                cap = np.where(nmax >= 1, np.inf, -1.0)
+            elif M is not None:
+                cap = np.where((nmax >= 1) & (np.ceil(M / np.maximum(hi, 1)) <= nmax), np.inf, cap)
+        return np.asarray(r_t, dtype=float), floors.per, floors.last, floors.capped, hi, cap
+
+    def _through(self, terms: tuple, suf: np.ndarray, most: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """The fewest and the most devices a suffix can have through each stage of ``terms`` given the
+        fewest (``suf``) and the most (``most``) of the suffix after it; K + 1 and -1 where none.
+
+        Its replicas lie between the larger of the fewest meeting T and the memory floor with the fewest
+        devices behind, and the most meeting T; the devices behind, between the suffix's fewest and the
+        most the memory lets behind that many replicas."""
+        K = self.K
+        r_t, per, last, capped, hi, cap = terms
+        behind = np.minimum(suf, K).astype(float)
+        with np.errstate(invalid="ignore"):
+            own = np.where(behind > 0, np.ceil(behind * per), last)
+        need = np.maximum(np.minimum(own, capped), r_t)
+        at = np.searchsorted(self.allowed, need)  # the fewest allowed count from there (inf: none)
+        lo = np.where(at < self.allowed.size, self.allowed[np.minimum(at, self.allowed.size - 1)], K + 1)
+        ok = (lo <= hi) & (suf + lo <= K) & (cap >= suf)  # else no plan on K devices runs this stage
+        fewest = np.where(ok, suf + lo, K + 1)
+        most_ = np.where(ok, np.minimum(hi + np.minimum(most, np.minimum(cap, K)), K), -1)
+        return fewest, most_.astype(np.int64)
+
+    def _most_replicas(self, compute: np.ndarray, params: np.ndarray, T: float) -> np.ndarray:
+        """Per stage, the largest allowed replica count whose time meets T, or a larger count (0: none).
+
+        Under fxpipe's model the work term ``C/r + a(r-1)/r`` (``a = 2P/B``) meets T for every r from
+        its least on where ``T >= a``, else up to ``(a - C) / (a - T)``; the link term only falls with r,
+        and a tied weight's sync, left out, only adds. Under PipeDream's the work term rises and then falls
+        towards 0 as r grows: the largest allowed count, a relaxation."""
+        top = self.allowed[-1]
+        if self.opts.cost_model != "fxpipe":
+            return np.full(len(compute), top, dtype=np.int64)
+        a = 2.0 * params / self.opts.ar_bandwidth
+        with np.errstate(divide="ignore", invalid="ignore"):
+            most = np.where(T >= a, np.inf, (a - compute) / (a - T) * (1 + 1e-9))
+        at = np.searchsorted(self.allowed, np.minimum(most, top), side="right") - 1
+        return np.where(at >= 0, self.allowed[np.maximum(at, 0)], 0)
+
+    def _inside_pairs(self, a: int) -> tuple:
+        """Segment ``a``'s pairs ordered by the rank of their start, highest first (a pass from the end
+        reads a start's ends, which hold more units, once they are final), with each rank's slice and
+        the microbatches that fit each stage (the same every pass)."""
+        known = self._inside.get(a)
+        if known is None:
+            seg, off = self.segs[a], int(self.offsets[a])
+            rank = seg.member.sum(axis=1)[seg.sub_j]
+            order = np.argsort(-rank, kind="stable")
+            ranks = rank[order]
+            cuts = np.flatnonzero(np.diff(ranks)) + 1
+            bounds = np.concatenate([[0], cuts, [ranks.size]])
+            gj, gi = off + seg.sub_j[order], off + seg.sub_i[order]
+            nmax = microbatches_fit(self.params[gi] - self.params[gj], self.acts[gi] - self.acts[gj], self.opts)
+            known = (order, gj, gi, list(zip(bounds[:-1], bounds[1:])), nmax)
+            self._inside[a] = known
+        return known
+
+    def feasible(self, T: float, deadline: float = math.inf) -> bool:
+        """Whether some plan may meet T within the limit on K devices (False: none does, T is a bound)."""
+        K, solver = self.K, self.solver
+        solver.deadline = deadline
+        near = solver.inside_replicas(T)
+        G = int(self.offsets[-1])
+        suf = np.full(G, K + 1, dtype=np.int64)
+        most = np.full(G, -1, dtype=np.int64)
+        suf[G - 1] = most[G - 1] = 0  # the whole graph: nothing after it
+        pool = np.zeros(0, dtype=np.int64)  # later points that may end a stage
+        for a in range(len(self.segs) - 1, -1, -1):
+            if past(deadline):
+                raise DeadlineExceeded()
+            seg, off = self.segs[a], int(self.offsets[a])
+            d = len(seg.compute)
+            js = np.arange(off, off + d)
+            dev, top = suf[js].copy(), most[js].copy()
+            if pool.size:
+                pool = self._alive(pool, off + int(np.argmax(seg.member.sum(axis=1))), suf)
+            step = max(1, PAIRS // d)  # pool ends at a time: a pass's temporaries stay bounded
+            for k in range(0, pool.size, step):
+                ends = pool[k:k + step]
+                R = solver.fewest_replicas(self.start[js][:, None], self.params[js][:, None],
+                                           self.shared[js][:, None, :], self.cut[js][:, None], self.end[ends][None, :],
+                                           self.params[ends][None, :], self.shared[ends][None, :, :],
+                                           self.cut[ends][None, :], T)
+                shape = (d, ends.size)
+                gj, gi = np.repeat(js, ends.size), np.tile(ends, d)
+                f, m = self._through(self._terms(gj, gi, np.broadcast_to(R, shape).ravel(), T), suf[gi], most[gi])
+                dev = np.minimum(dev, f.reshape(shape).min(axis=1))
+                top = np.maximum(top, m.reshape(shape).max(axis=1))
+            if seg.sub_j.size:
+                order, gj, gi, levels, nmax = self._inside_pairs(a)
+                terms = self._terms(gj, gi, np.asarray(near[a])[order], T, nmax)
+                for lo, hi in levels:  # ends hold more units than starts: final by the time a start is read
+                    ends, starts = gi[lo:hi] - off, gj[lo:hi] - off
+                    f, m = self._through(tuple(x[lo:hi] for x in terms), dev[ends], top[ends])
+                    np.minimum.at(dev, starts, f)
+                    np.maximum.at(top, starts, m)
+            before = np.ceil(self.end[js] / T * (1 - 1e-12))  # the compute before a point needs this many
+            dead = (dev + before > K) | (top < dev)
+            dev[dead], top[dead] = K + 1, -1
+            suf[js], most[js] = dev, top
+            pool = self._next_pool(pool, js, suf, most)
+            if not pool.size:
+                return False  # no later point can end a stage from any earlier one
+        return bool(suf[0] <= K and (self.opts.fewer_devices or most[0] >= K))
+
+    def _alive(self, pool: np.ndarray, full: int, suf: np.ndarray) -> np.ndarray:
+        """The ends of ``pool`` that a stage from point ``full`` (the segment's whole, the smallest stage
+        to them from it or any earlier start) can reach: its weights and one microbatch fit, and the
+        replicas its memory needs with the fewest devices behind fit in the devices left. A stage from
+        an earlier start holds more, so an end dropped here is dropped for good."""
+        floors = Floors.of(microbatches_fit(self.params[pool] - self.params[full], self.acts[pool] - self.acts[full],
+                                            self.opts), self.opts)
+        behind = suf[pool].astype(float)
+        need = floors.least(np.arange(pool.size), behind)
+        return pool[need <= self.K - behind]
+
+    def _next_pool(self, pool: np.ndarray, js: np.ndarray, suf: np.ndarray, most: np.ndarray) -> np.ndarray:
+        """The pool with segment ``js``'s reachable points added; an older point dropped where a new one
+        (a subset of it) has no more devices after it at the least, no fewer at the most, and sends no
+        more: as an end it is no worse for every start before it (less compute, weights and activations
+        in the stage, so no fewer counts meet T and the limit). With tied weights only by a point that
+        holds the same users of each (else a smaller stage may share a weight the larger one holds whole)."""
+        new = js[suf[js] <= self.K]
+        if pool.size and new.size:
+            beats = ((suf[new][None, :] <= suf[pool][:, None]) & (most[new][None, :] >= most[pool][:, None])
+                     & (self.cut[new][None, :] <= self.cut[pool][:, None]))
+            if self.tied:  # only by a point holding the same users of every shared weight
+                beats &= (self.shared[new][None, :, :] == self.shared[pool][:, None, :]).all(axis=-1)
+            pool = pool[~beats.any(axis=1)]
+        return np.concatenate([new, pool])
+
+
+def head_acts(graph: CostGraph, units: Units) -> np.ndarray:
+    """Per unit, its first node's output bytes (0 for a model input): the unit's stage is that node's,
+    while a node folded into it may run in another stage of a plan."""
+    out = np.zeros(len(units), dtype=float)
+    for u, members in enumerate(units.members):
+        node = graph.nodes[members[0]]
+        out[u] = 0.0 if node.is_input else float(node.out_bytes)
+    return out
+
+
+def lattice(graph: CostGraph, opts: CostOptions,
+            deadline: float) -> Optional[Tuple[Units, List[Segment], float, np.ndarray]]:
+    """(units, segments, fold margin, per-unit activations) of ``graph`` for the DP, folded as the segment
+    DP folds (``segment_plan.segment_dp``); None where a segment's lattice is too wide. Not the wide
+    segments' relaxation (``wide_segments.relaxed``): the nodes it frees take their compute and
+    activations out of every stage, and on the 96-layer HF Llama the bound then stayed under the one
+    without the limit."""
+    if past(deadline):
+        return None
+    ideal = graph.total_compute_s() / opts.devices
+    for silent in (QUIET * ideal, math.inf):  # then every node that sends nothing folded, its compute dropped
+        units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=silent,
+                                     tiny_input=tiny_input(opts, ideal))
+        units.hidden = []  # compute a relaxation took off the units: dropped (the bound only weakens)
+        segs = build_segments(units, deadline=deadline)
+        if segs is None or wide_segments.too_wide(segs):
+            return None
+        if sum(s.sub_j.size for s in segs) <= MAX_PAIRS:
+            return units, segs, fold_margin(units, folded), head_acts(graph, units)
+    return None
+
+
+def memory_bound(graph: CostGraph, opts: CostOptions, floor: float, ceiling: float, deadline: float,
+                 progress: Optional[Callable[[str], None]] = None) -> Optional[float]:
+    """A proven lower bound on the bottleneck of every plan of ``graph`` within ``opts.memory`` (see the
+    module docstring), searched between ``floor`` (proven already) and ``ceiling`` (a plan's time);
+    None where it proves nothing above ``floor`` (no lattice, another schedule, or no pass in time)."""
+    opts = flat_bound(opts, fast=True)  # a two-level machine: every link at the faster bandwidth, a relaxation
+    if opts.memory is None or opts.schedule not in SCHEDULES or ceiling <= floor:
+        return None
+    if opts.schedule == "gpipe" and planned_microbatches(opts) is None:
+        return None
+    built = lattice(graph, opts, deadline)
+    if built is None:
+        return None
+    units, segs, margin, acts = built
+    dp = MemorySuffixDP(units, segs, opts, acts)
+    lo, hi = floor + margin, ceiling + margin  # on the units: their bound less the margin bounds the graph
+    proven, step, began = None, PROVE_WITHIN, time.monotonic()
+    T = ceiling / (1 + step) + margin
+    while lo < T < hi:
+        try:
+            infeasible = not dp.feasible(T, deadline)
+        except DeadlineExceeded:
+            break
+        if progress is not None:
+            progress(f"partition: within the memory limit {'no' if infeasible else 'maybe a'} plan at "
+                     f"{(T - margin) * 1e3:.4g} ms ({time.monotonic() - began:.1f} s)")
+        if infeasible:
+            lo, proven = T, T
+        else:
+            hi = T
+        if hi <= lo * (1 + TOLERANCE):
+            break
+        if proven is None:  # down a ladder from the plan until a pass fails: the bound is often close under it
+            step *= LADDER
+            T = max(ceiling / (1 + step) + margin, math.sqrt(lo * hi))
+        else:
+            T = math.sqrt(lo * hi)
+    return None if proven is None else proven - margin
+
+
+def raise_bound(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadline: float,
+                progress: Optional[Callable[[str], None]] = None) -> None:
+    """``found`` (a plan within ``opts.memory``) with its bound raised to ``memory_bound``'s where that
+    proves more, and its status OPTIMAL where the gap closes to ``OPTIMAL_GAP``."""
+    floor = max(found.bound_s, floors(graph, flat_bound(opts, fast=True)))  # a proven start for the bisection
+    lower = memory_bound(graph, opts, floor, found.bottleneck_s, deadline, progress)
+    if lower is None:
+        return
+    found.bound_s = min(max(found.bound_s, lower), found.bottleneck_s)
+    found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
