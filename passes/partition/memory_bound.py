@@ -312,10 +312,12 @@ def memory_bound(graph: CostGraph, opts: CostOptions, floor: float, ceiling: flo
 def raise_bound(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadline: float,
                 progress: Optional[Callable[[str], None]] = None) -> None:
     """``found`` (a plan within ``opts.memory``) with its bound raised to ``memory_bound``'s where that
-    proves more, and its status OPTIMAL where the gap closes to ``OPTIMAL_GAP``."""
+    proves more (its method saying so), and its status OPTIMAL where the gap closes to ``OPTIMAL_GAP``."""
     floor = max(found.bound_s, floors(graph, flat_bound(opts, fast=True)))  # a proven start for the bisection
     lower = memory_bound(graph, opts, floor, found.bottleneck_s, deadline, progress)
     if lower is None:
         return
-    found.bound_s = min(max(found.bound_s, lower), found.bottleneck_s)
+    if lower > found.bound_s:
+        found.bound_s = min(lower, found.bottleneck_s)
+        found.method += ", bound within the limit"  # the solver line says which bound it states
     found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
