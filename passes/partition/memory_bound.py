@@ -261,8 +261,8 @@ def lattice(graph: CostGraph, opts: CostOptions,
         units, folded = folded_units(graph, opts, tiny=1e-5 * ideal, tiny_silent=silent,
                                      tiny_input=tiny_input(opts, ideal))
         units.hidden = []  # compute a relaxation took off the units: dropped (the bound only weakens)
-        segs = build_segments(units, deadline=deadline)
-        if segs is None or wide_segments.too_wide(segs):
+        segs = build_segments(units, limit=wide_segments.LIMIT, deadline=deadline)  # stops at a wide one
+        if segs is None:
             return None
         if sum(s.sub_j.size for s in segs) <= MAX_PAIRS:
             return units, segs, fold_margin(units, folded), head_acts(graph, units)
