@@ -108,6 +108,10 @@ class Plan:
         if solver.get("memory_stop_mb") is not None:
             lines[-1] += (f"; the searches stopped at the memory limit ({float(solver['memory_stop_mb']):.0f} MB), "
                           "before the time limit")
+        fewer = solver.get("fewer_devices")
+        if fewer:  # under --memory the walk's plan on fewer devices was faster (``driver._fewer_hint``)
+            lines.append(f"within the same memory a plan on {fewer['devices']} of the {self.devices} devices runs "
+                         f"{float(fewer['bottleneck_s']) * 1e3:.3f} ms per microbatch: --fewer-devices plans for it")
         levels = solver.get("pipedream_hierarchical")
         if levels:
             lines.append(f"PipeDream's hierarchical optimizer (levels solved one after another): "

@@ -4,7 +4,7 @@ costs most of a second of start-up (it loads pandas)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from passes.errors import FxpipeError
 from passes.partition.costmodel import CostOptions, StagePlan
@@ -46,6 +46,9 @@ class PartitionResult:
     method: str = "CP-SAT"  # or "segment DP" (segments.py, chain.py) or "downset DP" (downsets.py)
     hierarchical: Optional[Dict[str, object]] = None  # PipeDream's level-by-level answer (pipedream model, G set)
     memory_stop_mb: Optional[float] = None  # the searches stopped at the planning memory budget, at this RSS
+    # under --memory without --fewer-devices: (devices, bottleneck s) of a faster plan the walk found on fewer
+    # devices within the same limit (``driver._fewer_hint``), for the user to weigh; None where none is faster
+    fewer: Optional[Tuple[int, float]] = None
 
     @property
     def gap(self) -> float:
@@ -59,4 +62,6 @@ class PartitionResult:
         return {"status": self.status, "objective_s": self.bottleneck_s, "bound_s": self.bound_s,
                 "gap": self.gap, "wall_s": self.wall_s, "units": self.units, "heuristic_s": self.heuristic_s,
                 "method": self.method, **({"pipedream_hierarchical": self.hierarchical} if self.hierarchical else {}),
-                **({"memory_stop_mb": self.memory_stop_mb} if self.memory_stop_mb is not None else {})}
+                **({"memory_stop_mb": self.memory_stop_mb} if self.memory_stop_mb is not None else {}),
+                **({"fewer_devices": {"devices": self.fewer[0], "bottleneck_s": self.fewer[1]}}
+                   if self.fewer is not None else {})}
