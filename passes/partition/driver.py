@@ -387,8 +387,8 @@ MEMORY_FINER = 1.2  # and at least this many times the coarse units (else the co
 MEMORY_SLOW_SHARE = 0.6  # on a two-level machine, the walk under the slower flat model gets this share of its time;
 MEMORY_LOOSE = 0.9  # no finer pass where the coarse plan's peak stays under this share of the limit (it did not
 # bind: the segment DP without it, whose plan then fits, gets the time)
-MEMORY_FEWER_SHARE = 0.05  # of the time after the walk, for its plan on fewer devices (``_fewer_hint``), shown
-MEMORY_FEWER_GAIN = 0.05  # where it is this much faster than the plan on all K
+MEMORY_FEWER_SHARE = 0.25  # of the time the bound leaves, for the walk's plan on fewer devices (``_fewer_hint``),
+MEMORY_FEWER_GAIN = 0.05  # shown where it is this much faster than the plan on all K
 MEMORY_BOUND_SHARE = 0.8  # of the time the segment DP without the limit leaves, for the bound that knows the limit
 # (``memory_bound``) where it binds; CP-SAT gets the rest
 
@@ -412,13 +412,21 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     least = least_memory(units, flat_bound(opts, fast=False), walk_by) if walked is None else None
     if walked is None and placed_machine:
         return None, least
+    walked = _chained_and_bounded(graph, opts, start, deadline, progress, prove_by, walked)
     fewer = _fewer_hint(graph, units, opts, walked, start,
                         time.monotonic() + MEMORY_FEWER_SHARE * (deadline - time.monotonic()))
-    found, least = _searched_within(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above,
-                                    downset_limit, progress, prove_by, walked, least)
-    if found is not None and fewer is not None and fewer[1] < found.bottleneck_s * (1 - MEMORY_FEWER_GAIN):
+    found = walked
+    if walked is None or not (placed_machine or walked.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
+        try:
+            other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, "auto",
+                             downset_limit, progress, walked)
+            found = _better(walked, other)
+        except InfeasibleError as err:
+            if walked is None:
+                raise _with_least(err, opts, least) from None
+    if fewer is not None and fewer[1] < found.bottleneck_s * (1 - MEMORY_FEWER_GAIN):
         found.fewer = fewer
-    return found, least
+    return found, None
 
 
 def _fewer_hint(graph: CostGraph, units: Units, opts: CostOptions, walked: Optional[PartitionResult], start: float,
@@ -426,25 +434,24 @@ def _fewer_hint(graph: CostGraph, units: Units, opts: CostOptions, walked: Optio
     """(devices, bottleneck s) of the walk's plan on at most K devices (``fewer_devices``) within the limit,
     where ``--fewer-devices`` is not given: on K devices every device must take replicas, which raise the
     microbatches in flight of the stages before them, and where no stage can take them the plan slows
-    (gnmt_large on 256 devices under 4 GB: 211 ms, a plan on 64 devices 76.8 ms). None where it is not
-    asked or finds none."""
+    (gnmt_large on 256 devices under 4 GB: 211 ms, the walk's plan on 10 devices 76.8 ms). None where it
+    is not asked or finds none on fewer devices."""
     if opts.fewer_devices or walked is None:
         return None
     loose = dataclasses.replace(opts, fewer_devices=True)
     plan = memory_order_dp(units, flat_bound(loose, fast=False), deadline)
     scored = _walk_scored(graph, units, loose, plan, start)
-    return None if scored is None else (sum(scored.replicas), scored.bottleneck_s)
+    if scored is None or sum(scored.replicas) >= opts.devices:
+        return None
+    return sum(scored.replicas), scored.bottleneck_s
 
 
-def _searched_within(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
-                     time_limit: float, workers: int, coarsen_above: int, downset_limit: Optional[int], progress,
-                     prove_by: Optional[float], walked: Optional[PartitionResult],
-                     least: Optional[int]) -> Tuple[Optional[PartitionResult], Optional[int]]:
-    """``_within_memory`` after the walk (``walked``, None where it found no plan; ``least``: the memory it
-    fits a plan in, for the error)."""
-    placed_machine = opts.gpus_per_node is not None
+def _chained_and_bounded(graph: CostGraph, opts: CostOptions, start: float, deadline: float, progress,
+                         prove_by: Optional[float], walked: Optional[PartitionResult]) -> Optional[PartitionResult]:
+    """The walk's plan (``walked``, None where it found none) after the segment DP without the limit (its
+    bound, and its plan where that fits and is faster) and, where the limit binds, the bound that knows it."""
     free = dataclasses.replace(opts, memory=None, microbatches=opts.num_microbatches)
-    if placed_machine:
+    if opts.gpus_per_node is not None:
         chained = _placed_chain(graph, free, start, deadline, progress, prove_by)
         if chained is None and segment_plan.is_deep(graph, free):
             chained = _flat_wide(graph, free, start, deadline)
@@ -466,16 +473,7 @@ def _searched_within(graph: CostGraph, fine: Units, opts: CostOptions, start: fl
         # the limit binds: a bound that knows it, from the one without it up
         raise_bound(graph, opts, walked, time.monotonic() + MEMORY_BOUND_SHARE * (deadline - time.monotonic()),
                     progress)
-    if walked is not None and (placed_machine or walked.status == "OPTIMAL" or deadline - time.monotonic() < 0.5):
-        return walked, None
-    try:
-        other = _general(graph, fine, opts, start, deadline, time_limit, workers, coarsen_above, "auto",
-                         downset_limit, progress, walked)
-    except InfeasibleError as err:
-        if walked is not None:
-            return walked, None
-        raise _with_least(err, opts, least) from None
-    return _better(walked, other), None
+    return walked
 
 
 def _with_least(err: InfeasibleError, opts: CostOptions, least: Optional[int]) -> InfeasibleError:

@@ -279,7 +279,7 @@ def range_count(units: Units, opts: CostOptions, order: Sequence[int]) -> int:
 def _last_ends(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> np.ndarray:
     """Per start s, the last end e of a range whose untied weights and one microbatch of activations fit."""
     n = len(par) - 1
-    reach = par * weight_copies(opts, 1) + acts  # nondecreasing: a range's need is reach[e] - reach[s]
+    reach = par * _weight_copies(opts, 1) + acts  # nondecreasing: a range's need is reach[e] - reach[s]
     last = np.searchsorted(reach, reach + float(opts.memory) * (1 + SLACK), side="right") - 1
     return np.minimum(np.maximum(last, np.arange(n + 1)), n)
 
@@ -296,7 +296,7 @@ def _ranges_within(par: np.ndarray, acts: np.ndarray, opts: CostOptions) -> Tupl
     return ss, ee
 
 
-def weight_copies(opts: CostOptions, n: int) -> float:
+def _weight_copies(opts: CostOptions, n: int) -> float:
     """Copies of its weights a device holds with n microbatches in flight: the versions kept
     (``costmodel.weight_versions``: one per microbatch under 1F1B-stash, two under 2BW, else one), a
     gradient buffer and the optimizer state."""
@@ -311,9 +311,9 @@ def microbatches_fit(params: np.ndarray, acts: np.ndarray, opts: CostOptions) ->
     limit = float(opts.memory)
     with np.errstate(divide="ignore", invalid="ignore"):
         if opts.schedule == "1f1b-stash":  # weights x (n + extra) + acts x n
-            room, per = limit - params * weight_copies(opts, 0), params + acts
+            room, per = limit - params * _weight_copies(opts, 0), params + acts
         else:
-            room, per = limit - params * weight_copies(opts, 0), acts
+            room, per = limit - params * _weight_copies(opts, 0), acts
         most = np.where(per > 0, np.floor(room / per + SLACK), np.where(room >= 0, np.inf, -1.0))
     return most
 
