@@ -353,7 +353,11 @@ def least_memory(units: Units, opts: CostOptions, deadline: float = math.inf) ->
     """The least ``--memory`` (within ``LEAST_TOLERANCE``) under which the walk finds a plan of the first
     topological order at any T, for the message that says no plan fits; None where the deadline passes
     first. Geometric bisection between a limit no plan meets (every device holds at least one unit's
-    weights and one microbatch of its activations) and one that the walk meets (doubled until it does)."""
+    weights and one microbatch of its activations) and one that the walk meets (doubled until it does).
+    None too for a schedule the walk does not know (ZB-H1: its windows are not the walk's, and the memory it
+    found was below limits no plan met)."""
+    if opts.schedule not in SCHEDULES:
+        return None
     order = topo_orders(units)[0]
     extra = 1.0 + opts.optimizer_state
     lo = max(1.0, max(p * (1 + extra) + a for p, a in zip(units.param_bytes, units.act_bytes)) - 1)

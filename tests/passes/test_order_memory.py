@@ -220,3 +220,21 @@ def test_the_least_memory_on_coarsened_units_is_not_called_proven():
     with pytest.raises(InfeasibleError, match="a plan fits in") as info:
         partition(deep_gpt(96), 8, time_limit=6, memory=268_000_000, solver="cpsat")
     assert "; proven the least" not in str(info.value) and "not proven the least" in str(info.value)
+
+
+def test_no_least_memory_below_the_limit_for_a_schedule_the_walk_does_not_know():
+    """ZB-H1 (every stage holds the deepest window) is not walked, yet its error stated the walk's least
+    memory under 1F1B-flush's windows: "no plan fits in 256 MiB ... a plan fits in 81.1 MiB" (the 32-block
+    GPT on 64 devices)."""
+    from tools.bench.partition_scale import deep_gpt
+
+    g, limit = deep_gpt(32), 2**28
+    try:
+        res = partition(g, 64, time_limit=5, memory=limit, schedule="zb-h1")
+    except InfeasibleError as err:
+        stated = re.search(r"a plan fits in [^(]*\((\d+) bytes\)", str(err))
+        assert stated is None or int(stated[1]) > limit
+    else:
+        assert max(st.memory_bytes for st in res.stages) <= limit
+    opts = CostOptions(devices=64, memory=limit, schedule="zb-h1")
+    assert order_memory.least_memory(_units(g, opts), opts) is None
