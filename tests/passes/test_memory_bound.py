@@ -53,9 +53,8 @@ def _lowest_feasible(g, opts, best: float) -> float:
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("seed", range(15))
 def test_no_plan_within_the_limit_is_faster_than_the_bound(seed, chain):
-    case = _case(seed, chain)
-    if case is None:
-        pytest.skip("no plan on this graph")
+    case = next(c for c in (_case(s, chain) for s in range(seed, seed + 1000, 15)) if c is not None)  # the
+    # next seed of the same residue where the graph has a plan
     g, opts, best = case
     assert _lowest_feasible(g, opts, best) <= best * (1 + 1e-9)
     found = memory_bound.memory_bound(g, opts, best / 50, best * 1.2, math.inf)
