@@ -820,12 +820,16 @@ class ChainSolver:
     def plan(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
         """Stage per unit and replicas, walking back from the full set."""
         chain, reps = self._walk(back)
+        return self.stages_of(chain), reps
+
+    def stages_of(self, chain: List[int]) -> List[int]:
+        """Stage per unit of the stages between consecutive points of ``chain`` (from the empty one)."""
         stage_of = [0] * len(self.units)
-        for s in range(len(reps)):
+        for s in range(len(chain) - 1):
             inside = self._members(chain[s + 1]) & ~self._members(chain[s])
             for u in np.nonzero(inside)[0]:
                 stage_of[u] = s
-        return stage_of, reps
+        return stage_of
 
     def _walk(self, back: np.ndarray) -> Tuple[List[int], List[int]]:
         """The points that end each stage (from the empty one) and the stages' replicas."""

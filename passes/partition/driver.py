@@ -30,13 +30,12 @@ from passes.partition.costmodel import CostOptions, evaluate, flat_bound, tied_w
 from passes.partition.heuristic import Solution, topo_orders
 from passes.partition.order_bisect import best_order_dp
 from passes.partition.order_memory import Walk, least_memory, memory_order_dp, range_count
-from passes.partition.memory_bound import raise_bound
 from passes.partition.memory_guard import MemoryGuard, past, planning
 from passes.partition.result import OPTIMAL_GAP, InfeasibleError, PartitionResult, SolveResult
 from passes.partition.segment_plan import QUIET, QUIET_PLACED, chain_plan
 from passes.partition.work_floor import work_floor
-from passes.partition import (anchors, branchy, node_floor, order_placed, placed, polish, segment_plan, stash_counts,
-                              stash_ties, uniform)
+from passes.partition import (anchors, branchy, memory_bound, memory_plan, node_floor, order_placed, placed, polish,
+                              segment_plan, stash_counts, stash_ties, uniform)
 from passes.partition.model_nodes import slots_of, walls_modelled
 
 GENERAL_SHARE = 0.5  # of the time left after an unproven segment DP plan, for CP-SAT on coarsened units: it
@@ -375,7 +374,9 @@ def _better(chained: Optional[PartitionResult], other: PartitionResult) -> Parti
 
 
 # Under --memory (``_within_memory``, ``_memory_walk``): the order DP's walk (``order_memory``) gets at most
-MEMORY_WALK_SHARE = 0.5  # of the search time, first on coarse units:
+MEMORY_WALK_SHARE = 0.5  # of the search time (MEMORY_WALK_READ_SHARE, and on coarse units alone, where the bound's
+MEMORY_WALK_READ_SHARE = 0.15  # DP reads plans too, ``memory_plan``: on the 96-block GPT under 256 MiB on 256 devices
+# its plans were 18 % faster), first on coarse units:
 MEMORY_UNITS = 800  # at most about this many (``coarsen``'s target; a step of T walks every range of them),
 MEMORY_UNIT_MOST = 3.2  # each of up to this many x sum C / K of compute (the 96-layer Llama on 256 devices under
 # 600 MB: 842 units, 0.15 s a step, plan 1.3 % slower than on 2,514 units, 0.6 s a step; 435 units 3.4 %);
@@ -389,6 +390,11 @@ MEMORY_LOOSE = 0.9  # no finer pass where the coarse plan's peak stays under thi
 # bind: the segment DP without it, whose plan then fits, gets the time)
 MEMORY_FEWER_SHARE = 0.25  # of the time the bound leaves, for the walk's plan on fewer devices (``_fewer_hint``),
 MEMORY_FEWER_GAIN = 0.05  # shown where it is this much faster than the plan on all K
+MEMORY_READ_FIRST = 256  # up to this many devices (on more, its passes took 2x as long and its reads under 1F1B-flush
+# failed more often, the windows rounding up over many replicas: the 96-block GPT on 1,024 devices read 6.05 ms
+# where the walk on finer units finds 3.33; there it reads plans after the walk, as a bound)
+MEMORY_FREE_SHARE = 0.15  # of the time the walk leaves, for the segment DP without the limit where the bound's DP
+# reads plans within it (the limit binds where they are read: the plan without it seldom fits)
 MEMORY_BOUND_SHARE = 0.8  # of the time the segment DP without the limit leaves, for the bound that knows the limit
 # (``memory_bound``) where it binds; CP-SAT gets the rest
 
@@ -405,14 +411,16 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     with None beside it, and the walk's plan on fewer devices where that is faster (``_fewer_hint``); on a
     two-level machine where the walk found no plan, (None, the least memory it fits a plan in) (``_placed``
     then searches as before, and says that memory if it finds none)."""
-    walk_by = start + MEMORY_WALK_SHARE * (deadline - start)
-    walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress)
+    built = memory_bound.lattice(graph, flat_bound(opts, fast=True), deadline) \
+        if memory_plan.reads(opts) and opts.devices <= MEMORY_READ_FIRST else None
+    walk_by = start + (MEMORY_WALK_READ_SHARE if built is not None else MEMORY_WALK_SHARE) * (deadline - start)
+    walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress, finer=built is None)
     placed_machine = opts.gpus_per_node is not None
     # for the message if none fits (the bandwidths change no plan's memory: the flat model's walk says it)
     least = least_memory(units, flat_bound(opts, fast=False), walk_by) if walked is None else None
     if walked is None and placed_machine:
         return None, least
-    walked = _chained_and_bounded(graph, opts, start, deadline, progress, prove_by, walked)
+    walked = _chained_and_bounded(graph, opts, start, deadline, progress, prove_by, walked, built)
     fewer = _fewer_hint(graph, units, opts, walked, start,
                         time.monotonic() + MEMORY_FEWER_SHARE * (deadline - time.monotonic()))
     found = walked
@@ -447,16 +455,19 @@ def _fewer_hint(graph: CostGraph, units: Units, opts: CostOptions, walked: Optio
 
 
 def _chained_and_bounded(graph: CostGraph, opts: CostOptions, start: float, deadline: float, progress,
-                         prove_by: Optional[float], walked: Optional[PartitionResult]) -> Optional[PartitionResult]:
+                         prove_by: Optional[float], walked: Optional[PartitionResult],
+                         built: Optional[tuple] = None) -> Optional[PartitionResult]:
     """The walk's plan (``walked``, None where it found none) after the segment DP without the limit (its
-    bound, and its plan where that fits and is faster) and, where the limit binds, the bound that knows it."""
+    bound, and its plan where that fits and is faster) and, where the limit binds, the bound that knows it
+    (on ``built``, ``memory_bound.lattice``'s answer where the caller has it), with the plans its DP reads."""
     free = dataclasses.replace(opts, memory=None, microbatches=opts.num_microbatches)
     if opts.gpus_per_node is not None:
         chained = _placed_chain(graph, free, start, deadline, progress, prove_by)
         if chained is None and segment_plan.is_deep(graph, free):
             chained = _flat_wide(graph, free, start, deadline)
-    else:
-        chained = chain_plan(graph, free, start, deadline, prove_by=prove_by, progress=progress)
+    else:  # where the bound's DP reads plans within the limit, a share of the time: its floor is all it adds
+        by = deadline if built is None else time.monotonic() + MEMORY_FREE_SHARE * (deadline - time.monotonic())
+        chained = chain_plan(graph, free, start, by, prove_by=prove_by if built is None else None, progress=progress)
     if chained is not None:
         bound = chained.bound_s
         if walked is not None:  # the bound without the limit bounds every plan within it
@@ -471,8 +482,8 @@ def _chained_and_bounded(graph: CostGraph, opts: CostOptions, start: float, dead
             walked = _better(fits, walked) if walked is not None else fits  # ties: the segment DP's plan
     if walked is not None and walked.status != "OPTIMAL" and _peak(walked) >= MEMORY_LOOSE * opts.memory:
         # the limit binds: a bound that knows it, from the one without it up
-        raise_bound(graph, opts, walked, time.monotonic() + MEMORY_BOUND_SHARE * (deadline - time.monotonic()),
-                    progress)
+        memory_bound.raise_bound(graph, opts, walked,
+                                 time.monotonic() + MEMORY_BOUND_SHARE * (deadline - time.monotonic()), progress, built)
     return walked
 
 
@@ -485,7 +496,7 @@ def _with_least(err: InfeasibleError, opts: CostOptions, least: Optional[int]) -
 
 
 def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: float, coarsen_above: int,
-                 progress) -> tuple:
+                 progress, finer: bool = True) -> tuple:
     """(plan, units): the order DP's plan within ``opts.memory`` (``order_memory``), scored on ``graph``
     under ``opts``, and the coarse units it walked first; the plan None where it finds none, or where
     ``evaluate`` finds it over the limit (the units' sums are the DP's).
@@ -498,12 +509,14 @@ def _memory_walk(graph: CostGraph, opts: CostOptions, start: float, deadline: fl
     faster on the machine is kept."""
     flat = flat_bound(opts, fast=False)  # a two-level machine's units would keep its node walls: 2,598 for 1,314
     units = coarsen(graph, flat, target=max(coarsen_above, MEMORY_UNITS), deadline=deadline, most=MEMORY_UNIT_MOST)
-    fine = coarsen(graph, flat, target=coarsen_above, deadline=deadline)
-    order = topo_orders(fine)[0]
-    if range_count(fine, flat, order) > MEMORY_RANGES:  # as many units as that holds
-        fine = coarsen(graph, flat, target=int(math.sqrt(2 * MEMORY_RANGES)), deadline=deadline, most=MEMORY_UNIT_MOST)
+    if finer:  # (not where the bound's DP reads plans: its lattice is finer still)
+        fine = coarsen(graph, flat, target=coarsen_above, deadline=deadline)
         order = topo_orders(fine)[0]
-    finer = len(fine) > MEMORY_FINER * len(units) and range_count(fine, flat, order) <= MEMORY_RANGES
+        if range_count(fine, flat, order) > MEMORY_RANGES:  # as many units as that holds
+            fine = coarsen(graph, flat, target=int(math.sqrt(2 * MEMORY_RANGES)), deadline=deadline,
+                           most=MEMORY_UNIT_MOST)
+            order = topo_orders(fine)[0]
+        finer = len(fine) > MEMORY_FINER * len(units) and range_count(fine, flat, order) <= MEMORY_RANGES
     # a two-level machine: the slower flat model first (its plans cost no more placed than it charges them), with
     # MEMORY_SLOW_SHARE of the time, then the faster one (its plans can be faster placed: the 96-block GPT on
     # 1,024 devices, 3.23 against 3.36 ms)

@@ -50,6 +50,7 @@ from passes.partition.chain import ChainSolver, DeadlineExceeded
 from passes.partition.coarsen import Units
 from passes.partition.costmodel import CostOptions, flat_bound, planned_microbatches
 from passes.partition.memory_guard import past
+from passes.partition.memory_plan import chain_restricted, read_plan, reads
 from passes.partition.order_memory import Floors, microbatches_fit
 from passes.partition.result import OPTIMAL_GAP, PartitionResult
 from passes.partition.segment_plan import QUIET, floors, tiny_input
@@ -63,6 +64,8 @@ MAX_PAIRS = 1_000_000  # stages inside segments a pass may read: past it, the no
 PAIRS = 1 << 16  # stages from a segment's points to the pool's ends worked out at once (a few dozen arrays of
 # this many: at 1,024 devices the whole pool at once took the planning past its 600-MB budget)
 LADDER = 3.0  # until a pass fails, each steps this many times further under the plan than the one before
+CHAIN_SHARE = 0.6  # of the time, for plans on the chain-restricted lattice first
+CHAIN_TOLERANCE = 5e-3  # ... whose search stops with its plan this close (relative) over the lowest T that failed
 
 
 class MemorySuffixDP:
@@ -85,7 +88,7 @@ class MemorySuffixDP:
         self.tied = bool(units.shared)
         self._inside: dict = {}
 
-    def _terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
+    def stage_terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
                nmax: Optional[np.ndarray] = None) -> tuple:
         """What a pass reads of stages (gj, gi) (global points, flat arrays) besides the suffixes after
         them: the fewest allowed count meeting T (``r_t``), the memory floor's terms (``Floors``), the
@@ -170,6 +173,7 @@ class MemorySuffixDP:
         suf = np.full(G, K + 1, dtype=np.int64)
         most = np.full(G, -1, dtype=np.int64)
         suf[G - 1] = most[G - 1] = 0  # the whole graph: nothing after it
+        self.suf, self.most = suf, most  # the pass's answer per point, for ``plan``
         pool = np.zeros(0, dtype=np.int64)  # later points that may end a stage
         for a in range(len(self.segs) - 1, -1, -1):
             if past(deadline):
@@ -189,12 +193,12 @@ class MemorySuffixDP:
                                            self.cut[ends][None, :], T)
                 shape = (d, ends.size)
                 gj, gi = np.repeat(js, ends.size), np.tile(ends, d)
-                f, m = self._through(self._terms(gj, gi, np.broadcast_to(R, shape).ravel(), T), suf[gi], most[gi])
+                f, m = self._through(self.stage_terms(gj, gi, np.broadcast_to(R, shape).ravel(), T), suf[gi], most[gi])
                 dev = np.minimum(dev, f.reshape(shape).min(axis=1))
                 top = np.maximum(top, m.reshape(shape).max(axis=1))
             if seg.sub_j.size:
                 order, gj, gi, levels, nmax = self._inside_pairs(a)
-                terms = self._terms(gj, gi, np.asarray(near[a])[order], T, nmax)
+                terms = self.stage_terms(gj, gi, np.asarray(near[a])[order], T, nmax)
                 for lo, hi in levels:  # ends hold more units than starts: final by the time a start is read
                     ends, starts = gi[lo:hi] - off, gj[lo:hi] - off
                     f, m = self._through(tuple(x[lo:hi] for x in terms), dev[ends], top[ends])
@@ -268,55 +272,139 @@ def lattice(graph: CostGraph, opts: CostOptions,
     return None
 
 
+class Descent:
+    """The T a search tries next: down a ladder from the plan (``PROVE_WITHIN``, then ``LADDER`` times
+    further each time) until a pass fails, then bisection between the highest failed T and the lowest
+    that held; a plan read back lowers the ceiling, and the ladder starts again under it."""
+
+    def __init__(self, lo: float, ceiling: float, margin: float, step: float = PROVE_WITHIN) -> None:
+        self.lo, self.hi, self.margin, self.first = lo, ceiling + margin, margin, step
+        self.ceiling, self.step, self.failed = ceiling, step, False
+
+    def next(self) -> float:
+        if self.failed:
+            return math.sqrt(self.lo * self.hi)
+        return max(self.ceiling / (1 + self.step) + self.margin, math.sqrt(self.lo * self.hi))
+
+    def fail(self, T: float) -> None:
+        self.lo, self.failed = T, True
+
+    def hold(self, T: float, plan_s: Optional[float], restart: bool = False) -> None:
+        """T held; ``plan_s``: a plan read back there (seconds), or None; ``restart``: the ladder starts
+        again under a faster plan (a proof is tried 1 % under it), else it goes on growing."""
+        if plan_s is not None and plan_s < self.ceiling:
+            self.ceiling = plan_s
+            if restart:
+                self.step = self.first / LADDER
+        self.hi = min(T, self.ceiling + self.margin)
+        self.step *= LADDER
+
+    def done(self, T: float, tolerance: float = TOLERANCE) -> bool:
+        return self.hi <= self.lo * (1 + tolerance) or not self.lo < T < self.hi
+
+
 def memory_bound(graph: CostGraph, opts: CostOptions, floor: float, ceiling: float, deadline: float,
-                 progress: Optional[Callable[[str], None]] = None) -> Optional[float]:
-    """A proven lower bound on the bottleneck of every plan of ``graph`` within ``opts.memory`` (see the
-    module docstring), searched between ``floor`` (proven already) and ``ceiling`` (a plan's time);
-    None where it proves nothing above ``floor`` (no lattice, another schedule, or no pass in time)."""
+                 progress: Optional[Callable[[str], None]] = None, real: Optional[CostOptions] = None,
+                 built: Optional[tuple] = None) -> tuple:
+    """(bound, plan): a proven lower bound on the bottleneck of every plan of ``graph`` within
+    ``opts.memory`` (see the module docstring), searched between ``floor`` (proven already) and
+    ``ceiling`` (a plan's time), None where it proves nothing above ``floor`` (no lattice, another
+    schedule, or no pass in time); and the fastest plan faster than ``ceiling`` read back from the
+    feasible passes (``memory_plan.read_plan``, scored under ``real``, the caller's options: (assignment,
+    replicas, evaluation)), None where none is. ``built``: ``lattice``'s answer for ``opts`` where the caller has it.
+
+    First the same DP on one chain of points per segment (``memory_plan.chain_restricted``: a
+    restriction, passes a third as long, whose failures prove nothing) looks for faster plans with
+    ``CHAIN_SHARE`` of the time; then the whole lattice, from 1 % under the fastest plan: where that
+    pass fails the plan is proven."""
+    real = opts if real is None else real
     opts = flat_bound(opts, fast=True)  # a two-level machine: every link at the faster bandwidth, a relaxation
     if opts.memory is None or opts.schedule not in SCHEDULES or ceiling <= floor:
-        return None
+        return None, None
     if opts.schedule == "gpipe" and planned_microbatches(opts) is None:
-        return None
-    built = lattice(graph, opts, deadline)
+        return None, None
+    built = lattice(graph, opts, deadline) if built is None else built
     if built is None:
-        return None
+        return None, None
     units, segs, margin, acts = built
     dp = MemorySuffixDP(units, segs, opts, acts)
-    lo, hi = floor + margin, ceiling + margin  # on the units: their bound less the margin bounds the graph
-    proven, step, began = None, PROVE_WITHIN, time.monotonic()
-    T = ceiling / (1 + step) + margin
-    while lo < T < hi:
+    began = time.monotonic()
+    said = _said(progress, began, margin)
+    search = Descent(floor + margin, ceiling, margin)  # on the units: their bound less the margin bounds the graph
+    best = None
+    if reads(real):  # faster plans first, from the chain's quicker passes
+        chain = MemorySuffixDP(units, chain_restricted(segs), opts, acts)
+        best = _chain_plans(chain, search, graph, units, real, began + CHAIN_SHARE * (deadline - began), said)
+    proven = None
+    T = search.next()
+    while not search.done(T):
         try:
             infeasible = not dp.feasible(T, deadline)
         except DeadlineExceeded:
             break
-        if progress is not None:
-            progress(f"partition: within the memory limit {'no' if infeasible else 'maybe a'} plan at "
-                     f"{(T - margin) * 1e3:.4g} ms ({time.monotonic() - began:.1f} s)")
+        read = None if infeasible else read_plan(dp, T, graph, units, real, deadline)
+        faster = read is not None and read[2].bottleneck_s < search.ceiling
+        best = read if faster else best
+        said("", T, infeasible, read if faster else None)
         if infeasible:
-            lo, proven = T, T
+            search.fail(T)
+            proven = T
         else:
-            hi = T
-        if hi <= lo * (1 + TOLERANCE):
+            search.hold(T, None if read is None else read[2].bottleneck_s)
+        T = search.next()
+    return (None if proven is None else proven - margin), best
+
+
+def _chain_plans(dp: MemorySuffixDP, outer: Descent, graph: CostGraph, units: Units, real: CostOptions,
+                 until: float, said) -> Optional[tuple]:
+    """The fastest plan read back from the chain-restricted ``dp`` under ``outer``'s ceiling (its own
+    descent from there, down to ``outer``'s proven floor), which it lowers; None where none is faster."""
+    search = Descent(outer.lo, outer.ceiling, outer.margin)
+    best = None
+    T = search.next()
+    while not search.done(T, CHAIN_TOLERANCE) and not past(until):
+        try:
+            held = dp.feasible(T, until)
+        except DeadlineExceeded:
             break
-        if proven is None:  # down a ladder from the plan until a pass fails: the bound is often close under it
-            step *= LADDER
-            T = max(ceiling / (1 + step) + margin, math.sqrt(lo * hi))
+        read = read_plan(dp, T, graph, units, real, until) if held else None
+        said("on a chain of points ", T, read is None, read)
+        if read is None:
+            search.fail(T)  # no plan on the chain: the whole lattice may still hold one
         else:
-            T = math.sqrt(lo * hi)
-    return None if proven is None else proven - margin
+            search.hold(T, read[2].bottleneck_s)
+            if read[2].bottleneck_s < outer.ceiling:
+                best = read
+                outer.hold(outer.hi, read[2].bottleneck_s, restart=True)
+        T = search.next()
+    return best
+
+
+def _said(progress: Optional[Callable[[str], None]], began: float, margin: float):
+    """A progress line per pass (nothing where ``progress`` is None)."""
+    def say(where: str, T: float, failed: bool, read) -> None:
+        if progress is not None:
+            progress(f"partition: within the memory limit {where}{'no' if failed else 'maybe a'} plan at "
+                     f"{(T - margin) * 1e3:.4g} ms" + (f", a plan of {read[2].bottleneck_s * 1e3:.4g} ms read back"
+                                                         if read is not None else "")
+                     + f" ({time.monotonic() - began:.1f} s)")
+    return say
 
 
 def raise_bound(graph: CostGraph, opts: CostOptions, found: PartitionResult, deadline: float,
-                progress: Optional[Callable[[str], None]] = None) -> None:
+                progress: Optional[Callable[[str], None]] = None, built: Optional[tuple] = None) -> None:
     """``found`` (a plan within ``opts.memory``) with its bound raised to ``memory_bound``'s where that
-    proves more (its method saying so), and its status OPTIMAL where the gap closes to ``OPTIMAL_GAP``."""
+    proves more, its plan replaced by the one read back from the bound's DP where that is faster (its
+    method saying each), and its status OPTIMAL where the gap closes to ``OPTIMAL_GAP``."""
     floor = max(found.bound_s, floors(graph, flat_bound(opts, fast=True)))  # a proven start for the bisection
-    lower = memory_bound(graph, opts, floor, found.bottleneck_s, deadline, progress)
-    if lower is None:
-        return
-    if lower > found.bound_s:
+    lower, read = memory_bound(graph, opts, floor, found.bottleneck_s, deadline, progress, built=built)
+    if read is not None and read[2].bottleneck_s < found.bottleneck_s:
+        assignment, replicas, ev = read
+        found.assignment, found.replicas, found.stages = assignment, list(replicas), ev.stages
+        found.bottleneck_s = found.objective_s = ev.bottleneck_s
+        found.bound_s = min(found.bound_s, found.bottleneck_s)
+        found.method = "bound's DP within memory"  # the plan is the DP's now, not the walk's
+    if lower is not None and lower > found.bound_s:
         found.bound_s = min(lower, found.bottleneck_s)
         found.method += ", bound within the limit"  # the solver line says which bound it states
     found.status = "OPTIMAL" if found.gap <= OPTIMAL_GAP else "FEASIBLE"
