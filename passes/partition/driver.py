@@ -375,7 +375,7 @@ def _better(chained: Optional[PartitionResult], other: PartitionResult) -> Parti
 
 # Under --memory (``_within_memory``, ``_memory_walk``): the order DP's walk (``order_memory``) gets at most
 MEMORY_WALK_SHARE = 0.5  # of the search time (MEMORY_WALK_READ_SHARE, and on coarse units alone, where the bound's
-MEMORY_WALK_READ_SHARE = 0.15  # DP reads plans too, ``memory_plan``: on the 96-block GPT under 256 MiB on 256 devices
+MEMORY_WALK_READ_SHARE = 0.1  # DP reads plans too, ``memory_plan``: on the 96-block GPT under 256 MiB on 256 devices
 # its plans were 18 % faster), first on coarse units:
 MEMORY_UNITS = 800  # at most about this many (``coarsen``'s target; a step of T walks every range of them),
 MEMORY_UNIT_MOST = 3.2  # each of up to this many x sum C / K of compute (the 96-layer Llama on 256 devices under
@@ -397,6 +397,7 @@ MEMORY_FREE_SHARE = 0.15  # of the time the walk leaves, for the segment DP with
 # reads plans within it (the limit binds where they are read: the plan without it seldom fits)
 MEMORY_BOUND_SHARE = 0.8  # of the time the segment DP without the limit leaves, for the bound that knows the limit
 # (``memory_bound``) where it binds; CP-SAT gets the rest
+MEMORY_READ_SHARE = 0.9  # ... and where its DP reads plans (``MEMORY_READ_FIRST``): they are the plans there
 
 
 def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: float, deadline: float,
@@ -417,7 +418,8 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress, finer=built is None)
     placed_machine = opts.gpus_per_node is not None
     # for the message if none fits (the bandwidths change no plan's memory: the flat model's walk says it)
-    least = least_memory(units, flat_bound(opts, fast=False), walk_by) if walked is None else None
+    least = least_memory(units, flat_bound(opts, fast=False), max(walk_by, start + MEMORY_WALK_SHARE * (
+        deadline - start))) if walked is None else None
     if walked is None and placed_machine:
         return None, least
     walked = _chained_and_bounded(graph, opts, start, deadline, progress, prove_by, walked, built)
@@ -482,8 +484,9 @@ def _chained_and_bounded(graph: CostGraph, opts: CostOptions, start: float, dead
             walked = _better(fits, walked) if walked is not None else fits  # ties: the segment DP's plan
     if walked is not None and walked.status != "OPTIMAL" and _peak(walked) >= MEMORY_LOOSE * opts.memory:
         # the limit binds: a bound that knows it, from the one without it up
-        memory_bound.raise_bound(graph, opts, walked,
-                                 time.monotonic() + MEMORY_BOUND_SHARE * (deadline - time.monotonic()), progress, built)
+        share = MEMORY_BOUND_SHARE if built is None else MEMORY_READ_SHARE
+        memory_bound.raise_bound(graph, opts, walked, time.monotonic() + share * (deadline - time.monotonic()),
+                                 progress, built)
     return walked
 
 

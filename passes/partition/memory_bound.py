@@ -29,6 +29,10 @@ and which counts inside a suffix's interval are reachable. The compute of the
 other folded nodes is ``segments.fold_margin``'s, subtracted as the segment
 DP does.
 
+Each pass that holds is followed by a walk from the first stage over its
+device counts (``memory_plan``), which both reads a plan back and, where it
+goes through every choice without one, proves T as a failed pass does.
+
 An end is dropped for good once a stage from the current segment's whole
 cannot feed the devices behind it (``_alive``), or a smaller point with no
 more devices behind and no larger cut replaces it (``_next_pool``).
@@ -64,8 +68,12 @@ MAX_PAIRS = 1_000_000  # stages inside segments a pass may read: past it, the no
 PAIRS = 1 << 16  # stages from a segment's points to the pool's ends worked out at once (a few dozen arrays of
 # this many: at 1,024 devices the whole pool at once took the planning past its 600-MB budget)
 LADDER = 3.0  # until a pass fails, each steps this many times further under the plan than the one before
+READ_LEAST = 0.75  # seconds a read after a pass may take at least (``_read_by``), and
+READ_SHARE = 2.0  # ... this many times the pass's own time where that is more (the 96-block GPT on 256 devices
+# under 256 MiB: reads of 0.4-0.6 s after passes of 0.3 s found the plans of 12.6 ms)
 CHAIN_SHARE = 0.6  # of the time, for plans on the chain-restricted lattice first
-CHAIN_TOLERANCE = 5e-3  # ... whose search stops with its plan this close (relative) over the lowest T that failed
+CHAIN_TOLERANCE = 1e-2  # ... whose search stops with its plan this close (relative) over the lowest T that failed
+# (the whole lattice proves a plan within 1 % of its lowest T at best: a closer chain plan gains little)
 
 
 class MemorySuffixDP:
@@ -86,6 +94,7 @@ class MemorySuffixDP:
                                     for s in segs])
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
         self.tied = bool(units.shared)
+        self.sure_users: Optional[np.ndarray] = None  # ``memory_plan.sure_users``, once worked out
         self._inside: dict = {}
 
     def stage_terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
@@ -335,17 +344,24 @@ def memory_bound(graph: CostGraph, opts: CostOptions, floor: float, ceiling: flo
     if reads(real):  # faster plans first, from the chain's quicker passes
         chain = MemorySuffixDP(units, chain_restricted(segs), opts, acts)
         best = _chain_plans(chain, search, graph, units, real, began + CHAIN_SHARE * (deadline - began), said)
-    proven = None
+    proven, reading = None, True
     T = search.next()
     while not search.done(T):
+        began_pass = time.monotonic()
         try:
             infeasible = not dp.feasible(T, deadline)
         except DeadlineExceeded:
             break
-        read = None if infeasible else read_plan(dp, T, graph, units, real, deadline)
+        got = None if infeasible or not reading else read_plan(dp, T, graph, units, real,
+                                                               _read_by(began_pass, deadline))
+        reading = got is None or got.plan is not None or got.none  # once a read ends with neither, the passes
+        # get the time (1F1B-flush on many devices: the reads run to their budget, and again at the next T)
+        read = None if got is None else got.plan
         faster = read is not None and read[2].bottleneck_s < search.ceiling
         best = read if faster else best
-        said("", T, infeasible, read if faster else None)
+        if got is not None and got.none:  # the reads went through every path the pass left: none meets T
+            infeasible = True
+        said("", T, infeasible, read if faster else None, got is not None and got.none)
         if infeasible:
             search.fail(T)
             proven = T
@@ -359,16 +375,20 @@ def _chain_plans(dp: MemorySuffixDP, outer: Descent, graph: CostGraph, units: Un
                  until: float, said) -> Optional[tuple]:
     """The fastest plan read back from the chain-restricted ``dp`` under ``outer``'s ceiling (its own
     descent from there, down to ``outer``'s proven floor), which it lowers; None where none is faster."""
-    search = Descent(outer.lo, outer.ceiling, outer.margin)
+    search = Descent(outer.lo, outer.ceiling, outer.margin, PROVE_WITHIN * LADDER)  # 1 %: the lattice's to try
     best = None
     T = search.next()
     while not search.done(T, CHAIN_TOLERANCE) and not past(until):
+        began_pass = time.monotonic()
         try:
             held = dp.feasible(T, until)
         except DeadlineExceeded:
             break
-        read = read_plan(dp, T, graph, units, real, until) if held else None
-        said("on a chain of points ", T, read is None, read)
+        got = read_plan(dp, T, graph, units, real, _read_by(began_pass, until)) if held else None
+        read = None if got is None else got.plan
+        said("on a chain of points ", T, read is None, read, got is not None and got.none)
+        if got is not None and read is None and not got.none:
+            break  # the reads ran out of their time: at the next T they would again (1F1B-flush on many devices)
         if read is None:
             search.fail(T)  # no plan on the chain: the whole lattice may still hold one
         else:
@@ -380,14 +400,21 @@ def _chain_plans(dp: MemorySuffixDP, outer: Descent, graph: CostGraph, units: Un
     return best
 
 
+def _read_by(began_pass: float, deadline: float) -> float:
+    """When the reads after a pass begun at ``began_pass`` stop (``READ_LEAST``, ``READ_SHARE``): a walk that must step back through thousands of states (1F1B-flush's windows on
+    many devices: 20,000 took 6 s on the 32-block GPT) does not take the time of the passes after it."""
+    now = time.monotonic()
+    return min(deadline, now + max(READ_LEAST, READ_SHARE * (now - began_pass)))
+
+
 def _said(progress: Optional[Callable[[str], None]], began: float, margin: float):
     """A progress line per pass (nothing where ``progress`` is None)."""
-    def say(where: str, T: float, failed: bool, read) -> None:
+    def say(where: str, T: float, failed: bool, read, by_reads: bool = False) -> None:
         if progress is not None:
             progress(f"partition: within the memory limit {where}{'no' if failed else 'maybe a'} plan at "
                      f"{(T - margin) * 1e3:.4g} ms" + (f", a plan of {read[2].bottleneck_s * 1e3:.4g} ms read back"
                                                          if read is not None else "")
-                     + f" ({time.monotonic() - began:.1f} s)")
+                     + (" (the reads: none)" if by_reads else "") + f" ({time.monotonic() - began:.1f} s)")
     return say
 
 

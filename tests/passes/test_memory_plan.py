@@ -99,3 +99,42 @@ def test_under_a_binding_limit_the_answer_is_no_slower_than_the_walk(monkeypatch
     monkeypatch.setattr(memory_bound, "reads", lambda opts: False)
     walked = partition(g, 64, time_limit=10, memory=limit)
     assert res.bottleneck_s <= walked.bottleneck_s * (1 + 1e-9)
+
+
+def _reader(g, opts, T):
+    """(the DP's pass at T holds, the reader after its walk) on the units, margin included."""
+    units, segs, margin, dp = _dp(g, opts)
+    if not dp.feasible(T + margin):
+        return False, None
+    reader = memory_plan.Reader(dp, T + margin, math.inf, sure=memory_plan.sure_users(dp, g, units))
+    reader.plan()
+    return True, reader
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_a_walk_through_every_choice_never_rules_out_the_best_plan(chain):
+    """A walk that goes through every choice the pass leaves and finds none proves T (the driver counts it
+    as a pass that fails), so at the best plan's time it must always find one."""
+    checked = 0
+    for g, opts, best in _cases(range(0, 200), chain):
+        held, reader = _reader(g, opts, best * (1 + 1e-9))
+        assert held
+        assert not reader.exhausted, (opts.schedule, opts.devices)
+        checked += 1
+    assert checked >= 100
+
+
+def test_the_walk_proves_t_where_the_pass_alone_does_not():
+    """Where the pass's relaxation lies more than 1 % under the best plan (its windows counted by the
+    devices behind a stage, its counts one interval), the walk's exact windows prove more: halfway (in
+    ratio) between the two, measured: 37 of 57 such random chains and DAGs."""
+    loose = proved = 0
+    for chain in (True, False):
+        for g, opts, best in _cases(range(0, 300), chain):
+            low = _lowest_feasible(g, opts, best)
+            if low >= best * 0.99:
+                continue
+            loose += 1
+            held, reader = _reader(g, opts, math.sqrt(low * best))
+            proved += held and reader.exhausted
+    assert loose >= 30 and proved >= 0.5 * loose
