@@ -90,12 +90,17 @@ class MemorySuffixDP:
         self.params = np.concatenate([s.params for s in segs])
         self.cut = np.concatenate([s.cut for s in segs])
         self.shared = np.concatenate([s.shared for s in segs])
-        self.acts = np.concatenate([float(np.sum(acts[:s.units[0]])) + s.member @ acts[s.units[0]:s.units[-1] + 1]
-                                    for s in segs])
+        self.acts = self.per_point(acts)
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
         self.tied = bool(units.shared)
         self.sure_users: Optional[np.ndarray] = None  # ``memory_plan.sure_users``, once worked out
         self._inside: dict = {}
+
+    def per_point(self, per_unit: np.ndarray) -> np.ndarray:
+        """A per-unit quantity summed over every point's downset (the prefix before its segment included)."""
+        per_unit = np.asarray(per_unit, dtype=float)
+        return np.concatenate([float(np.sum(per_unit[:s.units[0]])) + s.member @ per_unit[s.units[0]:s.units[-1] + 1]
+                               for s in self.segs])
 
     def stage_terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
                nmax: Optional[np.ndarray] = None) -> tuple:

@@ -23,7 +23,8 @@ Two uses:
   links) and kept only where it fits the limit and, under 1F1B-stash with
   tied weights, where the stages sharing one have equal replicas
   (``stash_ties.runnable``); where the walk's plan does not fit, a second
-  walk counts every tied weight a stage's units use;
+  walk counts every tied weight a stage's units use and every node's
+  activations;
 - a bound: the first walk checks only what every plan of the graph meets
   (the pass's relaxation, with a tied weight counted where a unit's first
   node uses it, ``sure_users``), so a walk through every choice without a
@@ -67,12 +68,14 @@ class Reader:
     """The walk from the first stage over one feasible pass's intervals (``MemorySuffixDP.suf`` / ``most``)."""
 
     def __init__(self, dp: "MemorySuffixDP", T: float, deadline: float, tied: bool = False,
-                 sure: Optional[np.ndarray] = None) -> None:
-        """``tied``: a stage's tied weights count in its memory wherever a user of one lies in it (plans
-        that fit). Else only those that ``sure`` (per point and tied weight, the users inside it that every
-        plan runs in that unit's stage: ``sure_users``) says, and a walk gone through to the end without a
-        plan proves T infeasible (``exhausted``), as a pass that fails does."""
+                 sure: Optional[np.ndarray] = None, acts: Optional[np.ndarray] = None) -> None:
+        """``tied``, ``acts``: a stage's tied weights count in its memory wherever a user of one lies in it,
+        and the activations per point are ``acts`` (every node's: plans that fit). Else the pass's own
+        (each unit's first node's), with the tied weights that ``sure`` (per point and tied weight, the
+        users inside it that every plan runs in that unit's stage: ``sure_users``) says, and a walk gone
+        through to the end without a plan proves T infeasible (``exhausted``), as a pass that fails does."""
         self.dp, self.T, self.deadline, self.tied, self.sure = dp, T, deadline, tied, sure
+        self.acts = dp.acts if acts is None else acts
         self.exhausted = False  # ``plan`` tried every choice the pass allows and found none
         self.K, self.G = dp.K, int(dp.offsets[-1])
         self.suf, self.most = dp.suf.copy(), dp.most.copy()  # the pass's answer (a later pass overwrites it)
@@ -147,7 +150,7 @@ class Reader:
         lo, hi = np.searchsorted(self.in_start, j, side="left"), np.searchsorted(self.in_start, j, side="right")
         later = np.arange(int(dp.offsets[a + 1]), G)
         later = later[(self.suf[later] <= self.K) & (self.most[later] >= 0)]
-        later = later[microbatches_fit(self._weights(j, later), dp.acts[later] - dp.acts[j], dp.opts) >= 1]
+        later = later[microbatches_fit(self._weights(j, later), self.acts[later] - self.acts[j], dp.opts) >= 1]
         ends = np.concatenate([self.in_end[lo:hi], later]).astype(np.int64)
         r_t = np.empty(ends.size)
         r_t[:hi - lo] = self.in_r[lo:hi]
@@ -160,7 +163,7 @@ class Reader:
         ends, r_t = ends[keep], r_t[keep]
         order = np.argsort(-dp.end[ends], kind="stable")
         ends, r_t = ends[order], r_t[order]
-        nmax = microbatches_fit(self._weights(j, ends), dp.acts[ends] - dp.acts[j], dp.opts)
+        nmax = microbatches_fit(self._weights(j, ends), self.acts[ends] - self.acts[j], dp.opts)
         _, _, first, capped, most_r, _ = dp.stage_terms(np.full(ends.size, j), ends, r_t, T, nmax)
         known = (ends, r_t, nmax, first, capped, most_r)
         self._cache[j] = known
@@ -239,7 +242,7 @@ def read_plan(dp: "MemorySuffixDP", T: float, graph: CostGraph, units: Units, op
     first node uses one, ``sure_users``), so that going through every choice proves T: a plan of the
     graph within T and the limit is a path through the lattice that meets all it checks. Where its plan
     then does not fit the limit as ``evaluate`` counts it, a second walk counts every unit using a tied
-    weight (a plan, no proof)."""
+    weight and every node's activations (a plan, no proof)."""
     if not reads(opts):
         return Read(None, False)
     reader = Reader(dp, T, deadline, sure=sure_users(dp, graph, units))
@@ -247,8 +250,8 @@ def read_plan(dp: "MemorySuffixDP", T: float, graph: CostGraph, units: Units, op
     if found is None:
         return Read(None, reader.exhausted)
     scored = _scored(dp, graph, units, opts, *found)
-    if scored is None and dp.solver.shared_bytes.size:
-        found = Reader(dp, T, deadline, tied=True).plan()
+    if scored is None:
+        found = Reader(dp, T, deadline, tied=True, acts=dp.per_point(units.act_bytes)).plan()
         scored = None if found is None else _scored(dp, graph, units, opts, *found)
     return Read(scored, False)
 
