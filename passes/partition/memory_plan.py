@@ -48,7 +48,7 @@ import numpy as np
 from passes.costgraph import CostGraph
 from passes.partition import stash_ties
 from passes.partition.coarsen import Units, to_nodes
-from passes.partition.costmodel import CostOptions, Evaluation, evaluate, planned_microbatches, stage_time_s
+from passes.partition.costmodel import CostOptions, Evaluation, evaluate, stage_time_s
 from passes.partition.memory_guard import past
 from passes.partition.offsets import EPS
 from passes.partition.order_memory import microbatches_fit
@@ -87,7 +87,7 @@ class Reader:
         self.in_r = np.concatenate([np.asarray(near[a], dtype=float) for a in range(len(dp.segs))])[order]
         self.windowed = dp.opts.schedule in WINDOWED
         self.rises = dp.opts.cost_model != "fxpipe"  # counts meeting T are not one run (``_options``)
-        self.M = planned_microbatches(dp.opts)
+        self.size = dp.per_point(np.ones(len(dp.solver.units)))  # units in each point's downset
         self.failed: Dict[Tuple[int, int], float] = {}  # (point, devices) -> the largest W cap that failed
         self._cache: Dict[int, tuple] = {}  # ``_candidates``
 
@@ -159,7 +159,8 @@ class Reader:
                 dp.start[j], dp.params[j], dp.shared[j][None, :], dp.cut[j], dp.end[later], dp.params[later],
                 dp.shared[later], dp.cut[later], T), later.shape)
         last = ends == G - 1
-        keep = (r_t <= self.K) & (self.suf[ends] <= self.K) & (self.most[ends] >= 0) & (last == (self.suf[ends] == 0))
+        keep = (r_t <= self.K) & (self.suf[ends] <= self.K) & (self.most[ends] >= 0) & (last == (self.suf[ends] == 0)) \
+            & (self.size[ends] > self.size[j])  # a segment's whole is the next one's empty point: no empty stage
         ends, r_t = ends[keep], r_t[keep]
         order = np.argsort(-dp.end[ends], kind="stable")
         ends, r_t = ends[order], r_t[order]

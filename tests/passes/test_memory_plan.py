@@ -54,6 +54,7 @@ def test_every_plan_read_is_real_and_within_the_limit(chain):
             assignment, replicas, ev = got
             checked += 1
             assert sum(replicas) == opts.devices and all(r in opts.allowed_replicas() for r in replicas)
+            assert sorted(set(assignment.values())) == list(range(len(replicas)))  # no stage without a node
             assert is_convex(g, assignment)
             assert ev.peak_memory_bytes <= opts.memory, (opts.schedule, replicas)
             if not shared_weights(g):
