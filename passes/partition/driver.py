@@ -416,10 +416,13 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
         if memory_plan.reads(opts) and opts.devices <= MEMORY_READ_FIRST else None
     walk_by = start + (MEMORY_WALK_READ_SHARE if built is not None else MEMORY_WALK_SHARE) * (deadline - start)
     walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress, finer=built is None)
+    if walked is None and built is not None:  # none on coarse units: the finer ones, in the time the walk had
+        walked, units = _memory_walk(graph, opts, start, start + MEMORY_WALK_SHARE * (deadline - start),
+                                     coarsen_above, progress)
     placed_machine = opts.gpus_per_node is not None
     # for the message if none fits (the bandwidths change no plan's memory: the flat model's walk says it)
-    least = least_memory(units, flat_bound(opts, fast=False), max(walk_by, start + MEMORY_WALK_SHARE * (
-        deadline - start))) if walked is None else None
+    least = least_memory(units, flat_bound(opts, fast=False), start + MEMORY_WALK_SHARE * (deadline - start)) \
+        if walked is None else None
     if walked is None and placed_machine:
         return None, least
     walked = _chained_and_bounded(graph, opts, start, deadline, progress, prove_by, walked, built)

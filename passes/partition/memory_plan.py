@@ -196,8 +196,8 @@ class Reader:
                     yield e, int(r), c2
 
     def _weights(self, j: int, ends: np.ndarray) -> np.ndarray:
-        """Weight bytes of stages (j, end): their own and every tied weight they hold a user of (the bound's
-        pass leaves the tied ones out; each device of a stage holds them whole)."""
+        """Weight bytes of stages (j, end): their own, and each tied weight they hold a user of (with
+        ``tied``; else where that user is a unit's first node, ``sure``), whole on every device."""
         dp = self.dp
         own = dp.params[ends] - dp.params[j]
         n = dp.solver.shared_bytes.size
