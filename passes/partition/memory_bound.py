@@ -371,7 +371,7 @@ def memory_bound(graph: CostGraph, opts: CostOptions, floor: float, ceiling: flo
             search.fail(T)
             proven = T
         else:
-            search.hold(T, None if read is None else read[2].bottleneck_s)
+            search.hold(T, None if read is None else read[2].bottleneck_s, restart=True)  # 1 % under a new plan
         T = search.next()
     return (None if proven is None else proven - margin), best
 
