@@ -406,8 +406,9 @@ def _chain_plans(dp: MemorySuffixDP, outer: Descent, graph: CostGraph, units: Un
 
 
 def _read_by(began_pass: float, deadline: float) -> float:
-    """When the reads after a pass begun at ``began_pass`` stop (``READ_LEAST``, ``READ_SHARE``): a walk that must step back through thousands of states (1F1B-flush's windows on
-    many devices: 20,000 took 6 s on the 32-block GPT) does not take the time of the passes after it."""
+    """When the reads after a pass begun at ``began_pass`` stop (``READ_LEAST``, ``READ_SHARE``): a walk
+    that must step back through thousands of states (1F1B-flush's windows on many devices: 20,000 took
+    6 s on the 32-block GPT) does not take the time of the passes after it."""
     now = time.monotonic()
     return min(deadline, now + max(READ_LEAST, READ_SHARE * (now - began_pass)))
 
