@@ -62,15 +62,15 @@ def test_every_plan_read_is_real_and_within_the_limit(chain):
     assert checked >= 40
 
 
-def test_at_the_lowest_feasible_t_the_reader_finds_the_best_plan_on_most_chains():
-    """Where the DP's relaxation meets the best plan (within 1 %), the plan read there is that fast."""
+def test_at_the_best_plans_time_the_reader_finds_one_as_fast_on_most_chains():
+    """Where the DP's relaxation meets the best plan (its lowest T within 1 % under it), the plan read at the
+    best plan's time is that fast: the search that ends there reads it (measured: 39 of 39)."""
     found = tried = 0
     for g, opts, best in _cases(range(100, 160), True):
-        low = _lowest_feasible(g, opts, best)
-        if low < best * 0.99:
-            continue  # the relaxation is loose here: nothing to read at its own optimum
+        if _lowest_feasible(g, opts, best) < best * 0.99:
+            continue  # the relaxation is loose here: the search would end under any plan
         tried += 1
-        got = _read(g, opts, max(low, best) * (1 + 1e-6))
+        got = _read(g, opts, best * (1 + 1e-6))
         found += got is not None and got[2].bottleneck_s <= best * (1 + 1e-6)
     assert tried >= 20 and found >= 0.8 * tried
 
