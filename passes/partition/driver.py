@@ -376,7 +376,7 @@ def _better(chained: Optional[PartitionResult], other: PartitionResult) -> Parti
 # Under --memory (``_within_memory``, ``_memory_walk``): the order DP's walk (``order_memory``) gets at most
 MEMORY_WALK_SHARE = 0.5  # of the search time (MEMORY_WALK_READ_SHARE, and on coarse units alone, where the bound's
 MEMORY_WALK_READ_SHARE = 0.1  # DP reads plans too, ``memory_plan``: on the 96-block GPT under 256 MiB on 256 devices
-# its plans were 18 % faster), first on coarse units:
+# its plans were 20 % faster), first on coarse units:
 MEMORY_UNITS = 800  # at most about this many (``coarsen``'s target; a step of T walks every range of them),
 MEMORY_UNIT_MOST = 3.2  # each of up to this many x sum C / K of compute (the 96-layer Llama on 256 devices under
 # 600 MB: 842 units, 0.15 s a step, plan 1.3 % slower than on 2,514 units, 0.6 s a step; 435 units 3.4 %);
@@ -412,8 +412,8 @@ def _within_memory(graph: CostGraph, fine: Units, opts: CostOptions, start: floa
     with None beside it, and the walk's plan on fewer devices where that is faster (``_fewer_hint``); on a
     two-level machine where the walk found no plan, (None, the least memory it fits a plan in) (``_placed``
     then searches as before, and says that memory if it finds none)."""
-    built = memory_bound.lattice(graph, flat_bound(opts, fast=True), deadline) \
-        if memory_plan.reads(opts) and opts.devices <= MEMORY_READ_FIRST else None
+    built = memory_bound.lattice(graph, opts, deadline) \
+        if memory_plan.reads(opts) and opts.devices <= MEMORY_READ_FIRST else None  # (reads: a flat machine)
     walk_by = start + (MEMORY_WALK_READ_SHARE if built is not None else MEMORY_WALK_SHARE) * (deadline - start)
     walked, units = _memory_walk(graph, opts, start, walk_by, coarsen_above, progress, finer=built is None)
     if walked is None and built is not None:  # none on coarse units: the finer ones, in the time the walk had

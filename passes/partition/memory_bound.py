@@ -93,17 +93,18 @@ class MemorySuffixDP:
         self.acts = self.per_point(acts)
         self.allowed = np.asarray(opts.allowed_replicas(), dtype=np.int64)
         self.tied = bool(units.shared)
-        self.sure_users: Optional[np.ndarray] = None  # ``memory_plan.sure_users``, once worked out
+        self.read_facts: dict = {}  # what ``memory_plan`` works out once per lattice (whatever T)
         self._inside: dict = {}
 
     def per_point(self, per_unit: np.ndarray) -> np.ndarray:
-        """A per-unit quantity summed over every point's downset (the prefix before its segment included)."""
+        """A per-unit quantity (a row per unit where 2-D) summed over every point's downset (the prefix
+        before its segment included)."""
         per_unit = np.asarray(per_unit, dtype=float)
-        return np.concatenate([float(np.sum(per_unit[:s.units[0]])) + s.member @ per_unit[s.units[0]:s.units[-1] + 1]
+        return np.concatenate([per_unit[:s.units[0]].sum(axis=0) + s.member @ per_unit[s.units[0]:s.units[-1] + 1]
                                for s in self.segs])
 
     def stage_terms(self, gj: np.ndarray, gi: np.ndarray, r_t: np.ndarray, T: float,
-               nmax: Optional[np.ndarray] = None) -> tuple:
+                    nmax: Optional[np.ndarray] = None) -> tuple:
         """What a pass reads of stages (gj, gi) (global points, flat arrays) besides the suffixes after
         them: the fewest allowed count meeting T (``r_t``), the memory floor's terms (``Floors``), the
         most replicas that meet T (``_most_replicas``) and the most devices that count lets behind the
@@ -187,7 +188,7 @@ class MemorySuffixDP:
         suf = np.full(G, K + 1, dtype=np.int64)
         most = np.full(G, -1, dtype=np.int64)
         suf[G - 1] = most[G - 1] = 0  # the whole graph: nothing after it
-        self.suf, self.most = suf, most  # the pass's answer per point, for ``plan``
+        self.suf, self.most = suf, most  # the pass's answer per point (``memory_plan.Reader``; new arrays each pass)
         pool = np.zeros(0, dtype=np.int64)  # later points that may end a stage
         for a in range(len(self.segs) - 1, -1, -1):
             if past(deadline):
@@ -306,12 +307,11 @@ class Descent:
     def hold(self, T: float, plan_s: Optional[float], restart: bool = False) -> None:
         """T held; ``plan_s``: a plan read back there (seconds), or None; ``restart``: the ladder starts
         again under a faster plan (a proof is tried 1 % under it), else it goes on growing."""
-        if plan_s is not None and plan_s < self.ceiling:
+        faster = plan_s is not None and plan_s < self.ceiling
+        if faster:
             self.ceiling = plan_s
-            if restart:
-                self.step = self.first / LADDER
         self.hi = min(T, self.ceiling + self.margin)
-        self.step *= LADDER
+        self.step = self.first if faster and restart else self.step * LADDER
 
     def done(self, T: float, tolerance: float = TOLERANCE) -> bool:
         return self.hi <= self.lo * (1 + tolerance) or not self.lo < T < self.hi

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -61,7 +61,7 @@ SCHEDULES = ("1f1b-flush", "1f1b-stash", "2bw", "gpipe")  # the windows the walk
 WINDOWED = ("1f1b-flush", "2bw")  # a stage's window grows with the window product of the stage after it
 FIRST_TRIES = 4  # with ``fewer_devices``, device counts tried for the whole plan (the fewest first)
 STEPS = 20_000  # states the walk may open before it gives up (each reads every later point once, then its
-# options are cheap: 1,000-2,000 states a second on the 96-block GPT)
+# options are cheap: 1,300-1,400 states a second on the deep GPTs)
 
 
 class Reader:
@@ -78,16 +78,14 @@ class Reader:
         self.acts = dp.acts if acts is None else acts
         self.exhausted = False  # ``plan`` tried every choice the pass allows and found none
         self.K, self.G = dp.K, int(dp.offsets[-1])
-        self.suf, self.most = dp.suf.copy(), dp.most.copy()  # the pass's answer (a later pass overwrites it)
+        self.suf, self.most = dp.suf, dp.most  # the pass's answer
+        self.in_start, self.in_end, order = _once(dp, "inside", lambda: _inside_by_start(dp))
         near = dp.solver.inside_replicas(T)
-        starts = np.concatenate([dp.offsets[a] + s.sub_j for a, s in enumerate(dp.segs)])
-        order = np.argsort(starts, kind="stable")
-        self.in_start = starts[order]
-        self.in_end = np.concatenate([dp.offsets[a] + s.sub_i for a, s in enumerate(dp.segs)])[order]
         self.in_r = np.concatenate([np.asarray(near[a], dtype=float) for a in range(len(dp.segs))])[order]
         self.windowed = dp.opts.schedule in WINDOWED
         self.rises = dp.opts.cost_model != "fxpipe"  # counts meeting T are not one run (``_options``)
-        self.size = dp.per_point(np.ones(len(dp.solver.units)))  # units in each point's downset
+        # units in each point's downset
+        self.size = _once(dp, "size", lambda: dp.per_point(np.ones(len(dp.solver.units))))
         self.failed: Dict[Tuple[int, int], float] = {}  # (point, devices) -> the largest W cap that failed
         self._cache: Dict[int, tuple] = {}  # ``_candidates``
 
@@ -252,7 +250,8 @@ def read_plan(dp: "MemorySuffixDP", T: float, graph: CostGraph, units: Units, op
         return Read(None, reader.exhausted)
     scored = _scored(dp, graph, units, opts, *found)
     if scored is None:
-        found = Reader(dp, T, deadline, tied=True, acts=dp.per_point(units.act_bytes)).plan()
+        acts = _once(dp, "acts", lambda: dp.per_point(units.act_bytes))  # every node's
+        found = Reader(dp, T, deadline, tied=True, acts=acts).plan()
         scored = None if found is None else _scored(dp, graph, units, opts, *found)
     return Read(scored, False)
 
@@ -263,15 +262,25 @@ def sure_users(dp: "MemorySuffixDP", graph: CostGraph, units: Units) -> Optional
     elsewhere, which is why the pass leaves tied weights out); None without tied weights. Kept on ``dp``."""
     if not units.shared:
         return None
-    if dp.sure_users is None:
-        heads = np.array([[w in graph.nodes[names[0]].params for w in units.shared] for names in units.members],
-                         dtype=float)  # (units, tied weights)
-        rows = []
-        for seg in dp.segs:
-            first = seg.units[0] if seg.units else 0
-            rows.append(heads[:first].sum(axis=0)[None, :] + seg.member.astype(float) @ heads[seg.units])
-        dp.sure_users = np.concatenate(rows)
-    return dp.sure_users
+    return _once(dp, "sure", lambda: dp.per_point(np.array(
+        [[w in graph.nodes[names[0]].params for w in units.shared] for names in units.members], dtype=float)))
+
+
+def _once(dp: "MemorySuffixDP", key: str, build: Callable[[], object]):
+    """``build()``, worked out once per lattice (``MemorySuffixDP.read_facts``): the reads after every
+    pass share it."""
+    if key not in dp.read_facts:
+        dp.read_facts[key] = build()
+    return dp.read_facts[key]
+
+
+def _inside_by_start(dp: "MemorySuffixDP") -> tuple:
+    """(starts, ends, the order that sorts them by start) of every stage inside one segment, as global
+    points; the order also sorts ``inside_replicas``' counts, concatenated segment by segment."""
+    starts = np.concatenate([dp.offsets[a] + s.sub_j for a, s in enumerate(dp.segs)])
+    order = np.argsort(starts, kind="stable")
+    ends = np.concatenate([dp.offsets[a] + s.sub_i for a, s in enumerate(dp.segs)])
+    return starts[order], ends[order], order
 
 
 def _scored(dp: "MemorySuffixDP", graph: CostGraph, units: Units, opts: CostOptions, chain: List[int],
